@@ -1,0 +1,141 @@
+"""The engine's config: composes the parts' configs; built from dicts, YAML or OmegaConf."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import yaml
+
+from engine.registry import STRICT_CONVERTER, describe_structure_error
+from heads.errors import ConfigError
+from heads.validation import bool_field, int_field, non_negative, of_type, one_of
+from strategies.config import (
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    model_preset,
+)
+
+
+def _model_config(value: ModelConfig | str | Mapping[str, Any]) -> ModelConfig:
+    if isinstance(value, str):
+        return model_preset(value)
+    if isinstance(value, Mapping):
+        return structure(value, ModelConfig)
+    return value
+
+
+def _part_options(value: Mapping[str, Any] | None) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"part options must be a mapping, got {type(value).__name__}")
+    return dict(value)
+
+
+def _section(kind: type[Any]) -> Any:
+    """A nested config field that also accepts a plain mapping."""
+
+    def convert(value: Any) -> Any:
+        return structure(value, kind) if isinstance(value, Mapping) else value
+
+    return attrs.field(factory=kind, converter=convert, validator=of_type(kind))
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """Everything an engine needs; each part's own options ride along as ``head`` / ``backend`` /
+    ``device`` mappings, used when that part is given by name."""
+
+    model: ModelConfig = attrs.field(
+        factory=lambda: model_preset("tiny"),
+        converter=_model_config,
+        validator=of_type(ModelConfig),
+    )
+    parallel: ParallelConfig = _section(ParallelConfig)
+    optimizer: OptimizerConfig = _section(OptimizerConfig)
+    scheduler: SchedulerConfig = _section(SchedulerConfig)
+    micro_batch_size: int = int_field(4)
+    #: Reference models: no optimizer, no gradients; ``train_batch`` is refused.
+    forward_only: bool = bool_field(False)
+    seed: int = int_field(1234, non_negative)
+    dtype: str = attrs.field(default="float32", validator=one_of("float32", "bfloat16"))
+    #: Optimizer steps the LR schedule is laid out over (when the schedule has no decay_steps).
+    total_steps: int = int_field(1000)
+    head: dict[str, Any] = attrs.field(factory=dict, converter=_part_options)
+    backend: dict[str, Any] = attrs.field(factory=dict, converter=_part_options)
+    device: dict[str, Any] = attrs.field(factory=dict, converter=_part_options)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EngineConfig:
+        """Structure from a (nested) mapping; an OmegaConf/Hydra DictConfig is fine too."""
+        return structure(_plain_container(data), cls)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> EngineConfig:
+        try:
+            text = Path(path).read_text()
+        except OSError as error:
+            raise ConfigError(f"cannot read config file {path}: {error.strerror}") from error
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as error:
+            raise ConfigError(f"config file {path} is not valid YAML: {error}") from error
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"config file {path} must hold a mapping, got {type(data).__name__}")
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        unstructured: dict[str, Any] = STRICT_CONVERTER.unstructure(self)
+        return unstructured
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return attrs.evolve(self, **changes)
+
+
+def coerce_config(config: EngineConfig | Mapping[str, Any] | None) -> EngineConfig:
+    """Accept an EngineConfig, a mapping (dict, DictConfig) or None (all defaults)."""
+    if config is None:
+        return EngineConfig()
+    if isinstance(config, EngineConfig):
+        return config
+    if isinstance(config, Mapping) or hasattr(config, "_metadata"):
+        return EngineConfig.from_dict(config)
+    raise ConfigError(
+        f"config must be an EngineConfig, a mapping or None; got {type(config).__name__}"
+    )
+
+
+def structure(data: Any, kind: type[Any]) -> Any:
+    try:
+        return STRICT_CONVERTER.structure(data, kind)
+    except Exception as error:
+        raise ConfigError(f"invalid {kind.__name__}: {describe_structure_error(error)}") from error
+
+
+def _plain_container(data: Any) -> Any:
+    if hasattr(data, "_metadata"):  # OmegaConf DictConfig: resolve interpolations first
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(data, resolve=True)
+    return data
+
+
+STRICT_CONVERTER.register_structure_hook(ModelConfig, lambda value, _: _structure_model(value))
+
+
+def _structure_model(value: Any) -> ModelConfig:
+    if isinstance(value, str):
+        return model_preset(value)
+    if isinstance(value, ModelConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"model must be a preset name or a mapping, got {type(value).__name__}")
+    unknown = set(value) - {a.name for a in attrs.fields(ModelConfig)}
+    if unknown:
+        raise ConfigError(f"unknown ModelConfig field(s): {', '.join(sorted(unknown))}")
+    return ModelConfig(**value)

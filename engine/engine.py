@@ -1,0 +1,362 @@
+"""The one Engine class, assembled from a Head, a Backend and a DevicePlatform.
+
+The Engine fixes the lifecycle order (DESIGN.md); the parts never call each other out of turn:
+resolve parts -> check the combination -> ``platform.setup`` -> ``platform.before_mesh_init``
+-> ``backend.init_mesh`` -> ``backend.build_model`` -> ``backend.build_optimizer``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from engine.batching import (
+    MicroBatch,
+    fields,
+    restore_outputs,
+    sequence_lengths,
+    split_fixed,
+    to_jagged,
+    validate_batch,
+)
+from engine.config import EngineConfig, coerce_config
+from engine.losses import SCORED_TOKENS, SEQUENCES, LossContext, required_fields
+from engine.registry import AUTO_DEVICE_ORDER, BACKENDS, DEVICES, HEADS
+from heads.base import Head, HeadContext
+from heads.errors import (
+    BatchError,
+    ConfigError,
+    DeviceUnavailableError,
+    EngineStateError,
+)
+from strategies.backends.base import Backend
+from strategies.devices.base import DevicePlatform
+
+LossFn = Callable[[Mapping[str, torch.Tensor], TensorDict, LossContext], tuple[torch.Tensor, Any]]
+
+
+class Engine:
+    """Trains or runs one model (actor, critic, reference, reward) from three parts.
+
+    Build by name with ``Engine.build(head="value", backend="megatron", device="auto")`` or
+    pass objects: ``Engine(head=MyHead(), backend=..., platform=..., config=...)``.
+    Each data-parallel rank passes its own shard of the batch.
+    """
+
+    def __init__(
+        self,
+        *,
+        head: Head,
+        backend: Backend,
+        platform: DevicePlatform,
+        config: EngineConfig | Mapping[str, Any] | None = None,
+    ) -> None:
+        self.config = coerce_config(config)
+        self.head = _check_part(head, Head, "head", HEADS.names())
+        self.backend = _check_part(backend, Backend, "backend", BACKENDS.names())
+        self.platform = _check_part(platform, DevicePlatform, "platform", DEVICES.names())
+        self._check_combination()
+        self.platform.require_available()
+        self.device: torch.device | None = None
+        self._initialized = False
+
+    # -- construction --------------------------------------------------------------------------
+    @classmethod
+    def build(
+        cls,
+        *,
+        head: str | Head = "lm",
+        backend: str | Backend = "megatron",
+        device: str | DevicePlatform = "auto",
+        config: EngineConfig | Mapping[str, Any] | None = None,
+    ) -> Engine:
+        """Resolve names through the registries (options from ``config.head/backend/device``)."""
+        resolved = coerce_config(config)
+        return cls(
+            head=HEADS.create(head, resolved.head) if isinstance(head, str) else head,
+            backend=BACKENDS.create(backend, resolved.backend)
+            if isinstance(backend, str)
+            else backend,
+            platform=resolve_device(device, resolved.device),
+            config=resolved,
+        )
+
+    def _check_combination(self) -> None:
+        """Combination rules belong to the parts; this is the one place they are checked."""
+        needed = self.backend.required_capabilities(self.config)
+        missing = sorted(needed - self.platform.capabilities)
+        if missing:
+            offered = ", ".join(sorted(self.platform.capabilities)) or "none"
+            raise ConfigError(
+                f"{', '.join(missing)} is not supported by the {self.platform.name} platform "
+                f"with the {self.backend.name} backend (optional features the "
+                f"{self.platform.name} platform offers: {offered})"
+            )
+        if self.config.forward_only is False and not self.head.output_keys:
+            raise ConfigError(f"head {self.head.name!r} declares no outputs")
+        self.backend.validate(self.config, int(os.environ.get("WORLD_SIZE", "1")))
+
+    def initialize(self) -> Engine:
+        """Set up the device and process group, the mesh, the model and (unless forward-only)
+        the optimizer and LR schedule. Returns the engine."""
+        if self._initialized:
+            return self
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.device = self.platform.setup(local_rank)
+        self.platform.before_mesh_init(self.backend, self.config)
+        self.backend.init_mesh(self.config.parallel)
+        self.backend.build_model(self.config, self.head, self.device)
+        if not self.config.forward_only:
+            self.backend.build_optimizer(self.config)
+        self._initialized = True
+        return self
+
+    @property
+    def initialized(self) -> bool:
+        return self._initialized
+
+    # -- modes ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def train_mode(self) -> Iterator[Engine]:
+        """Model in training mode inside; gradients are zeroed on exit."""
+        self._require_initialized("train_mode")
+        self.backend.train()
+        try:
+            yield self
+        finally:
+            if not self.config.forward_only:
+                self.backend.optimizer_zero_grad()
+
+    @contextlib.contextmanager
+    def eval_mode(self) -> Iterator[Engine]:
+        """Model in evaluation mode inside."""
+        self._require_initialized("eval_mode")
+        self.backend.eval()
+        yield self
+
+    # -- steps ---------------------------------------------------------------------------------
+    def forward_backward_batch(
+        self, batch: TensorDict, loss_function: LossFn | None, forward_only: bool = False
+    ) -> dict[str, Any]:
+        """Micro-batch ``batch``, run forward (and backward), return on output ranks
+        ``{"model_output": jagged per-token outputs in input order, "loss": [per micro-batch],
+        "metrics": {name: [per micro-batch]}}``; other ranks get empty results."""
+        self._require_initialized("forward_backward_batch")
+        if not forward_only:
+            self._require_trainable("forward_backward_batch")
+            if loss_function is None:
+                raise ConfigError(
+                    "forward_backward_batch needs a loss_function unless forward_only"
+                )
+        fields = required_fields(loss_function) if loss_function is not None else ()
+        rows = to_jagged(validate_batch(batch, fields))
+        self._check_token_ids(rows)
+        micro_batches = split_fixed(rows, self.config.micro_batch_size)
+        counts = self._global_counts(rows)
+        produced: list[dict[str, torch.Tensor]] = [{} for _ in micro_batches]
+        losses: list[float] = [0.0] * len(micro_batches)
+        metrics: list[Mapping[str, Any]] = [{} for _ in micro_batches]
+        device = self.device or torch.device("cpu")
+
+        def consume(
+            index: int, raw: torch.Tensor, head_ctx: HeadContext
+        ) -> tuple[torch.Tensor, dict[str, Any]]:
+            micro_batch: MicroBatch = micro_batches[index]
+            data = micro_batch.data.to(device)
+            outputs = self.head.postprocess(raw, data["input_ids"], head_ctx)
+            produced[index] = {key: value.detach() for key, value in outputs.items()}
+            if loss_function is None:
+                return raw.sum() * 0.0, {}
+            ctx = LossContext(
+                micro_batch_index=index,
+                num_micro_batches=len(micro_batches),
+                data_parallel_size=self.backend.data_parallel_size(),
+                global_counts=counts,
+            )
+            loss, loss_metrics = _checked_loss(loss_function(outputs, data, ctx))
+            losses[index] = float(loss.detach())
+            metrics[index] = loss_metrics
+            return loss, loss_metrics
+
+        grad_context = torch.no_grad() if forward_only else contextlib.nullcontext()
+        with grad_context:
+            self.backend.forward_backward(micro_batches, consume, forward_only)
+        if not self.backend.is_mp_src_rank_with_outputs():
+            return {"model_output": None, "loss": [], "metrics": {}}
+        return {
+            "model_output": restore_outputs(produced, micro_batches, rows.batch_size[0]),
+            "loss": losses,
+            "metrics": _per_name(metrics),
+        }
+
+    def train_batch(
+        self, batch: TensorDict, loss_function: LossFn, *, step_lr: bool = True
+    ) -> dict[str, float]:
+        """Zero grads -> forward/backward -> optimizer step (-> LR step unless ``step_lr=False``).
+
+        Returns the batch ``loss`` (sum of the micro-batch shares of the global mean), the
+        loss function's metrics (mean over micro-batches), ``grad_norm``, the ``lr`` the step
+        used, ``num_tokens`` and ``tokens_per_s``.
+        """
+        self._require_initialized("train_batch")
+        self._require_trainable("train_batch")
+        start = time.perf_counter()
+        self.optimizer_zero_grad()
+        result = self.forward_backward_batch(batch, loss_function)
+        lr = self.backend.current_lr()
+        grad_norm = self.optimizer_step()
+        if step_lr:
+            self.lr_scheduler_step()
+        elapsed = time.perf_counter() - start
+        num_tokens = int(sequence_lengths(batch).sum())
+        summary: dict[str, float] = {
+            name: sum(values) / len(values) for name, values in result["metrics"].items() if values
+        }
+        summary.update(
+            loss=sum(result["loss"]),
+            grad_norm=grad_norm,
+            lr=lr,
+            num_tokens=float(num_tokens),
+            tokens_per_s=num_tokens / elapsed if elapsed > 0 else float("inf"),
+        )
+        return summary
+
+    def infer_batch(self, batch: TensorDict, loss_function: LossFn | None = None) -> TensorDict:
+        """Forward only, no gradients: the head's per-token outputs, jagged, in input order
+        (None on ranks that hold no outputs)."""
+        result = self.forward_backward_batch(batch, loss_function, forward_only=True)
+        output: TensorDict = result["model_output"]
+        return output
+
+    def optimizer_zero_grad(self) -> None:
+        self._require_trainable("optimizer_zero_grad")
+        self.backend.optimizer_zero_grad()
+
+    def optimizer_step(self) -> float:
+        """Clip and apply the gradients; returns the global gradient norm (before clipping)."""
+        self._require_trainable("optimizer_step")
+        return self.backend.optimizer_step()
+
+    def lr_scheduler_step(self) -> float:
+        """Advance the LR schedule; returns the new learning rate."""
+        self._require_trainable("lr_scheduler_step")
+        return self.backend.lr_scheduler_step()
+
+    # -- layout --------------------------------------------------------------------------------
+    def get_data_parallel_rank(self) -> int:
+        self._require_initialized("get_data_parallel_rank")
+        return self.backend.data_parallel_rank()
+
+    def get_data_parallel_size(self) -> int:
+        self._require_initialized("get_data_parallel_size")
+        return self.backend.data_parallel_size()
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup | None:
+        self._require_initialized("get_data_parallel_group")
+        return self.backend.data_parallel_group()
+
+    def is_mp_src_rank_with_outputs(self) -> bool:
+        self._require_initialized("is_mp_src_rank_with_outputs")
+        return self.backend.is_mp_src_rank_with_outputs()
+
+    # -- internals -----------------------------------------------------------------------------
+    def _require_initialized(self, what: str) -> None:
+        if not self._initialized:
+            raise EngineStateError(f"{what}() needs an initialised engine: call initialize() first")
+
+    def _require_trainable(self, what: str) -> None:
+        self._require_initialized(what)
+        if self.config.forward_only:
+            raise EngineStateError(
+                f"{what}() trains, but this engine is forward-only (config.forward_only=True, e.g. "
+                "a reference model); use infer_batch()"
+            )
+
+    def _check_token_ids(self, rows: TensorDict) -> None:
+        ids = rows["input_ids"].values()
+        vocab = self.config.model.vocab_size
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise BatchError(
+                f"'input_ids' must lie in [0, {vocab}) (the model's vocab_size); found "
+                f"[{int(ids.min())}, {int(ids.max())}]"
+            )
+        longest = int(sequence_lengths(rows).max())
+        if longest > self.config.model.max_sequence_length:
+            raise BatchError(
+                f"a sequence of {longest} tokens exceeds ModelConfig.max_sequence_length "
+                f"({self.config.model.max_sequence_length})"
+            )
+
+    def _global_counts(self, rows: TensorDict) -> dict[str, float]:
+        """Token, sequence and mask sums over the whole global batch (one all-reduce)."""
+        lengths = sequence_lengths(rows)
+        names = [SCORED_TOKENS, SEQUENCES]
+        values = [float((lengths - 1).sum()), float(len(lengths))]
+        for name, value in fields(rows):
+            if name.endswith("mask") and value.is_nested:
+                names.append(name)
+                values.append(float(value.values().float().sum()))
+        totals = torch.tensor(values, dtype=torch.float64)
+        if self.backend.data_parallel_size() > 1:
+            dist.all_reduce(totals, group=self.backend.data_parallel_group())
+        return dict(zip(names, totals.tolist(), strict=True))
+
+
+def resolve_device(device: str | DevicePlatform, options: Mapping[str, Any]) -> DevicePlatform:
+    """A platform object from a name (``auto``: the first available of cuda, npu, cpu)."""
+    if not isinstance(device, str):
+        return device
+    if device != "auto":
+        platform: DevicePlatform = DEVICES.create(device, options)
+        return platform
+    reasons = []
+    for name in AUTO_DEVICE_ORDER:
+        candidate: DevicePlatform = DEVICES.create(name, options if name == "cpu" else {})
+        state = candidate.availability()
+        if state.ok:
+            return candidate
+        reasons.append(state.reason)
+    raise DeviceUnavailableError("device='auto' found no usable platform: " + "; ".join(reasons))
+
+
+def _check_part(part: Any, protocol: type, role: str, known: list[str]) -> Any:
+    if isinstance(part, type):
+        raise ConfigError(
+            f"{role} must be an instance, not the class {part.__name__}; pass {part.__name__}()"
+        )
+    if not isinstance(part, protocol):
+        raise ConfigError(
+            f"{role} must be a name ({', '.join(known)}) or a {protocol.__name__} object; got "
+            f"{type(part).__name__}: {part!r}"
+        )
+    return part
+
+
+def _checked_loss(result: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise ConfigError(
+            f"a loss function must return (loss, metrics); got {type(result).__name__}"
+        )
+    loss, metrics = result
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ConfigError(f"a loss function's loss must be a scalar tensor; got {loss!r:.80}")
+    if not isinstance(metrics, Mapping):
+        raise ConfigError(
+            f"a loss function's metrics must be a mapping; got {type(metrics).__name__}"
+        )
+    return loss.reshape(()), {k: float(v) for k, v in metrics.items()}
+
+
+def _per_name(metrics: list[Mapping[str, Any]]) -> dict[str, list[float]]:
+    names: dict[str, list[float]] = {}
+    for entry in metrics:
+        for name, value in entry.items():
+            names.setdefault(name, []).append(float(value))
+    return names

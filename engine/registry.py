@@ -1,0 +1,206 @@
+"""Name -> part registries for heads, backends and device platforms.
+
+Plain dicts behind ``register`` and ``get``. Built-ins are registered as import paths and
+imported on first use (``import engine`` must not import megatron-core); plugins arrive through
+the entry-point groups ``composable_engine.heads`` / ``.backends`` / ``.devices``, are listed
+without being imported, and a broken plugin fails only when it is asked for, saying why.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from collections.abc import Callable, Mapping
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any, Generic, TypeVar
+
+import cattrs
+from cattrs.v import format_exception
+
+from heads.errors import ConfigError, EngineError, UnknownStrategyError
+
+T = TypeVar("T")
+
+
+class PluginLoadError(EngineError, ImportError):
+    """A registered part could not be imported."""
+
+
+class Registry(Generic[T]):
+    """Names of one kind of part ("head", "backend", "device") and the factories behind them."""
+
+    def __init__(self, kind: str, group: str, builtins: Mapping[str, str]) -> None:
+        self.kind = kind
+        self.group = group
+        self._factories: dict[str, Callable[..., T]] = {}
+        self._lazy: dict[str, Callable[[], Callable[..., T]]] = {
+            name: _import_path_loader(path) for name, path in builtins.items()
+        }
+        self._sources: dict[str, str] = {
+            name: f"built-in ({path})" for name, path in builtins.items()
+        }
+        self._plugins_scanned = False
+
+    # -- registration --------------------------------------------------------------------------
+    def register(
+        self, name: str, factory: Callable[..., T] | None = None, *, override: bool = False
+    ) -> Any:
+        """Register ``factory`` under ``name``; usable as a decorator: ``@register("reward")``."""
+
+        def add(factory: Callable[..., T]) -> Callable[..., T]:
+            self._scan_plugins()
+            if not override and (name in self._factories or name in self._lazy):
+                raise ConfigError(
+                    f"a {self.kind} named {name!r} is already registered "
+                    f"({self._sources.get(name, 'by user code')}); pass override=True to replace it"
+                )
+            self._lazy.pop(name, None)
+            self._factories[name] = factory
+            self._sources[name] = f"registered by {getattr(factory, '__module__', '?')}"
+            return factory
+
+        return add if factory is None else add(factory)
+
+    def unregister(self, name: str) -> None:
+        """Forget ``name`` (tests, and plugins replacing a part at run time)."""
+        self._factories.pop(name, None)
+        self._lazy.pop(name, None)
+        self._sources.pop(name, None)
+
+    # -- lookup --------------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        self._scan_plugins()
+        return sorted({*self._factories, *self._lazy})
+
+    def source(self, name: str) -> str:
+        self._scan_plugins()
+        return self._sources.get(name, "unknown")
+
+    def get(self, name: str) -> Callable[..., T]:
+        """The factory registered as ``name``; unknown names are answered with the known ones."""
+        self._scan_plugins()
+        if name in self._factories:
+            return self._factories[name]
+        if name in self._lazy:
+            try:
+                factory = self._lazy[name]()
+            except Exception as error:
+                raise PluginLoadError(
+                    f"{self.kind} {name!r} ({self._sources[name]}) failed to import: "
+                    f"{type(error).__name__}: {error}"
+                ) from error
+            self._factories[name] = factory
+            del self._lazy[name]
+            return factory
+        raise UnknownStrategyError(self._unknown_message(name))
+
+    def create(self, name: str, options: Mapping[str, Any] | None = None) -> T:
+        """Build the part ``name`` from ``options`` (attrs parts are structured by cattrs)."""
+        factory = self.get(name)
+        return build_part(factory, options or {}, f"{self.kind} {name!r}")
+
+    def _unknown_message(self, name: str) -> str:
+        known = self.names()
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return f"unknown {self.kind} {name!r}{hint} Known {self.kind}s: {', '.join(known)}"
+
+    def _scan_plugins(self) -> None:
+        if self._plugins_scanned:
+            return
+        self._plugins_scanned = True
+        for entry in entry_points(group=self.group):
+            if entry.name in self._factories or entry.name in self._lazy:
+                continue  # built-ins and explicit registrations win over plugins of the same name
+            self._lazy[entry.name] = _entry_point_loader(entry)
+            self._sources[entry.name] = f"plugin {entry.value} (entry point {self.group})"
+
+
+def build_part(factory: Callable[..., T], options: Mapping[str, Any], what: str) -> T:
+    """Call ``factory`` with ``options``; attrs classes are structured (unknown keys rejected)."""
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"options for {what} must be a mapping, got {type(options).__name__}")
+    if isinstance(factory, type) and hasattr(factory, "__attrs_attrs__"):
+        try:
+            part: T = STRICT_CONVERTER.structure(dict(options), factory)
+        except Exception as error:
+            raise ConfigError(
+                f"invalid options for {what}: {describe_structure_error(error)}"
+            ) from error
+        return part
+    try:
+        return factory(**options)
+    except TypeError as error:
+        raise ConfigError(f"invalid options for {what}: {error}") from error
+
+
+def describe_structure_error(error: BaseException) -> str:
+    """One line per leaf problem of a cattrs error, each naming its field."""
+    if isinstance(error, EngineError):
+        return str(error)
+    if isinstance(error, cattrs.BaseValidationError):
+        return "; ".join(cattrs.transform_error(error, format_exception=_format_leaf))
+    return f"{type(error).__name__}: {error}"
+
+
+def _format_leaf(error: BaseException, kind: type | None) -> str:
+    if isinstance(error, EngineError):
+        return str(error)
+    return format_exception(error, kind)
+
+
+#: Structures attrs configs from dicts; unknown keys are errors rather than silently dropped.
+STRICT_CONVERTER = cattrs.Converter(forbid_extra_keys=True)
+
+
+def _import_path_loader(path: str) -> Callable[[], Callable[..., Any]]:
+    module_name, _, attribute = path.partition(":")
+
+    def load() -> Callable[..., Any]:
+        return getattr(importlib.import_module(module_name), attribute)
+
+    return load
+
+
+def _entry_point_loader(entry: EntryPoint) -> Callable[[], Callable[..., Any]]:
+    def load() -> Callable[..., Any]:
+        return entry.load()
+
+    return load
+
+
+HEADS: Registry[Any] = Registry(
+    "head", "composable_engine.heads", {"lm": "heads.lm:LMHead", "value": "heads.value:ValueHead"}
+)
+BACKENDS: Registry[Any] = Registry(
+    "backend",
+    "composable_engine.backends",
+    {"megatron": "strategies.backends.megatron.backend:MegatronBackend"},
+)
+DEVICES: Registry[Any] = Registry(
+    "device",
+    "composable_engine.devices",
+    {
+        "cpu": "strategies.devices.cpu:CpuPlatform",
+        "cuda": "strategies.devices.cuda:CudaPlatform",
+        "npu": "strategies.devices.npu:NpuPlatform",
+    },
+)
+
+#: ``device="auto"`` tries these in order and takes the first available.
+AUTO_DEVICE_ORDER = ("cuda", "npu", "cpu")
+
+
+def register_head(name: str, *, override: bool = False) -> Any:
+    """Decorator registering a Head class or factory under ``name``."""
+    return HEADS.register(name, override=override)
+
+
+def register_backend(name: str, *, override: bool = False) -> Any:
+    """Decorator registering a Backend class or factory under ``name``."""
+    return BACKENDS.register(name, override=override)
+
+
+def register_device(name: str, *, override: bool = False) -> Any:
+    """Decorator registering a DevicePlatform class or factory under ``name``."""
+    return DEVICES.register(name, override=override)

@@ -1,0 +1,42 @@
+"""The project's exception hierarchy (public home: ``engine.errors``).
+
+It lives in the bottom package so that every layer (engine -> strategies -> heads) can raise it
+without importing upwards.
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Root of every error composable-engine raises on purpose."""
+
+
+class UnknownStrategyError(EngineError, KeyError):
+    """A head, backend or device name that no registry knows."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class DeviceUnavailableError(EngineError, RuntimeError):
+    """The requested device platform's runtime is missing on this machine."""
+
+
+class ConfigError(EngineError, ValueError):
+    """A configuration value is invalid, or parts cannot run together with it."""
+
+
+class BatchError(EngineError, ValueError):
+    """A batch lacks a required field or has a wrong dtype or shape."""
+
+
+class EngineStateError(EngineError, RuntimeError):
+    """A call made in the wrong lifecycle state (before initialize, train on forward-only...)."""
+
+
+class CheckpointError(EngineError, RuntimeError):
+    """A checkpoint is missing, incomplete, corrupted or belongs to another model."""
+
+
+class VersionError(EngineError, ImportError):
+    """An installed dependency is outside the range this project is tested with."""

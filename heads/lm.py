@@ -1,0 +1,51 @@
+"""Language-model head: token log-probabilities (and entropy) from vocabulary logits."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+import torch
+
+from heads.base import HeadContext, OutputSpec, shift_to_scored_token
+from heads.validation import bool_field, of_type
+from heads.vocab_parallel import log_probs_and_entropy
+
+
+@attrs.frozen(kw_only=True)
+class LMHead:
+    """Actor / reference head: ``log_probs[t] = log p(x_t | x_<t)`` at ``temperature``.
+
+    Temperatures <= 0 are clamped to 1e-8 rather than dividing by zero. Under tensor parallelism
+    the results are computed vocab-parallel; the full vocabulary is never gathered.
+    """
+
+    name: ClassVar[str] = "lm"
+
+    temperature: float = attrs.field(default=1.0, validator=of_type((int, float)))
+    compute_entropy: bool = bool_field(False)
+
+    @property
+    def output_keys(self) -> tuple[str, ...]:
+        return ("log_probs", "entropy") if self.compute_entropy else ("log_probs",)
+
+    def output_spec(self) -> OutputSpec:
+        return OutputSpec(kind="vocab", allow_tied_embeddings=True)
+
+    def postprocess(
+        self, raw: torch.Tensor, input_ids: torch.Tensor, ctx: HeadContext
+    ) -> dict[str, torch.Tensor]:
+        # Score the next token at every position; the last position's target is a placeholder.
+        next_tokens = torch.roll(input_ids, shifts=-1, dims=1)
+        log_probs, entropy = log_probs_and_entropy(
+            raw,
+            next_tokens,
+            temperature=self.temperature,
+            compute_entropy=self.compute_entropy,
+            group=ctx.tensor_parallel_group,
+            vocab_start=ctx.vocab_start,
+        )
+        results = {"log_probs": shift_to_scored_token(log_probs)}
+        if entropy is not None:
+            results["entropy"] = shift_to_scored_token(entropy)
+        return results

@@ -1,0 +1,254 @@
+"""Per-token log-probabilities and entropy from LM-head logits, memory-bounded and vocab-parallel.
+
+Why this exists: the naive ``log_softmax(logits / T).gather(...)`` plus ``-(p * logp).sum(-1)``
+materialises several float32 tensors the size of the logits (log-probs, probs, their product) and
+autograd keeps some of them alive for backward. With 4k tokens x 128k vocabulary each one is 2 GiB.
+Here the work is done in chunks of tokens, and backward recomputes the softmax from the logits
+(which are alive anyway) plus three float32 numbers per token, so nothing logits-sized besides the
+logits and the returned gradient is ever stored.
+
+The same code handles vocabulary-parallel logits: with a tensor-parallel ``group`` each rank holds
+the columns ``[vocab_start, vocab_start + V_local)`` of the logits, and the full vocabulary is never
+gathered. Ranks exchange only per-token numbers: one all-reduce (MAX) of the row maxima, and one
+all-reduce (SUM) of the sum of exponentials, the target logit (0 on ranks not holding the target)
+and the entropy term. Backward needs no communication because every rank then holds the global
+per-token statistics; it assumes (as usual for tensor parallelism) that the loss is computed
+redundantly on every rank, so the upstream gradients are identical across the group.
+
+Memory strategy (``V`` = local vocabulary, ``C`` = chunk size in tokens, ``N`` = tokens):
+
+* forward: two float32 ``[C, V]`` work buffers (one without entropy) plus ``O(N)`` statistics;
+* saved for backward: the logits themselves (no copy), the targets and 2-3 float32 per token;
+* backward: the gradient (one logits-sized tensor in the logits' dtype, which autograd needs
+  anyway; for float32 logits the work is done in its storage) plus one float32 ``[C, V]``
+  buffer for the probabilities when the entropy has a gradient, and one more when the logits
+  are not float32.
+
+The softmax is recomputed in backward (one extra exp per element) instead of saving a copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+__all__ = ["DEFAULT_CHUNK_ELEMENTS", "MIN_TEMPERATURE", "log_probs_and_entropy"]
+
+MIN_TEMPERATURE = 1e-8
+"""Temperatures below this (including 0 and negatives) are clamped to it."""
+
+DEFAULT_CHUNK_ELEMENTS = 1 << 24
+"""With ``chunk_size=None`` a chunk holds about this many logits (64 MiB per float32 buffer)."""
+
+# log-probabilities are clamped from below to this value. exp() of anything below about -104 is
+# exactly 0 in float32, so the clamp changes no probability; it only keeps `p * log p` at 0 (not
+# NaN) for logits of -inf, e.g. masked vocabulary padding.
+_LOG_FLOOR = -1.0e4
+
+
+def log_probs_and_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    compute_entropy: bool = True,
+    group: dist.ProcessGroup | None = None,
+    vocab_start: int = 0,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probability of each target token and entropy of each token's distribution.
+
+    Args:
+        logits: ``[..., V_local]`` floating-point logits (any float dtype; math is float32).
+            Without ``group`` this is the full vocabulary.
+        targets: ``[...]`` int64 token ids in the full vocabulary. Ids outside ``[0, V)`` are
+            allowed (e.g. an ignore index) and get a target logit of 0; mask them out yourself.
+        temperature: the logits are divided by ``max(temperature, 1e-8)``.
+        compute_entropy: when False the entropy is neither computed nor returned (``None``).
+        group: tensor-parallel process group over which the vocabulary is split, or ``None``
+            for full-vocabulary logits and no communication.
+        vocab_start: first vocabulary index held by this rank (must be 0 when ``group`` is None).
+        chunk_size: tokens processed at a time; ``None`` picks about ``DEFAULT_CHUNK_ELEMENTS``
+            logits per chunk. Bounds the float32 work buffers to ``chunk_size x V_local``.
+
+    Returns:
+        ``(log_probs, entropy)``, both float32 of shape ``[...]`` (entropy ``None`` when not
+        computed). Both are differentiable w.r.t. ``logits``; the gradient has the logits' dtype.
+    """
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be floating point, got {logits.dtype}")
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits need a non-empty last (vocabulary) dimension, got {logits.shape}")
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} must equal logits.shape[:-1] "
+            f"{tuple(logits.shape[:-1])}"
+        )
+    if targets.dtype != torch.int64:
+        raise TypeError(f"targets must be int64, got {targets.dtype}")
+    if group is None and vocab_start != 0:
+        raise ValueError("vocab_start must be 0 when group is None (full vocabulary)")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+
+    vocab_local = logits.shape[-1]
+    chunk = chunk_size if chunk_size is not None else max(1, DEFAULT_CHUNK_ELEMENTS // vocab_local)
+    temp = max(float(temperature), MIN_TEMPERATURE)
+    apply: Callable[..., Any] = _LogProbsAndEntropy.apply
+    outputs = apply(logits, targets, temp, compute_entropy, group, vocab_start, chunk)
+    if compute_entropy:
+        log_probs, entropy = outputs
+        return log_probs, entropy
+    return outputs, None
+
+
+def _all_reduce(tensor: torch.Tensor, op: Any, group: dist.ProcessGroup | None) -> None:
+    if group is not None:
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+def _target_index(
+    targets: torch.Tensor, vocab_start: int, vocab_local: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local column of each target (clamped into range) and whether this rank holds it."""
+    local = targets - vocab_start
+    in_shard = (local >= 0) & (local < vocab_local)
+    return local.clamp(0, vocab_local - 1), in_shard
+
+
+class _LogProbsAndEntropy(torch.autograd.Function):
+    """Saves the logits (no copy) and per-token ``max``, ``log(sum exp)``, entropy.
+
+    With ``x`` the raw logits, ``M = max x`` and ``s = (x - M) / T``: ``S = sum exp(s)``,
+    ``W = sum exp(s) s``, ``log p = s - log S`` and ``H = log S - W / S``.
+    Gradients w.r.t. ``x``: ``d log p_t = (onehot(t) - p) / T`` and ``dH = -p (log p + H) / T``.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        temp: float,
+        compute_entropy: bool,
+        group: dist.ProcessGroup | None,
+        vocab_start: int,
+        chunk: int,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        vocab_local = logits.shape[-1]
+        flat = logits.reshape(-1, vocab_local)
+        n_tokens = flat.shape[0]
+        device = logits.device
+        f32 = torch.float32
+
+        # Global max of the raw logits per token (dividing by T > 0 keeps the argmax).
+        row_max = flat.amax(dim=-1).to(f32)
+        _all_reduce(row_max, dist.ReduceOp.MAX, group)
+
+        # stats rows: S, target logit x_t (0 when another rank holds it), W
+        stats = torch.empty(3 if compute_entropy else 2, n_tokens, dtype=f32, device=device)
+        idx, in_shard = _target_index(targets.reshape(-1), vocab_start, vocab_local)
+        stats[1] = flat.gather(1, idx.unsqueeze(1)).squeeze(1).to(f32).masked_fill_(~in_shard, 0)
+
+        rows = min(chunk, n_tokens)
+        shifted_buf = torch.empty(rows, vocab_local, dtype=f32, device=device)
+        exp_buf = torch.empty_like(shifted_buf) if compute_entropy else None
+        for start in range(0, n_tokens, chunk):
+            end = min(start + chunk, n_tokens)
+            # float32 subtraction also upcasts low-precision logits exactly
+            shifted = torch.sub(
+                flat[start:end], row_max[start:end, None], out=shifted_buf[: end - start]
+            )
+            if temp != 1.0:
+                shifted.div_(temp)
+            if exp_buf is None:
+                torch.sum(shifted.exp_(), dim=-1, out=stats[0, start:end])
+                continue
+            shifted.clamp_min_(_LOG_FLOOR)
+            exps = torch.exp(shifted, out=exp_buf[: end - start])
+            torch.sum(exps, dim=-1, out=stats[0, start:end])
+            torch.sum(exps.mul_(shifted), dim=-1, out=stats[2, start:end])
+        del shifted_buf, exp_buf
+        _all_reduce(stats, dist.ReduceOp.SUM, group)
+
+        log_sum = stats[0].log()
+        log_probs = (stats[1] - row_max).div_(temp).sub_(log_sum)
+        entropy = log_sum - stats[2] / stats[0] if compute_entropy else None
+
+        saved = [logits, targets, row_max, log_sum]
+        if entropy is not None:
+            saved.append(entropy)
+        ctx.save_for_backward(*saved)
+        ctx.temp = temp
+        ctx.vocab_start = vocab_start
+        ctx.chunk = chunk
+        ctx.set_materialize_grads(False)
+        shape = logits.shape[:-1]
+        if entropy is None:
+            return log_probs.view(shape)
+        return log_probs.view(shape), entropy.view(shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        logits, targets, row_max, log_sum, *rest = ctx.saved_tensors
+        no_grads = (None,) * 6
+        if all(g is None for g in grads):
+            return (None, *no_grads)
+        temp: float = ctx.temp
+        chunk: int = ctx.chunk
+        f32 = torch.float32
+        vocab_local = logits.shape[-1]
+        flat = logits.reshape(-1, vocab_local)
+        n_tokens = flat.shape[0]
+        device = logits.device
+
+        # dx = p * (base + slope * log p) + onehot(t) * g_lp / T, with per-token
+        # base = -(g_lp + g_h H) / T and slope = -g_h / T.
+        zeros = torch.zeros(n_tokens, dtype=f32, device=device)
+        g_lp = zeros if grads[0] is None else grads[0].reshape(-1).to(f32)
+        g_h = None if len(grads) < 2 or grads[1] is None else grads[1].reshape(-1).to(f32)
+        base = -g_lp / temp
+        slope = None
+        if g_h is not None:
+            base.sub_(g_h * rest[0] / temp)
+            slope = -g_h / temp
+
+        # The target column gets its one-hot term added in float32 before any rounding to the
+        # logits' dtype (p_t * base ~ -g_lp / T cancels it when p_t ~ 1).
+        idx, in_shard = _target_index(targets.reshape(-1), ctx.vocab_start, vocab_local)
+        log_p_t = flat.gather(1, idx.unsqueeze(1)).squeeze(1).to(f32).sub_(row_max)
+        neg_log_sum = -log_sum
+        log_p_t = torch.add(neg_log_sum, log_p_t, alpha=1.0 / temp).clamp_min_(_LOG_FLOOR)
+        target_grad = base.clone() if slope is None else torch.addcmul(base, slope, log_p_t)
+        target_grad.mul_(log_p_t.exp()).add_(g_lp / temp)
+
+        grad = torch.empty(flat.shape, dtype=logits.dtype, device=device)
+        rows = min(chunk, n_tokens)
+        # float32 logits: compute straight into the gradient's storage
+        buf_shape = (rows, vocab_local)
+        work_buf = None if logits.dtype == f32 else torch.empty(buf_shape, dtype=f32, device=device)
+        prob_buf = None if slope is None else torch.empty(buf_shape, dtype=f32, device=device)
+        for start in range(0, n_tokens, chunk):
+            end = min(start + chunk, n_tokens)
+            out = grad[start:end]
+            work = out if work_buf is None else work_buf[: end - start]
+            log_p = torch.sub(flat[start:end], row_max[start:end, None], out=work)
+            log_p = torch.add(neg_log_sum[start:end, None], log_p, alpha=1.0 / temp, out=work)
+            if slope is None:
+                torch.mul(log_p.exp_(), base[start:end, None], out=out)
+            else:
+                assert prob_buf is not None
+                log_p.clamp_min_(_LOG_FLOOR)
+                probs = torch.exp(log_p, out=prob_buf[: end - start])
+                coef = torch.addcmul(base[start:end, None], slope[start:end, None], log_p, out=work)
+                torch.mul(coef, probs, out=out)
+            col = idx[start:end, None]
+            current = out.gather(1, col)
+            fixed = target_grad[start:end, None].to(out.dtype)
+            out.scatter_(1, col, torch.where(in_shard[start:end, None], fixed, current))
+        return (grad.view(logits.shape), *no_grads)

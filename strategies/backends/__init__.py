@@ -1,0 +1,1 @@
+"""Backends: mesh, model build, micro-batch schedule, optimizer (one package each)."""

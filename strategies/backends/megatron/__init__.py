@@ -1,0 +1,1 @@
+"""Megatron-core backend: parallel_state mesh, GPTModel, megatron DDP + optimizer, schedules."""

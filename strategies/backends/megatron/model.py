@@ -1,0 +1,138 @@
+"""Build a megatron GPTModel from a ModelConfig, with the last layer the head's spec asks for."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from heads.base import OutputSpec
+from heads.errors import ConfigError
+from strategies.config import PartsConfig
+
+#: Seed offset of the replicated output layer's own generator (same weights on every TP rank).
+_REPLICATED_LAYER_SEED_OFFSET = 7919
+
+
+def transformer_config(config: PartsConfig) -> Any:
+    """Megatron's TransformerConfig for a Llama-family model (RoPE, RMSNorm, SwiGLU, GQA)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    model, parallel = config.model, config.parallel
+    dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
+    settings: dict[str, Any] = {
+        "num_layers": model.num_layers,
+        "hidden_size": model.hidden_size,
+        "num_attention_heads": model.num_attention_heads,
+        "num_query_groups": model.num_query_groups,
+        "ffn_hidden_size": model.resolved_ffn_hidden_size,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": model.norm_epsilon,
+        "gated_linear_unit": True,
+        "activation_func": F.silu,
+        "add_bias_linear": False,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "init_method_std": model.init_method_std,
+        "bias_activation_fusion": False,
+        "bias_dropout_fusion": False,
+        "masked_softmax_fusion": False,
+        "apply_rope_fusion": False,
+        "persist_layer_norm": False,
+        "gradient_accumulation_fusion": False,
+        "tensor_model_parallel_size": parallel.tensor_parallel_size,
+        "pipeline_model_parallel_size": parallel.pipeline_parallel_size,
+        "virtual_pipeline_model_parallel_size": parallel.virtual_pipeline_parallel_size,
+        "context_parallel_size": parallel.context_parallel_size,
+        "expert_model_parallel_size": parallel.expert_parallel_size,
+        "sequence_parallel": parallel.sequence_parallel,
+        "params_dtype": dtype,
+        "pipeline_dtype": dtype,
+        "bf16": config.dtype == "bfloat16",
+        # Losses are normalised by global counts by the loss function itself (see DESIGN.md):
+        # megatron must neither divide them by the micro-batch count nor average over DP.
+        "calculate_per_token_loss": True,
+        "variable_seq_lengths": True,  # micro-batches are padded to their own longest sequence
+        "moe_token_dispatcher_type": "alltoall",  # the only dispatcher that allows that
+        # Initialise the full weights on the host from the seeded default generator, then shard:
+        # the same seed gives the same model whatever the device and the parallel layout.
+        "use_cpu_initialization": True,
+    }
+    settings.update(model.transformer_overrides)
+    try:
+        return TransformerConfig(**settings)
+    except (TypeError, ValueError, AssertionError) as error:
+        raise ConfigError(f"megatron rejected the model config: {error}") from error
+
+
+def layer_spec(kind: str, sequence_parallel: bool) -> Any:
+    """The transformer layer spec: TransformerEngine's where available, else megatron's local."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    has_te = importlib.util.find_spec("transformer_engine") is not None
+    use_te = kind == "transformer_engine" or (kind == "auto" and has_te)
+    if use_te and not has_te:
+        raise ConfigError("layer_spec='transformer_engine' but transformer_engine is not installed")
+    if sequence_parallel and not use_te:
+        raise ConfigError(
+            "sequence_parallel needs the TransformerEngine layer spec (megatron's local spec "
+            "cannot do it); install transformer_engine on a GPU host or set sequence_parallel=False"
+        )
+    if use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+class ReplicatedOutputLayer(torch.nn.Linear):
+    """A ``hidden -> features`` layer identical on every tensor-parallel rank (value heads).
+
+    GPTModel calls its output layer as ``layer(x, weight=..., runtime_gather_output=...)`` and
+    expects ``(output, bias)``; the layer must itself be the module (no wrapper) so that
+    megatron's ``sharded_state_dict`` finds ``output_layer.weight``.
+    """
+
+    def __init__(self, hidden_size: int, features: int, seed: int, dtype: torch.dtype) -> None:
+        super().__init__(hidden_size, features, bias=False, dtype=dtype)
+        generator = torch.Generator().manual_seed(seed + _REPLICATED_LAYER_SEED_OFFSET)
+        with torch.no_grad():
+            weight = torch.empty(self.weight.shape, dtype=torch.float32)
+            weight.normal_(0.0, 1.0 / hidden_size**0.5, generator=generator)
+            self.weight.copy_(weight)
+
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: Any = None
+    ) -> tuple[torch.Tensor, None]:
+        return super().forward(x), None
+
+
+def build_gpt_model(
+    config: PartsConfig,
+    spec: OutputSpec,
+    layer_spec_kind: str,
+    pre_process: bool,
+    post_process: bool,
+) -> torch.nn.Module:
+    """A GPTModel chunk whose output layer follows ``spec``."""
+    from megatron.core.models.gpt import GPTModel
+
+    model_config = config.model
+    tie = spec.allow_tied_embeddings and model_config.tie_embeddings
+    model = GPTModel(
+        config=transformer_config(config),
+        transformer_layer_spec=layer_spec(layer_spec_kind, config.parallel.sequence_parallel),
+        vocab_size=model_config.vocab_size,
+        max_sequence_length=model_config.max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=tie,
+        position_embedding_type="rope",
+        rotary_base=model_config.rotary_base,
+    )
+    if spec.kind == "replicated" and post_process:
+        dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
+        model.output_layer = ReplicatedOutputLayer(
+            model_config.hidden_size, spec.features, config.seed, dtype
+        )
+    return model

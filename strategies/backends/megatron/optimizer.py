@@ -1,0 +1,52 @@
+"""Megatron optimizer (AdamW, clipping, optional distributed optimizer) and LR schedule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from strategies.config import PartsConfig
+
+
+def build_optimizer(config: PartsConfig, chunks: list[torch.nn.Module]) -> Any:
+    """``get_megatron_optimizer`` for the DDP-wrapped model chunks."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    opt = config.optimizer
+    bf16 = config.dtype == "bfloat16"
+    megatron_config = OptimizerConfig(
+        optimizer="adam",
+        lr=opt.lr,
+        min_lr=opt.min_lr,
+        weight_decay=opt.weight_decay,
+        adam_beta1=opt.adam_beta1,
+        adam_beta2=opt.adam_beta2,
+        adam_eps=opt.adam_eps,
+        clip_grad=opt.clip_grad,
+        use_distributed_optimizer=opt.use_distributed_optimizer,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+    )
+    return get_megatron_optimizer(megatron_config, chunks)
+
+
+def build_scheduler(config: PartsConfig, optimizer: Any) -> Any:
+    """Linear warmup then constant / linear / cosine decay to ``min_lr``."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt, schedule = config.optimizer, config.scheduler
+    decay_steps = schedule.decay_steps or max(config.total_steps, schedule.warmup_steps + 1)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if schedule.warmup_steps else opt.lr,
+        max_lr=opt.lr,
+        min_lr=opt.min_lr,
+        lr_warmup_steps=schedule.warmup_steps,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=schedule.decay_style,
+        start_wd=opt.weight_decay,
+        end_wd=opt.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+    )

@@ -1,0 +1,166 @@
+"""Configs the parts share: model description, parallel layout, optimizer and LR schedule.
+
+Each is a frozen, keyword-only attrs class validated at construction, so a bad value fails with
+the field name and the allowed values, never deep inside megatron.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import attrs
+
+from heads.errors import ConfigError
+from heads.validation import bool_field, float_field, int_field, non_negative, one_of, positive
+
+
+@attrs.frozen(kw_only=True)
+class ModelConfig:
+    """A decoder-only transformer (Llama family: RoPE, RMSNorm, SwiGLU, optional GQA)."""
+
+    vocab_size: int = int_field(128)
+    hidden_size: int = int_field(64)
+    num_layers: int = int_field(2)
+    num_attention_heads: int = int_field(4)
+    num_query_groups: int | None = attrs.field(default=None)
+    ffn_hidden_size: int | None = attrs.field(default=None)
+    max_sequence_length: int = int_field(256)
+    rotary_base: int = int_field(10000)
+    norm_epsilon: float = float_field(1e-5, positive)
+    init_method_std: float = float_field(0.02, positive)
+    tie_embeddings: bool = bool_field(False)
+    #: Extra megatron ``TransformerConfig`` fields (also handed to MindSpeed's repatch on NPU).
+    transformer_overrides: dict[str, Any] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        groups = self.num_query_groups
+        if groups is not None and (groups <= 0 or self.num_attention_heads % groups):
+            raise ConfigError(
+                f"ModelConfig.num_query_groups must divide num_attention_heads "
+                f"({self.num_attention_heads}); got {groups}"
+            )
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"ModelConfig.hidden_size ({self.hidden_size}) must be divisible by "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.ffn_hidden_size is not None and self.ffn_hidden_size <= 0:
+            raise ConfigError(
+                f"ModelConfig.ffn_hidden_size must be > 0; got {self.ffn_hidden_size}"
+            )
+
+    @property
+    def resolved_ffn_hidden_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+
+#: Named model descriptions; ``tiny`` runs a training step in milliseconds on a laptop CPU.
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        max_sequence_length=256,
+    ),
+    "small": ModelConfig(
+        vocab_size=8192,
+        hidden_size=512,
+        num_layers=4,
+        num_attention_heads=8,
+        num_query_groups=4,
+        ffn_hidden_size=1408,
+        max_sequence_length=1024,
+    ),
+}
+
+
+def model_preset(name: str) -> ModelConfig:
+    """The preset ``name``, or a ConfigError listing the known ones."""
+    try:
+        return MODEL_PRESETS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown model preset {name!r}; known presets: {', '.join(sorted(MODEL_PRESETS))}"
+        ) from None
+
+
+@attrs.frozen(kw_only=True)
+class ParallelConfig:
+    """Model-parallel layout; data parallel size is whatever the world size leaves."""
+
+    tensor_parallel_size: int = int_field(1)
+    pipeline_parallel_size: int = int_field(1)
+    virtual_pipeline_parallel_size: int | None = attrs.field(default=None)
+    context_parallel_size: int = int_field(1)
+    expert_parallel_size: int = int_field(1)
+    sequence_parallel: bool = bool_field(False)
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
+
+
+@attrs.frozen(kw_only=True)
+class OptimizerConfig:
+    """AdamW with decoupled weight decay and global-norm gradient clipping."""
+
+    lr: float = float_field(1e-4, positive)
+    min_lr: float = float_field(0.0)
+    weight_decay: float = float_field(0.01)
+    adam_beta1: float = float_field(0.9)
+    adam_beta2: float = float_field(0.999)
+    adam_eps: float = float_field(1e-8, positive)
+    clip_grad: float = float_field(1.0)
+    use_distributed_optimizer: bool = bool_field(False)
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(
+                    f"OptimizerConfig.{name} must be in [0, 1); got {getattr(self, name)}"
+                )
+        if self.min_lr > self.lr:
+            raise ConfigError(f"OptimizerConfig.min_lr ({self.min_lr}) must be <= lr ({self.lr})")
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerConfig:
+    """Linear warmup, then constant, linear or cosine decay to ``OptimizerConfig.min_lr``."""
+
+    warmup_steps: int = int_field(0, non_negative)
+    decay_style: str = attrs.field(
+        default="constant", validator=one_of("constant", "linear", "cosine")
+    )
+    #: Steps over which the LR decays (warmup included); None = the configured training steps.
+    decay_steps: int | None = attrs.field(default=None)
+
+    def __attrs_post_init__(self) -> None:
+        if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
+            raise ConfigError(
+                f"SchedulerConfig.decay_steps ({self.decay_steps}) must be > warmup_steps "
+                f"({self.warmup_steps})"
+            )
+
+
+class PartsConfig(Protocol):
+    """What backends and platforms read of the engine's config (structural: no upward import)."""
+
+    @property
+    def model(self) -> ModelConfig: ...
+    @property
+    def parallel(self) -> ParallelConfig: ...
+    @property
+    def optimizer(self) -> OptimizerConfig: ...
+    @property
+    def scheduler(self) -> SchedulerConfig: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def forward_only(self) -> bool: ...
+    @property
+    def total_steps(self) -> int: ...

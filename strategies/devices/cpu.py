@@ -1,0 +1,46 @@
+"""CPU platform: gloo process groups; contributes megatron-core's CPU compatibility layer."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import attrs
+import torch
+from typing_extensions import override
+
+from strategies.devices.base import DevicePlatform, DeviceRuntime, MeshInitStep
+
+if TYPE_CHECKING:
+    from strategies.config import PartsConfig
+
+
+def _enable_megatron_on_cpu(config: PartsConfig) -> None:
+    from strategies.devices.megatron_cpu import enable_megatron_cpu_compat
+
+    enable_megatron_cpu_compat()
+
+
+@attrs.define(kw_only=True)
+class CpuPlatform(DevicePlatform):
+    """Plain CPUs; always available. No sequence parallelism (it needs TransformerEngine)."""
+
+    name: ClassVar[str] = "cpu"
+    device_type: ClassVar[str] = "cpu"
+    dist_backend: ClassVar[str] = "gloo"
+    visible_devices_env: ClassVar[str | None] = None
+
+    @override
+    def load_runtime(self) -> DeviceRuntime:
+        return torch.cpu
+
+    @override
+    def select_device(self) -> None:
+        """A CPU process has one device; nothing to select."""
+
+    @override
+    def torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @override
+    def mesh_init_steps(self, backend_name: str) -> tuple[MeshInitStep, ...]:
+        return (_enable_megatron_on_cpu,) if backend_name == "megatron" else ()

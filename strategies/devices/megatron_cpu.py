@@ -1,0 +1,276 @@
+"""megatron-core CPU compatibility layer (megatron-core 0.16.1, CPU-only torch, gloo)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import sys
+import types
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from heads.errors import VersionError
+
+SUPPORTED_MEGATRON_VERSIONS = frozenset({"0.16.1"})
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_CPU = torch.device("cpu")
+_MARK = "_megatron_cpu_wrapped"
+_state: dict[str, Any] = {"enabled": False, "n_modules": -1}
+
+
+def _is_cuda(device: object) -> bool:
+    """True for anything megatron uses to name a CUDA device ("cuda", "cuda:0", 0, device)."""
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaAsCpuMode(TorchFunctionMode):
+    """Maps cuda devices to cpu, makes Tensor.cuda() a no-op, reports cuda type strings."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type:
+            if len(args) == 1 and not kwargs:  # megatron compares x.type() to cuda names
+                name: str = func(args[0])
+                return name if name.startswith("torch.cuda.") else "torch.cuda." + name[6:]
+            if len(args) > 1 and isinstance(args[1], str):
+                args = (args[0], args[1].replace("torch.cuda.", "torch."), *args[2:])
+        elif func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        if _is_cuda(kwargs.get("device")) or kwargs.get("pin_memory"):
+            kwargs = dict(kwargs)
+            if _is_cuda(kwargs.get("device")):
+                kwargs["device"] = _CPU
+            if kwargs.get("pin_memory"):
+                kwargs["pin_memory"] = False
+        return func(*args, **kwargs)
+
+
+def _mode_active() -> bool:
+    """Whether our mode is anywhere on the torch-function mode stack (no double push)."""
+    stack = range(torch._C._len_torch_function_stack())
+    return any(isinstance(torch._C._get_function_stack_at(i), _CudaAsCpuMode) for i in stack)
+
+
+@contextlib.contextmanager
+def megatron_cpu_scope() -> Iterator[None]:
+    """Run a block with cuda->cpu device mapping (re-entrant; cheap when already active)."""
+    if _state["enabled"] and len(sys.modules) != _state["n_modules"]:
+        _install_torch_view()  # megatron modules imported since enable() also get the view
+    if _mode_active():
+        yield
+    else:
+        with _CudaAsCpuMode():
+            yield
+
+
+@contextlib.contextmanager
+def _suspended() -> Iterator[None]:
+    """Pop our mode while model compute runs: it costs ~10-15% on model fwd+bwd."""
+    n = torch._C._len_torch_function_stack()
+    top = torch._C._get_function_stack_at(n - 1) if n else None
+    if not isinstance(top, _CudaAsCpuMode):
+        yield
+        return
+    torch._C._pop_torch_function_stack()
+    try:
+        yield
+    finally:
+        torch._C._push_on_torch_function_stack(top)
+
+
+def _wrapped(fn: _F, kind: str) -> _F:
+    """kind "scoped": run fn under the mode; "unscoped": without it (model compute);
+    "schedule": a forward_backward function, mode on except inside the user's forward step."""
+    if getattr(fn, _MARK, None) == kind:
+        return fn  # already wrapped: enable() stays idempotent
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if kind == "unscoped":
+            with _suspended():
+                return fn(*args, **kwargs)
+        if kind == "schedule" and kwargs.get("forward_step_func") is not None:
+            kwargs["forward_step_func"] = _wrapped(kwargs["forward_step_func"], "unscoped")
+        with megatron_cpu_scope():
+            return fn(*args, **kwargs)
+
+    setattr(wrapper, _MARK, kind)
+    return wrapper  # type: ignore[return-value]
+
+
+class _CudaView(types.ModuleType):
+    """torch.cuda as megatron modules see it: current device is the CPU, RNG is the CPU one."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.cuda")
+        self.current_device = lambda: _CPU
+        self.synchronize = self.empty_cache = lambda *a, **k: None  # nothing to wait for / free
+        self.manual_seed = torch.manual_seed
+        self.get_rng_state = lambda device="cuda": torch.get_rng_state()
+        self.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+class _TorchView(types.ModuleType):
+    """Stands in for `torch` in megatron module globals only; plain torch stays untouched."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _CudaView()
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(torch, name)
+        setattr(self, name, value)  # cached: a miss costs ~1.7us, megatron does ~240 per step
+        return value
+
+
+_TORCH_VIEW = _TorchView()
+
+
+def _install_torch_view() -> None:
+    """Point every loaded megatron.core module's `torch` global at the view."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.core") and getattr(module, "torch", None) is torch:
+            module.torch = _TORCH_VIEW  # type: ignore[attr-defined]
+    _state["n_modules"] = len(sys.modules)
+
+
+def _cpu_tracker_class(base: Any) -> type:
+    """CudaRNGStatesTracker whose named streams are CPU-generator states (swapped on fork)."""
+
+    class CpuRNGStatesTracker(base):  # type: ignore[misc, unused-ignore]
+        """Same bookkeeping as megatron's tracker; the default CPU generator plays the GPU's."""
+
+        _current_state_name: str
+
+        # add() is inherited: through the torch view it seeds and snapshots the CPU generator.
+        @contextlib.contextmanager
+        def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+            """Swap the CPU generator state; megatron's fork warns whenever the CPU one moves."""
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig_state, orig_name = torch.get_rng_state(), self._current_state_name
+            if orig_name != "default-rng":
+                self.states_[orig_name] = orig_state
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                if orig_name != "default-rng":
+                    orig_state = self.states_[orig_name]
+                torch.set_rng_state(orig_state)
+                self._current_state_name = orig_name
+
+    setattr(CpuRNGStatesTracker, _MARK, True)
+    return CpuRNGStatesTracker
+
+
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    """megatron's version hard-codes device="cuda"; used when attention_mask is None."""
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _cpu_sliding_window_mask(sq: int, skv: int, window_size: tuple[int, int]) -> torch.Tensor:
+    """Same as megatron's, on CPU."""
+    mu = torch.triu(torch.ones(sq, skv, dtype=torch.bool), diagonal=skv - sq - window_size[0])
+    return ~torch.tril(mu, diagonal=skv - sq + window_size[1])
+
+
+def _wrap_methods(cls: type, names: tuple[str, ...]) -> None:
+    """Scope the methods a class defines itself (inherited ones are wrapped on their owner)."""
+    for name in names:
+        if name in vars(cls):
+            setattr(cls, name, _wrapped(vars(cls)[name], "scoped"))
+
+
+_OPTIMIZER_METHODS = (
+    "__init__", "step", "prepare_grads", "step_with_ready_grads", "get_grad_norm",
+    "clip_grad_norm", "count_zeros", "state_dict", "load_state_dict", "sharded_state_dict",
+    "reload_model_params", "save_parameter_state", "load_parameter_state",
+    "offload_to_cpu", "restore_from_cpu",
+)  # fmt: skip
+
+
+def enable_megatron_cpu_compat() -> None:
+    """Install the CPU layer into megatron-core (process-global, idempotent).
+
+    Megatron modules imported later get the torch view on the next scoped call or the next
+    enable() call; call it again after importing other megatron model families.
+    """
+    if _state["enabled"]:
+        _install_torch_view()
+        return
+    import megatron.core
+
+    version = getattr(megatron.core, "__version__", "?")
+    if version not in SUPPORTED_MEGATRON_VERSIONS:
+        raise VersionError(
+            f"megatron-core {version} is untested on CPU (the compatibility layer patches its "
+            f"internals); install one of {sorted(SUPPORTED_MEGATRON_VERSIONS)}, e.g. "
+            "`pip install -c constraints/cpu.txt megatron-core`"
+        )
+    names = (  # imported up front so that their `torch` global gets the view now
+        "tensor_parallel", "tensor_parallel.random", "tensor_parallel.data",
+        "transformer.utils", "fusions.fused_softmax", "pipeline_parallel.schedules",
+        "optimizer", "optimizer.optimizer", "optimizer.distrib_optimizer",
+        "models.common.language_module.language_module", "models.gpt.gpt_model",
+        "distributed", "dist_checkpointing", "dist_checkpointing.serialization",
+        "dist_checkpointing.strategies.torch", "dist_checkpointing.strategies.fully_parallel",
+        "dist_checkpointing.exchange_utils", "dist_checkpointing.tensor_aware_state_dict",
+    )  # fmt: skip
+    mod: dict[str, Any] = {n: importlib.import_module(f"megatron.core.{n}") for n in names}
+    _install_torch_view()
+
+    rnd = mod["tensor_parallel.random"]
+    # recompute (CheckpointFunction) saves/restores "the cuda" state: on CPU, the CPU generator
+    rnd._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    rnd._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    if not getattr(rnd.CudaRNGStatesTracker, _MARK, False):
+        rnd.CudaRNGStatesTracker = _cpu_tracker_class(rnd.CudaRNGStatesTracker)
+        rnd._CUDA_RNG_STATE_TRACKER = None  # rebuilt lazily from the CPU class
+        rnd._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+
+    for name in ("transformer.utils", "fusions.fused_softmax"):
+        mod[name].get_default_causal_mask = _cpu_causal_mask
+        mod[name].get_sliding_window_causal_mask = _cpu_sliding_window_mask
+
+    sched = mod["pipeline_parallel.schedules"]
+    for name in (
+        "forward_backward_no_pipelining",
+        "forward_backward_pipelining_without_interleaving",
+        "forward_backward_pipelining_with_interleaving",
+    ):
+        setattr(sched, name, _wrapped(getattr(sched, name), "schedule"))
+    sched.backward_step = _wrapped(sched.backward_step, "unscoped")
+
+    opt, dopt = mod["optimizer.optimizer"], mod["optimizer.distrib_optimizer"]
+    for cls in (
+        opt.MegatronOptimizer, opt.MixedPrecisionOptimizer, opt.Float16OptimizerWithFloat16Params,
+        opt.FP32Optimizer, opt.ChainedOptimizer, dopt.DistributedOptimizer,
+    ):  # fmt: skip
+        _wrap_methods(cls, _OPTIMIZER_METHODS)
+    opt_pkg = mod["optimizer"]
+    opt_pkg.get_megatron_optimizer = _wrapped(opt_pkg.get_megatron_optimizer, "scoped")
+    lm = mod["models.common.language_module.language_module"].LanguageModule
+    _wrap_methods(lm, ("setup_embeddings_and_output_layer",))
+    for name in ("tensor_parallel", "tensor_parallel.data"):
+        mod[name].broadcast_data = _wrapped(mod[name].broadcast_data, "scoped")
+    for name in ("dist_checkpointing", "dist_checkpointing.serialization"):
+        for fn in ("save", "load"):
+            setattr(mod[name], fn, _wrapped(getattr(mod[name], fn), "scoped"))
+    _state["enabled"] = True

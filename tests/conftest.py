@@ -1,0 +1,44 @@
+"""Shared fixtures: a fresh megatron mesh per test, hook recording, small batches."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def fresh_mesh() -> Iterator[None]:
+    """No megatron mesh and no applied MindSpeed repatch before or after the test."""
+    from strategies.backends.megatron.mesh import destroy_mesh
+    from strategies.devices.npu import forget_applied_repatches
+
+    destroy_mesh()
+    forget_applied_repatches()
+    yield
+    destroy_mesh()
+    forget_applied_repatches()
+
+
+@pytest.fixture
+def event_log(monkeypatch: pytest.MonkeyPatch, fresh_mesh: None) -> Any:
+    """A log that also records megatron's ``initialize_model_parallel`` calls, in order."""
+    from megatron.core import parallel_state
+
+    from tests.simulation import EventLog
+
+    log = EventLog()
+    original = parallel_state.initialize_model_parallel
+
+    def recording(*args: Any, **kwargs: Any) -> None:
+        log.append(("initialize_model_parallel", kwargs))
+        original(*args, **kwargs)
+
+    monkeypatch.setattr(parallel_state, "initialize_model_parallel", recording)
+    return log

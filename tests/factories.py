@@ -1,0 +1,47 @@
+"""Small batches, model configs and loss functions the tests share."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from engine.batching import from_token_lists
+from engine.losses import LossContext, scored_mask, token_mean
+
+
+def random_batch(lengths: Sequence[int], vocab_size: int, seed: int = 0) -> TensorDict:
+    """Jagged batch with random tokens, ``returns`` and a ``loss_mask`` that skips token 0."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+    returns = [torch.rand(n, generator=generator).tolist() for n in lengths]
+    masks = [[0.0] + [1.0] * (n - 1) for n in lengths]
+    return from_token_lists(tokens, returns=returns, loss_mask=masks)
+
+
+def raise_outputs_loss(
+    outputs: Mapping[str, torch.Tensor], batch: Any, ctx: LossContext
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Minus the global token mean of the summed outputs: any head can lower it with a small
+    enough step (it is linear in the outputs), so training must reduce it."""
+    mask, key = scored_mask(batch)
+    total = sum(output.float() for output in outputs.values())
+    assert isinstance(total, torch.Tensor)
+    loss = -token_mean(total, mask, ctx.global_count(key))
+    return loss, {"raise_outputs": float(loss.detach())}
+
+
+def tiny_model(**overrides: Any) -> dict[str, Any]:
+    model = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "num_layers": 2,
+        "num_attention_heads": 4,
+        "num_query_groups": 2,
+        "ffn_hidden_size": 64,
+        "max_sequence_length": 64,
+    }
+    model.update(overrides)
+    return model
