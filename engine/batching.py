@@ -10,6 +10,7 @@ the input order.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Sequence
 
 import attrs
@@ -43,10 +44,22 @@ def from_token_lists(
     return TensorDict(columns, batch_size=[len(ids)])
 
 
+def jagged_offsets(values: torch.Tensor) -> torch.Tensor:
+    """Row offsets ``[B + 1]`` of a jagged nested tensor."""
+    offsets: torch.Tensor = values.offsets()  # type: ignore[attr-defined]
+    return offsets
+
+
 def jagged_lengths(values: torch.Tensor) -> torch.Tensor:
     """Row lengths of a jagged nested tensor."""
-    offsets: torch.Tensor = values.offsets()  # type: ignore[attr-defined]
-    return offsets.diff()
+    return jagged_offsets(values).diff()
+
+
+def jagged_rows(values: torch.Tensor) -> list[torch.Tensor]:
+    """The rows of a jagged nested tensor as views of its buffer (cheaper than indexing it)."""
+    flat = values.values()
+    bounds = jagged_offsets(values).tolist()
+    return [flat[start:end] for start, end in itertools.pairwise(bounds)]
 
 
 def sequence_lengths(batch: TensorDict) -> torch.Tensor:
@@ -88,7 +101,7 @@ def to_padded(batch: TensorDict, *, side: str = "right", pad_id: int = 0) -> Ten
     for name, value in fields(batch):
         if value.is_nested:
             fill = pad_id if name == INPUT_IDS else 0
-            columns[name] = _pad_rows(value.unbind(), int(lengths.max()), side, fill)
+            columns[name] = _pad_rows(jagged_rows(value), int(lengths.max()), side, fill)
         else:
             columns[name] = value
     positions = torch.arange(int(lengths.max()))
@@ -150,26 +163,35 @@ def validate_batch(batch: object, required: Iterable[str] = ()) -> TensorDict:
 
 def split_fixed(batch: TensorDict, micro_batch_size: int) -> list[MicroBatch]:
     """Consecutive micro-batches of ``micro_batch_size`` sequences, each padded to its longest."""
+    total = batch.batch_size[0]
+    starts = range(0, total, micro_batch_size)
+    return split_into(batch, [list(range(s, min(s + micro_batch_size, total))) for s in starts])
+
+
+def split_into(batch: TensorDict, groups: Sequence[Sequence[int]]) -> list[MicroBatch]:
+    """One micro-batch per group of sequence indices, each right-padded to its own longest."""
     rows = to_jagged(batch)
-    total = rows.batch_size[0]
-    return [
-        make_micro_batch(rows, torch.arange(start, min(start + micro_batch_size, total)))
-        for start in range(0, total, micro_batch_size)
-    ]
+    lengths = sequence_lengths(rows)
+    per_row = {name: jagged_rows(value) for name, value in fields(rows) if value.is_nested}
+    micro_batches = []
+    for group in groups:
+        indices = torch.tensor(list(group), dtype=torch.long)
+        width = int(lengths[indices].max())
+        columns: dict[str, torch.Tensor] = {}
+        for name, value in fields(rows):
+            if name in per_row:
+                columns[name] = _pad_rows([per_row[name][i] for i in group], width, "right", 0)
+            else:
+                columns[name] = value[indices]
+        columns[ATTENTION_MASK] = torch.arange(width) < lengths[indices][:, None]
+        data = TensorDict(columns, batch_size=[len(group)])
+        micro_batches.append(MicroBatch(indices=indices, data=data))
+    return micro_batches
 
 
 def make_micro_batch(rows: TensorDict, indices: torch.Tensor) -> MicroBatch:
-    """Sequences ``indices`` of a jagged batch, right-padded to their longest."""
-    lengths = jagged_lengths(_field(rows, INPUT_IDS))[indices]
-    width = int(lengths.max())
-    columns: dict[str, torch.Tensor] = {}
-    for name, value in fields(rows):
-        if value.is_nested:
-            columns[name] = _pad_rows([value[int(i)] for i in indices], width, "right", 0)
-        else:
-            columns[name] = value[indices]
-    columns[ATTENTION_MASK] = torch.arange(width) < lengths[:, None]
-    return MicroBatch(indices=indices, data=TensorDict(columns, batch_size=[len(indices)]))
+    """Sequences ``indices`` of a batch, right-padded to their longest."""
+    return split_into(rows, [indices.tolist()])[0]
 
 
 def restore_outputs(

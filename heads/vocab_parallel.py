@@ -4,8 +4,8 @@ Why this exists: the naive ``log_softmax(logits / T).gather(...)`` plus ``-(p * 
 materialises several float32 tensors the size of the logits (log-probs, probs, their product) and
 autograd keeps some of them alive for backward. With 4k tokens x 128k vocabulary each one is 2 GiB.
 Here the work is done in chunks of tokens, and backward recomputes the softmax from the logits
-(which are alive anyway) plus three float32 numbers per token, so nothing logits-sized besides the
-logits and the returned gradient is ever stored.
+(which are alive anyway) plus at most three float32 numbers per token, so nothing logits-sized
+besides the logits and the returned gradient is ever stored.
 
 The same code handles vocabulary-parallel logits: with a tensor-parallel ``group`` each rank holds
 the columns ``[vocab_start, vocab_start + V_local)`` of the logits, and the full vocabulary is never
@@ -25,6 +25,7 @@ Memory strategy (``V`` = local vocabulary, ``C`` = chunk size in tokens, ``N`` =
   are not float32.
 
 The softmax is recomputed in backward (one extra exp per element) instead of saving a copy.
+The backward itself is not differentiable (no double backward).
 """
 
 from __future__ import annotations
@@ -36,13 +37,23 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-__all__ = ["DEFAULT_CHUNK_ELEMENTS", "MIN_TEMPERATURE", "log_probs_and_entropy"]
+__all__ = [
+    "DEFAULT_CHUNK_ELEMENTS",
+    "DEFAULT_CPU_CHUNK_ELEMENTS",
+    "MIN_TEMPERATURE",
+    "log_probs_and_entropy",
+]
 
 MIN_TEMPERATURE = 1e-8
 """Temperatures below this (including 0 and negatives) are clamped to it."""
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 24
-"""With ``chunk_size=None`` a chunk holds about this many logits (64 MiB per float32 buffer)."""
+"""With ``chunk_size=None`` on an accelerator a chunk holds about this many logits (64 MiB per
+float32 buffer): big enough that kernel launches are negligible next to the memory traffic."""
+
+DEFAULT_CPU_CHUNK_ELEMENTS = 1 << 20
+"""The same on CPU (4 MiB per buffer): chunks that stay in cache run the several elementwise
+passes markedly faster there (4096 x 32768 logits: 0.65 s with 64 MiB buffers, 0.4 s with 8 MiB)."""
 
 # log-probabilities are clamped from below to this value. exp() of anything below about -104 is
 # exactly 0 in float32, so the clamp changes no probability; it only keeps `p * log p` at 0 (not
@@ -73,7 +84,8 @@ def log_probs_and_entropy(
             for full-vocabulary logits and no communication.
         vocab_start: first vocabulary index held by this rank (must be 0 when ``group`` is None).
         chunk_size: tokens processed at a time; ``None`` picks about ``DEFAULT_CHUNK_ELEMENTS``
-            logits per chunk. Bounds the float32 work buffers to ``chunk_size x V_local``.
+            logits per chunk (``DEFAULT_CPU_CHUNK_ELEMENTS`` on CPU). Bounds the float32 work
+            buffers to ``chunk_size x V_local``.
 
     Returns:
         ``(log_probs, entropy)``, both float32 of shape ``[...]`` (entropy ``None`` when not
@@ -96,10 +108,14 @@ def log_probs_and_entropy(
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
 
     vocab_local = logits.shape[-1]
-    chunk = chunk_size if chunk_size is not None else max(1, DEFAULT_CHUNK_ELEMENTS // vocab_local)
+    if chunk_size is None:
+        budget = (
+            DEFAULT_CPU_CHUNK_ELEMENTS if logits.device.type == "cpu" else DEFAULT_CHUNK_ELEMENTS
+        )
+        chunk_size = max(1, budget // vocab_local)
     temp = max(float(temperature), MIN_TEMPERATURE)
     apply: Callable[..., Any] = _LogProbsAndEntropy.apply
-    outputs = apply(logits, targets, temp, compute_entropy, group, vocab_start, chunk)
+    outputs = apply(logits, targets, temp, compute_entropy, group, vocab_start, chunk_size)
     if compute_entropy:
         log_probs, entropy = outputs
         return log_probs, entropy

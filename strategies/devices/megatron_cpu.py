@@ -222,7 +222,7 @@ def enable_megatron_cpu_compat() -> None:
         raise VersionError(
             f"megatron-core {version} is untested on CPU (the compatibility layer patches its "
             f"internals); install one of {sorted(SUPPORTED_MEGATRON_VERSIONS)}, e.g. "
-            "`pip install -c constraints/cpu.txt megatron-core`"
+            "`pip install -c constraints-cpu.txt megatron-core`"
         )
     names = (  # imported up front so that their `torch` global gets the view now
         "tensor_parallel", "tensor_parallel.random", "tensor_parallel.data",

@@ -93,12 +93,15 @@ class ReplicatedOutputLayer(torch.nn.Linear):
     megatron's ``sharded_state_dict`` finds ``output_layer.weight``.
     """
 
-    def __init__(self, hidden_size: int, features: int, seed: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, hidden_size: int, features: int, *, std: float, seed: int, dtype: torch.dtype
+    ) -> None:
         super().__init__(hidden_size, features, bias=False, dtype=dtype)
+        # Its own generator: identical weights on every rank, whatever else consumed the RNG.
         generator = torch.Generator().manual_seed(seed + _REPLICATED_LAYER_SEED_OFFSET)
         with torch.no_grad():
             weight = torch.empty(self.weight.shape, dtype=torch.float32)
-            weight.normal_(0.0, 1.0 / hidden_size**0.5, generator=generator)
+            weight.normal_(0.0, std, generator=generator)
             self.weight.copy_(weight)
 
     def forward(  # type: ignore[override]
@@ -133,6 +136,10 @@ def build_gpt_model(
     if spec.kind == "replicated" and post_process:
         dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
         model.output_layer = ReplicatedOutputLayer(
-            model_config.hidden_size, spec.features, config.seed, dtype
+            model_config.hidden_size,
+            spec.features,
+            std=model_config.init_method_std,
+            seed=config.seed,
+            dtype=dtype,
         )
     return model
