@@ -53,7 +53,7 @@ def expected_repatch_overrides(config: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize(("head", "backend", "device"), CELLS, ids=["-".join(c) for c in CELLS])
 @settings(
-    max_examples=25,
+    max_examples=4,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

@@ -1,0 +1,101 @@
+"""Run a function on several ranks (gloo on 127.0.0.1, a free port, every process timed out)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from strategies.devices.base import free_port
+
+_LAUNCHER = """
+import os, pickle, sys, traceback
+sys.path.insert(0, {root!r})
+import importlib
+module_name, function_name, args_path, out_path = sys.argv[1:5]
+with open(args_path, "rb") as handle:
+    args = pickle.load(handle)
+try:
+    result = ("ok", getattr(importlib.import_module(module_name), function_name)(*args))
+except BaseException as error:
+    result = ("error", f"{{type(error).__name__}}: {{error}}\\n{{traceback.format_exc()}}")
+with open(out_path, "wb") as handle:
+    pickle.dump(result, handle)
+import torch.distributed as dist
+if dist.is_initialized():
+    dist.destroy_process_group()
+"""
+
+
+class RankFailure(AssertionError):
+    """A rank raised, crashed or outlived its timeout."""
+
+
+def run_ranks(
+    function: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0
+) -> list[Any]:
+    """Call ``function(*args)`` in ``world_size`` fresh processes set up as torchrun would; return
+    each rank's result. Raises RankFailure with every failing rank's error and output."""
+    root = str(Path(__file__).resolve().parent.parent)
+    port = free_port()
+    with tempfile.TemporaryDirectory() as folder:
+        args_path = os.path.join(folder, "args.pkl")
+        with open(args_path, "wb") as handle:
+            pickle.dump(args, handle)
+        processes = []
+        for rank in range(world_size):
+            env = {
+                **os.environ,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            }
+            out_path = os.path.join(folder, f"rank{rank}.pkl")
+            command = [
+                sys.executable,
+                "-c",
+                _LAUNCHER.format(root=root),
+                function.__module__,
+                function.__name__,
+                args_path,
+                out_path,
+            ]
+            log = open(os.path.join(folder, f"rank{rank}.log"), "w+")  # noqa: SIM115
+            processes.append((subprocess.Popen(command, env=env, stdout=log, stderr=log), log))
+        failures, results = [], []
+        for rank, (process, _) in enumerate(processes):
+            try:
+                process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                for other, _ in processes:
+                    other.kill()
+                failures.append(f"rank {rank}: still running after {timeout:.0f} s (killed)")
+                continue
+        for rank, (process, log) in enumerate(processes):
+            process.wait()
+            log.seek(0)
+            output = log.read()[-4000:]
+            log.close()
+            out_path = os.path.join(folder, f"rank{rank}.pkl")
+            if not os.path.exists(out_path):
+                failures.append(
+                    f"rank {rank}: exited {process.returncode} with no result\n{output}"
+                )
+                continue
+            with open(out_path, "rb") as handle:
+                status, value = pickle.load(handle)
+            if status == "error":
+                failures.append(f"rank {rank}: {value}")
+            results.append(value)
+        if failures:
+            raise RankFailure("\n".join(failures))
+        return results
