@@ -1,0 +1,612 @@
+"""RL losses as pure tensor functions: global normalisation, formulas, masking, configuration.
+
+No engine is built: micro-batches come from ``engine.batching`` and the ``LossContext`` global
+counts are summed by hand the way the engine does (``scored_tokens``, ``sequences`` and every
+per-token ``*mask`` field, over all data-parallel ranks).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tensordict import TensorDict
+
+from engine.batching import from_token_lists, jagged_lengths, split_fixed
+from engine.losses import (
+    AGG_MODES,
+    KL_TYPES,
+    RESPONSE_MASK,
+    SCORED_TOKENS,
+    SEQUENCES,
+    ActorLoss,
+    CriticLoss,
+    LossContext,
+    aggregate,
+    entropy_bonus,
+    kl_loss,
+    kl_penalty,
+    policy_loss,
+    required_fields,
+    sft_loss,
+    value_loss,
+    value_regression_loss,
+)
+from heads.errors import BatchError, ConfigError
+
+HORIZON = 16
+OUTPUT_NAMES = ("log_probs", "entropy", "values")
+LossFn = Callable[[Mapping[str, torch.Tensor], TensorDict, LossContext], Any]
+
+
+# -- test data -------------------------------------------------------------------------------------
+@dataclass
+class Rollout:
+    """Sequences with per-token batch fields (lists) and head outputs (padded float64 ``[n, L]``;
+    padding positions hold ``fill``)."""
+
+    tokens: list[list[int]]
+    fields: dict[str, list[list[float]]]
+    outputs: dict[str, torch.Tensor]
+
+    def rows(self, sequence_ids: Sequence[int]) -> TensorDict:
+        return from_token_lists(
+            [self.tokens[i] for i in sequence_ids],
+            **{name: [rows[i] for i in sequence_ids] for name, rows in self.fields.items()},
+        )
+
+
+def make_rollout(
+    lengths: Sequence[int], seed: int, mask_prob: float = 0.6, corrupt: bool = False
+) -> Rollout:
+    """A random rollout; ``response_mask`` is random (never the first token). With ``corrupt``,
+    every masked-out and padding position of every output and batch field holds NaN or +-inf."""
+    gen = torch.Generator().manual_seed(seed)
+    n, width = len(lengths), max(lengths)
+    valid = torch.arange(width) < torch.tensor(lengths)[:, None]
+    mask = (torch.rand(n, width, generator=gen) < mask_prob) & valid
+    mask[:, 0] = False
+    log_probs = -3.0 * torch.rand(n, width, generator=gen, dtype=torch.float64)
+    values = torch.randn(n, width, generator=gen, dtype=torch.float64)
+    per_token = {
+        "old_log_probs": log_probs
+        + 0.4 * torch.randn(n, width, generator=gen, dtype=torch.float64),
+        "ref_log_probs": log_probs
+        + 0.4 * torch.randn(n, width, generator=gen, dtype=torch.float64),
+        "advantages": torch.randn(n, width, generator=gen, dtype=torch.float64),
+        "returns": torch.randn(n, width, generator=gen, dtype=torch.float64),
+        "values": values + 0.4 * torch.randn(n, width, generator=gen, dtype=torch.float64),
+    }
+    outputs = {
+        "log_probs": log_probs,
+        "entropy": 2.0 * torch.rand(n, width, generator=gen, dtype=torch.float64),
+        "values": values,
+    }
+    if corrupt:
+        poison = torch.tensor([math.nan, math.inf, -math.inf], dtype=torch.float64)
+        junk = poison[torch.randint(0, 3, (n, width), generator=gen)]
+        per_token = {k: torch.where(mask, v, junk) for k, v in per_token.items()}
+        outputs = {k: torch.where(mask, v, junk) for k, v in outputs.items()}
+    tokens = [torch.randint(0, 50, (length,), generator=gen).tolist() for length in lengths]
+    fields = {
+        name: [row[:length].tolist() for row, length in zip(value, lengths, strict=True)]
+        for name, value in {**per_token, RESPONSE_MASK: mask.double()}.items()
+    }
+    return Rollout(tokens=tokens, fields=fields, outputs=outputs)
+
+
+def global_counts(rows: TensorDict) -> dict[str, float]:
+    """What the engine's ``_global_counts`` computes for one rank's (jagged) batch."""
+    lengths = jagged_lengths(rows["input_ids"])
+    counts = {SCORED_TOKENS: float((lengths - 1).sum()), SEQUENCES: float(len(lengths))}
+    for name in rows.keys():
+        if str(name).endswith("mask"):
+            counts[str(name)] = float(rows[name].values().sum())
+    return counts
+
+
+def run_ranks(
+    loss_fn: LossFn, rollout: Rollout, ranks: Sequence[Sequence[int]], micro_batch_size: int
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+    """Sum of every micro-batch share on every "rank" (global counts summed over the ranks), and
+    the gradient of that sum w.r.t. the head outputs."""
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in rollout.outputs.items()}
+    rank_rows = [rollout.rows(ids) for ids in ranks]
+    counts: dict[str, float] = {}
+    for rows in rank_rows:
+        for key, value in global_counts(rows).items():
+            counts[key] = counts.get(key, 0.0) + value
+    total = torch.zeros((), dtype=torch.float64)
+    for ids, rows in zip(ranks, rank_rows, strict=True):
+        micro_batches = split_fixed(rows, micro_batch_size)
+        for index, mb in enumerate(micro_batches):
+            sequences = torch.as_tensor(ids)[mb.indices]
+            width = mb.attention_mask.shape[1]
+            outputs = {k: leaf[sequences, :width] for k, leaf in leaves.items()}
+            ctx = LossContext(
+                micro_batch_index=index,
+                num_micro_batches=len(micro_batches),
+                data_parallel_size=len(ranks),
+                global_counts=counts,
+            )
+            loss, metrics = loss_fn(outputs, mb.data, ctx)
+            assert all(isinstance(value, float) for value in metrics.values())
+            total = total + loss
+    total.backward()
+    return total.detach(), {k: leaf.grad for k, leaf in leaves.items()}
+
+
+def whole_batch(rollout: Rollout) -> tuple[TensorDict, dict[str, torch.Tensor], LossContext]:
+    """The whole rollout as one padded micro-batch, its outputs and its context."""
+    rows = rollout.rows(range(len(rollout.tokens)))
+    (mb,) = split_fixed(rows, len(rollout.tokens))
+    outputs = {k: v.detach().clone().requires_grad_() for k, v in rollout.outputs.items()}
+    ctx = LossContext(
+        micro_batch_index=0,
+        num_micro_batches=1,
+        data_parallel_size=1,
+        global_counts=global_counts(rows),
+    )
+    return mb.data, outputs, ctx
+
+
+def aggregate_loss(mode: str) -> LossFn:
+    def loss_fn(outputs: Mapping[str, torch.Tensor], batch: TensorDict, ctx: LossContext) -> Any:
+        mask = batch[RESPONSE_MASK]
+        value = aggregate(
+            outputs["values"], mask, mode, ctx, mask_key=RESPONSE_MASK, horizon=HORIZON
+        )
+        return value, {}
+
+    return loss_fn
+
+
+LOSSES: dict[str, Callable[[str], LossFn]] = {
+    "aggregate": aggregate_loss,
+    "actor": lambda mode: ActorLoss(
+        loss_agg_mode=mode, horizon=HORIZON, entropy_coeff=0.01, kl_coeff=0.1, kl_type="k3"
+    ),
+    "critic": lambda mode: CriticLoss(loss_agg_mode=mode, horizon=HORIZON, cliprange_value=0.2),
+    "policy_loss": lambda mode: functools.partial(
+        policy_loss, loss_agg_mode=mode, horizon=HORIZON, clip_ratio_high=0.28, clip_ratio_c=None
+    ),
+    "value_loss": lambda mode: functools.partial(
+        value_loss, loss_agg_mode=mode, horizon=HORIZON, cliprange_value=None
+    ),
+    "entropy_bonus": lambda mode: functools.partial(
+        entropy_bonus, loss_agg_mode=mode, horizon=HORIZON
+    ),
+    "kl_loss_k2": lambda mode: functools.partial(
+        kl_loss, kl_type="k2", loss_agg_mode=mode, horizon=HORIZON
+    ),
+}
+
+rollout_shapes = st.lists(st.integers(1, 9), min_size=1, max_size=6)
+mask_probs = st.sampled_from([0.0, 0.3, 0.8, 1.0])
+fast = settings(max_examples=30, deadline=None)
+
+
+def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def assert_same_grads(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> None:
+    for name in OUTPUT_NAMES:
+        left, right = a[name], b[name]
+        assert (left is None) == (right is None), name
+        if left is not None and right is not None:
+            torch.testing.assert_close(left, right, rtol=1e-9, atol=1e-12)
+
+
+# -- global normalisation --------------------------------------------------------------------------
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+@fast
+@given(
+    lengths=rollout_shapes,
+    mask_prob=mask_probs,
+    mode=st.sampled_from(AGG_MODES),
+    split=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_micro_batch_shares_add_up_to_the_unsplit_loss_with_equal_gradients(
+    loss: str, lengths: list[int], mask_prob: float, mode: str, split: int, seed: int
+) -> None:
+    rollout = make_rollout(lengths, seed, mask_prob)
+    everyone = [list(range(len(lengths)))]
+    loss_fn = LOSSES[loss](mode)
+    whole, whole_grads = run_ranks(loss_fn, rollout, everyone, len(lengths))
+    split_total, split_grads = run_ranks(loss_fn, rollout, everyone, split)
+    assert_same(split_total, whole)
+    assert_same_grads(split_grads, whole_grads)
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+@fast
+@given(
+    lengths=st.lists(st.integers(1, 9), min_size=2, max_size=6),
+    mask_prob=mask_probs,
+    mode=st.sampled_from(AGG_MODES),
+    cut=st.integers(1, 5),
+    split=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_two_ranks_with_global_counts_summed_over_both_equal_one_rank_with_everything(
+    loss: str, lengths: list[int], mask_prob: float, mode: str, cut: int, split: int, seed: int
+) -> None:
+    rollout = make_rollout(lengths, seed, mask_prob)
+    n = len(lengths)
+    cut = min(cut, n - 1)
+    loss_fn = LOSSES[loss](mode)
+    one_rank, one_grads = run_ranks(loss_fn, rollout, [list(range(n))], n)
+    two_ranks, two_grads = run_ranks(
+        loss_fn, rollout, [list(range(cut)), list(range(cut, n))], split
+    )
+    assert_same(two_ranks, one_rank)
+    assert_same_grads(two_grads, one_grads)
+
+
+# -- formulas --------------------------------------------------------------------------------------
+@given(lengths=rollout_shapes, mask_prob=mask_probs, seed=st.integers(0, 2**16))
+@fast
+def test_each_aggregation_mode_matches_its_formula_on_the_whole_batch(
+    lengths: list[int], mask_prob: float, seed: int
+) -> None:
+    batch, outputs, ctx = whole_batch(make_rollout(lengths, seed, mask_prob))
+    x, m = outputs["values"].detach(), batch[RESPONSE_MASK].double()
+    n = len(lengths)
+    per_sequence_sum = (x * m).sum(-1)
+    per_sequence_count = m.sum(-1)
+    per_sequence_mean = torch.where(
+        per_sequence_count > 0, per_sequence_sum / per_sequence_count.clamp(min=1), 0.0
+    )
+    expected = {
+        "token-mean": (x * m).sum() / m.sum() if m.sum() > 0 else torch.tensor(0.0),
+        "token-sum": (x * m).sum(),
+        "seq-mean-token-sum": per_sequence_sum.sum() / n,
+        "seq-mean-token-mean": per_sequence_mean.sum() / n,
+        "seq-mean-token-sum-norm": (per_sequence_sum / HORIZON).sum() / n,
+    }
+    for mode in AGG_MODES:
+        got = aggregate(x, m, mode, ctx, mask_key=RESPONSE_MASK, horizon=HORIZON)
+        torch.testing.assert_close(got, expected[mode].double(), msg=mode)
+
+
+def test_actor_loss_is_ppo_dual_clip_minus_entropy_plus_kl_token_mean() -> None:
+    batch, outputs, ctx = whole_batch(make_rollout([7, 3, 9, 5], seed=3, mask_prob=0.8))
+    low, high, c, ent_coeff, kl_coeff = 0.2, 0.28, 3.0, 0.01, 0.1
+    loss_fn = ActorLoss(
+        clip_ratio_low=low,
+        clip_ratio_high=high,
+        clip_ratio_c=c,
+        entropy_coeff=ent_coeff,
+        kl_coeff=kl_coeff,
+        kl_type="low_var_kl",
+    )
+    loss, metrics = loss_fn(outputs, batch, ctx)
+
+    m = batch[RESPONSE_MASK].double()
+    logp, ent = outputs["log_probs"].detach(), outputs["entropy"].detach()
+    old, ref = batch["old_log_probs"].double(), batch["ref_log_probs"].double()
+    adv = batch["advantages"].double()
+    ratio = torch.exp(logp - old)
+    l1 = -adv * ratio
+    l2 = -adv * torch.clamp(ratio, 1 - low, 1 + high)
+    l_clip = torch.maximum(l1, l2)
+    l3 = -adv * c
+    pg = torch.where(adv < 0, torch.minimum(l_clip, l3), l_clip)
+    k3 = torch.clamp(torch.exp(ref - logp) - (ref - logp) - 1, -10, 10)
+
+    def mean(x: torch.Tensor) -> torch.Tensor:
+        return (x * m).sum() / m.sum()
+
+    expected = mean(pg) - ent_coeff * mean(ent) + kl_coeff * mean(k3)
+    torch.testing.assert_close(loss, expected)
+    assert metrics["pg_loss"] == pytest.approx(float(mean(pg)))
+    assert metrics["pg_clipfrac"] == pytest.approx(float(mean((l2 > l1).double())))
+    assert metrics["ppo_kl"] == pytest.approx(float(mean(old - logp)))
+    lower = ((l_clip > l3) & (adv < 0)).double()
+    assert metrics["pg_clipfrac_lower"] == pytest.approx(float(mean(lower)))
+    assert metrics["entropy"] == pytest.approx(float(mean(ent)))
+    assert metrics["kl"] == pytest.approx(float(mean(k3)))
+    assert 0 < metrics["pg_clipfrac"] < 1  # the data exercises the clip
+
+
+def test_policy_loss_without_dual_clip_is_the_plain_clipped_surrogate() -> None:
+    batch, outputs, ctx = whole_batch(make_rollout([6, 8], seed=5, mask_prob=1.0))
+    loss, metrics = policy_loss(outputs, batch, ctx, clip_ratio_c=None, clip_ratio_low=0.1)
+    m = batch[RESPONSE_MASK].double()
+    adv, old = batch["advantages"].double(), batch["old_log_probs"].double()
+    ratio = torch.exp(outputs["log_probs"].detach() - old)
+    pg = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 0.9, 1.2))
+    torch.testing.assert_close(loss, (pg * m).sum() / m.sum())
+    assert metrics["pg_clipfrac_lower"] == 0.0
+    assert set(metrics) == {
+        "pg_loss",
+        "pg_clipfrac",
+        "ppo_kl",
+        "pg_clipfrac_lower",
+        "entropy",
+        "kl",
+    }
+
+
+def test_critic_loss_is_half_the_clipped_squared_error_token_mean() -> None:
+    batch, outputs, ctx = whole_batch(make_rollout([5, 9, 4], seed=11, mask_prob=0.9))
+    c = 0.2
+    loss, metrics = CriticLoss(cliprange_value=c)(outputs, batch, ctx)
+    m = batch[RESPONSE_MASK].double()
+    v, v_old, r = outputs["values"].detach(), batch["values"].double(), batch["returns"].double()
+    unclipped = (v - r) ** 2
+    clipped = (torch.clamp(v, v_old - c, v_old + c) - r) ** 2
+
+    def mean(x: torch.Tensor) -> torch.Tensor:
+        return (x * m).sum() / m.sum()
+
+    torch.testing.assert_close(loss, 0.5 * mean(torch.maximum(unclipped, clipped)))
+    assert metrics["vf_loss"] == pytest.approx(float(loss))
+    assert metrics["vf_clipfrac"] == pytest.approx(float(mean((clipped > unclipped).double())))
+    assert metrics["vpred_mean"] == pytest.approx(float(mean(v)))
+    assert 0 < metrics["vf_clipfrac"] < 1
+
+
+def test_value_loss_without_clipping_is_half_the_squared_error_and_needs_no_old_values() -> None:
+    batch, outputs, ctx = whole_batch(make_rollout([5, 9, 4], seed=12))
+    del batch["values"]
+    loss, _ = value_loss(outputs, batch, ctx, cliprange_value=None, loss_agg_mode="token-sum")
+    m = batch[RESPONSE_MASK].double()
+    r = batch["returns"].double()
+    torch.testing.assert_close(loss, 0.5 * (((outputs["values"].detach() - r) ** 2) * m).sum())
+    assert "values" not in CriticLoss(cliprange_value=None).required_fields
+
+
+@pytest.mark.parametrize("kind", KL_TYPES)
+def test_kl_estimators_match_their_formulas(kind: str) -> None:
+    logp = torch.tensor([-1.0, -0.5, -2.0, -0.1, -30.0, -0.2], dtype=torch.float64)
+    ref = torch.tensor([-1.2, -0.5, -0.3, -3.0, -0.1, -40.0], dtype=torch.float64)
+    d = logp - ref
+    expected = {
+        "k1": d,
+        "k2": 0.5 * d**2,
+        "k3": torch.clamp(torch.exp(-d) + d - 1, -10, 10),
+        "low_var_kl": torch.clamp(torch.exp(-d) + d - 1, -10, 10),
+    }[kind]
+    torch.testing.assert_close(kl_penalty(logp, ref, kind), expected)
+
+
+def test_low_var_kl_is_clamped_to_ten_and_its_gradient_stays_finite() -> None:
+    logp = torch.tensor([-200.0, 0.0, -1.0], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([0.0, -200.0, -1.0], dtype=torch.float64)
+    kl = kl_penalty(logp, ref, "low_var_kl")
+    kl.sum().backward()
+    assert kl.tolist() == [10.0, 10.0, 0.0]
+    assert logp.grad is not None and torch.isfinite(logp.grad).all()
+
+
+def test_entropy_bonus_and_kl_loss_are_minus_mean_entropy_and_mean_kl() -> None:
+    batch, outputs, ctx = whole_batch(make_rollout([4, 7], seed=2))
+    m = batch[RESPONSE_MASK].double()
+    ent_loss, ent_metrics = entropy_bonus(outputs, batch, ctx)
+    mean_entropy = (outputs["entropy"].detach() * m).sum() / m.sum()
+    torch.testing.assert_close(ent_loss, -mean_entropy)
+    assert ent_metrics == {"entropy": pytest.approx(float(mean_entropy))}
+    kl, kl_metrics = kl_loss(outputs, batch, ctx, kl_type="k1")
+    k1 = outputs["log_probs"].detach() - batch["ref_log_probs"].double()
+    torch.testing.assert_close(kl, (k1 * m).sum() / m.sum())
+    assert kl_metrics["kl"] == pytest.approx(float(kl))
+
+
+def test_metrics_are_the_micro_batch_local_statistics_while_the_loss_is_its_global_share() -> None:
+    rollout = make_rollout([5, 6, 7, 8], seed=9, mask_prob=1.0)
+    rows = rollout.rows(range(4))
+    first, _ = split_fixed(rows, 2)
+    outputs = {
+        k: v[first.indices, : first.attention_mask.shape[1]] for k, v in rollout.outputs.items()
+    }
+    ctx = LossContext(
+        micro_batch_index=0,
+        num_micro_batches=2,
+        data_parallel_size=1,
+        global_counts=global_counts(rows),
+    )
+    loss, metrics = CriticLoss(cliprange_value=None)(outputs, first.data, ctx)
+    m = first.data[RESPONSE_MASK].double()
+    local = 0.5 * (((outputs["values"] - first.data["returns"].double()) ** 2) * m).sum()
+    assert metrics["vf_loss"] == pytest.approx(float(local / m.sum()))
+    torch.testing.assert_close(loss, local / ctx.global_count(RESPONSE_MASK))
+    assert float(loss) < metrics["vf_loss"]  # a share: this micro-batch holds 9 of 22 tokens
+
+
+# -- masking ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+@settings(max_examples=15, deadline=None)
+@given(
+    lengths=rollout_shapes,
+    mode=st.sampled_from(AGG_MODES),
+    split=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_nan_and_inf_in_masked_out_positions_never_reach_the_loss_or_gradients(
+    loss: str, lengths: list[int], mode: str, split: int, seed: int
+) -> None:
+    everyone = [list(range(len(lengths)))]
+    loss_fn = LOSSES[loss](mode)
+    clean, clean_grads = run_ranks(loss_fn, make_rollout(lengths, seed), everyone, split)
+    dirty, dirty_grads = run_ranks(
+        loss_fn, make_rollout(lengths, seed, corrupt=True), everyone, split
+    )
+    assert torch.isfinite(dirty)
+    assert_same(dirty, clean)
+    for grad in dirty_grads.values():
+        assert grad is None or torch.isfinite(grad).all()
+    assert_same_grads(dirty_grads, clean_grads)
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_an_all_zero_mask_gives_zero_loss_and_zero_gradients(loss: str, mode: str) -> None:
+    rollout = make_rollout([3, 5, 1], seed=4, mask_prob=0.0, corrupt=True)
+    total, grads = run_ranks(LOSSES[loss](mode), rollout, [[0, 1, 2]], 2)
+    assert float(total) == 0.0
+    for grad in grads.values():
+        assert grad is None or not grad.any()
+
+
+def test_masked_out_tokens_do_not_count_but_zero_mask_sequences_count_as_sequences() -> None:
+    x = torch.tensor([[0.0, 2.0, 4.0], [0.0, 9.0, 9.0]], dtype=torch.float64)
+    m = torch.tensor([[0.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    ctx = LossContext(
+        micro_batch_index=0,
+        num_micro_batches=1,
+        data_parallel_size=1,
+        global_counts={"loss_mask": 2.0, SEQUENCES: 2.0},
+    )
+    assert float(aggregate(x, m, "token-mean", ctx, mask_key="loss_mask")) == 3.0
+    assert float(aggregate(x, m, "seq-mean-token-mean", ctx)) == 1.5
+    assert float(aggregate(x, m, "seq-mean-token-sum", ctx)) == 3.0
+
+
+# -- configuration and the loss_fn convention ------------------------------------------------------
+BAD_CONFIGS = [
+    (ActorLoss, "clip_ratio_low", 1.0),
+    (ActorLoss, "clip_ratio_low", -0.1),
+    (ActorLoss, "clip_ratio_high", -0.2),
+    (ActorLoss, "clip_ratio_high", math.nan),
+    (ActorLoss, "clip_ratio_high", True),
+    (ActorLoss, "clip_ratio_c", 1.0),
+    (ActorLoss, "clip_ratio_c", 0.5),
+    (ActorLoss, "entropy_coeff", -0.01),
+    (ActorLoss, "kl_coeff", math.inf),
+    (ActorLoss, "kl_type", "k4"),
+    (ActorLoss, "loss_agg_mode", "mean"),
+    (ActorLoss, "horizon", 0),
+    (ActorLoss, "horizon", 2.5),
+    (ActorLoss, "mask_key", 3),
+    (CriticLoss, "cliprange_value", 0.0),
+    (CriticLoss, "cliprange_value", "0.5"),
+    (CriticLoss, "loss_agg_mode", "token_mean"),
+    (CriticLoss, "horizon", -1),
+]
+
+
+@pytest.mark.parametrize(
+    ("cls", "field", "value"),
+    BAD_CONFIGS,
+    ids=[f"{c.__name__}.{f}={v!r}" for c, f, v in BAD_CONFIGS],
+)
+def test_a_bad_config_value_raises_config_error_naming_the_field(
+    cls: type, field: str, value: object
+) -> None:
+    with pytest.raises(ConfigError, match=rf"{cls.__name__}\.{field}\b"):
+        cls(**{field: value})
+
+
+@pytest.mark.parametrize("cls", [ActorLoss, CriticLoss])
+def test_seq_mean_token_sum_norm_needs_a_horizon(cls: type) -> None:
+    with pytest.raises(ConfigError, match=rf"{cls.__name__}\.horizon"):
+        cls(loss_agg_mode="seq-mean-token-sum-norm")
+    assert cls(loss_agg_mode="seq-mean-token-sum-norm", horizon=512).horizon == 512
+
+
+def test_bad_options_of_the_plain_functions_raise_config_error_naming_the_option() -> None:
+    batch, outputs, ctx = whole_batch(make_rollout([4, 6], seed=1))
+    with pytest.raises(ConfigError, match="clip_ratio_c"):
+        functools.partial(policy_loss, clip_ratio_c=0.9)(outputs, batch, ctx)
+    with pytest.raises(ConfigError, match="cliprange_value"):
+        value_loss(outputs, batch, ctx, cliprange_value=-1.0)
+    with pytest.raises(ConfigError, match="mode"):
+        aggregate(outputs["values"], batch[RESPONSE_MASK], "token_mean", ctx)
+    with pytest.raises(ConfigError, match="horizon"):
+        aggregate(outputs["values"], batch[RESPONSE_MASK], "seq-mean-token-sum-norm", ctx)
+    with pytest.raises(ConfigError, match="mask_key"):
+        aggregate(outputs["values"], batch[RESPONSE_MASK], "token-mean", ctx)
+    with pytest.raises(ConfigError, match="kl type"):
+        kl_penalty(outputs["log_probs"], batch["ref_log_probs"], "k9")
+
+
+def test_required_fields_follow_the_configuration_and_partials() -> None:
+    assert ActorLoss().required_fields == ("old_log_probs", "advantages")
+    assert ActorLoss(kl_coeff=0.1, mask_key="turn_mask").required_fields == (
+        "old_log_probs",
+        "advantages",
+        "ref_log_probs",
+        "turn_mask",
+    )
+    assert required_fields(CriticLoss()) == ("returns", "values")
+    assert required_fields(functools.partial(policy_loss, clip_ratio_high=0.28)) == (
+        "old_log_probs",
+        "advantages",
+    )
+    assert required_fields(functools.partial(ActorLoss(kl_coeff=0.1))) == (
+        "old_log_probs",
+        "advantages",
+        "ref_log_probs",
+    )
+    assert required_fields(value_loss) == ("values", "returns")
+    assert required_fields(kl_loss) == ("ref_log_probs",)
+
+
+def test_a_users_own_loss_function_keeps_working_alongside_the_library() -> None:
+    def my_loss(
+        outputs: Mapping[str, torch.Tensor], batch: TensorDict, ctx: LossContext
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        pg, pg_metrics = policy_loss(outputs, batch, ctx)
+        vf, _ = entropy_bonus(outputs, batch, ctx)
+        return pg + 0.5 * vf, {"mine": 1.0, **pg_metrics}
+
+    assert required_fields(my_loss) == ()
+    batch, outputs, ctx = whole_batch(make_rollout([4, 6], seed=1))
+    loss, metrics = my_loss(outputs, batch, ctx)
+    assert loss.shape == () and metrics["mine"] == 1.0 and "pg_clipfrac" in metrics
+
+
+def test_the_mask_is_loss_mask_then_response_mask_or_the_named_field() -> None:
+    batch, outputs, ctx = whole_batch(make_rollout([4, 6], seed=1, mask_prob=1.0))
+    only_last = torch.zeros_like(batch[RESPONSE_MASK])
+    only_last[:, -1] = 1.0
+    counts = {**ctx.global_counts, "loss_mask": 2.0, "last_mask": 2.0}
+    narrowed = LossContext(
+        micro_batch_index=0, num_micro_batches=1, data_parallel_size=1, global_counts=counts
+    )
+    batch_with_loss_mask = batch.clone()
+    batch_with_loss_mask["loss_mask"] = only_last
+    batch_with_named = batch.clone()
+    batch_with_named["last_mask"] = only_last
+    by_loss_mask, _ = CriticLoss()(outputs, batch_with_loss_mask, narrowed)
+    by_name, _ = CriticLoss(mask_key="last_mask")(outputs, batch_with_named, narrowed)
+    by_response, _ = CriticLoss()(outputs, batch_with_named, narrowed)
+    torch.testing.assert_close(by_loss_mask, by_name)
+    assert not torch.allclose(by_loss_mask, by_response)
+
+
+def test_a_batch_without_a_loss_or_response_mask_is_a_batch_error() -> None:
+    batch, outputs, ctx = whole_batch(make_rollout([4, 6], seed=1))
+    del batch[RESPONSE_MASK]
+    with pytest.raises(BatchError, match="response_mask"):
+        ActorLoss()(outputs, batch, ctx)
+
+
+def test_entropy_coeff_without_the_heads_entropy_output_says_how_to_enable_it() -> None:
+    batch, outputs, ctx = whole_batch(make_rollout([4, 6], seed=1))
+    del outputs["entropy"]
+    with pytest.raises(ConfigError, match="compute_entropy"):
+        ActorLoss(entropy_coeff=0.01)(outputs, batch, ctx)
+    _, metrics = ActorLoss()(outputs, batch, ctx)
+    assert "entropy" not in metrics
+
+
+def test_sft_and_value_regression_losses_still_use_the_scored_tokens() -> None:
+    batch, outputs, ctx = whole_batch(make_rollout([4, 6], seed=1))
+    scored = batch["attention_mask"].double()
+    scored[:, 0] = 0
+    sft, _ = sft_loss(outputs, batch, ctx)
+    torch.testing.assert_close(sft, -(outputs["log_probs"].detach() * scored).sum() / scored.sum())
+    reg, _ = value_regression_loss(outputs, batch, ctx)
+    err = (outputs["values"].detach() - batch["returns"].double()) ** 2
+    torch.testing.assert_close(reg, 0.5 * (err * scored).sum() / scored.sum())

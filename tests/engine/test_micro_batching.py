@@ -1,0 +1,468 @@
+"""Micro-batch planning: budget, coverage, minimal count, balance, errors, and data parallelism.
+
+Optimality claims are checked against brute force over every set partition of small batches;
+the data-parallel agreement runs in two real gloo processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.micro_batching import (
+    MicroBatchPlan,
+    agree_on_count,
+    plan_fixed,
+    plan_for_data_parallel,
+    plan_token_budget,
+)
+from heads.errors import BatchError, ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# -------------------------------------------------------------------------------------- helpers
+
+
+def load(group: Sequence[int], lengths: Sequence[int], padded: bool) -> int:
+    if padded:
+        return len(group) * max(lengths[i] for i in group)
+    return sum(lengths[i] for i in group)
+
+
+def assert_valid(plan: MicroBatchPlan, lengths: Sequence[int], budget: int, padded: bool) -> None:
+    """Every sequence exactly once, no empty group, loads as stated and within the budget."""
+    flat = [i for group in plan.groups for i in group]
+    assert sorted(flat) == list(range(len(lengths)))
+    assert all(plan.groups)
+    assert plan.tokens == tuple(load(g, lengths, False) for g in plan.groups)
+    assert plan.padded_tokens == tuple(load(g, lengths, True) for g in plan.groups)
+    assert plan.padded is padded
+    assert plan.max_tokens_per_micro_batch == budget
+    assert max(load(g, lengths, padded) for g in plan.groups) <= budget
+
+
+def in_order_chunks(n: int, count: int) -> list[list[int]]:
+    """Naive baseline: the batch in its order cut into ``count`` chunks of near-equal size."""
+    size, extra = divmod(n, count)
+    chunks, start = [], 0
+    for c in range(count):
+        stop = start + size + (1 if c < extra else 0)
+        chunks.append(list(range(start, stop)))
+        start = stop
+    return chunks
+
+
+@cache
+def set_partitions(n: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Every partition of ``range(n)`` into non-empty groups (Bell(7) = 877 for n = 7)."""
+    if n == 0:
+        return ((),)
+    found = []
+    for rest in set_partitions(n - 1):
+        for i in range(len(rest)):
+            found.append((*rest[:i], (n - 1, *rest[i]), *rest[i + 1 :]))
+        found.append(((n - 1,), *rest))
+    return tuple(found)
+
+
+def brute_force(lengths: Sequence[int], budget: int, padded: bool) -> tuple[int, dict[int, int]]:
+    """(fewest groups within budget, {count: least possible max load with that many groups})."""
+    fewest = len(lengths)
+    best: dict[int, int] = {}
+    for partition in set_partitions(len(lengths)):
+        worst = max(load(g, lengths, padded) for g in partition)
+        if worst <= budget:
+            fewest = min(fewest, len(partition))
+        best[len(partition)] = min(best.get(len(partition), worst), worst)
+    return fewest, best
+
+
+@st.composite
+def batches(draw: st.DrawFn, max_sequences: int = 48, max_length: int = 600) -> tuple:
+    """(lengths, budget >= longest, min_num_micro_batches <= n, padded)."""
+    lengths = draw(st.lists(st.integers(1, max_length), min_size=1, max_size=max_sequences))
+    padded = draw(st.booleans())
+    longest = max(lengths)
+    budget = draw(st.integers(longest, max(longest, 4 * longest, sum(lengths) + 1)))
+    minimum = draw(st.integers(1, len(lengths)))
+    return lengths, budget, minimum, padded
+
+
+small_batches = batches(max_sequences=7, max_length=40)
+PROPERTY = settings(max_examples=150, deadline=None)
+
+# ------------------------------------------------------------------------ partition properties
+
+
+@PROPERTY
+@given(batches())
+def test_plan_covers_every_sequence_once_within_budget(case: tuple) -> None:
+    lengths, budget, minimum, padded = case
+    plan = plan_token_budget(lengths, budget, min_num_micro_batches=minimum, padded=padded)
+    assert_valid(plan, lengths, budget, padded)
+    assert minimum <= plan.num_micro_batches <= len(lengths)
+
+
+@PROPERTY
+@given(batches())
+def test_plan_is_deterministic_and_input_type_independent(case: tuple) -> None:
+    lengths, budget, minimum, padded = case
+    kwargs = {"min_num_micro_batches": minimum, "padded": padded}
+    plan = plan_token_budget(lengths, budget, **kwargs)
+    assert plan_token_budget(list(lengths), budget, **kwargs) == plan
+    assert plan_token_budget(tuple(lengths), budget, **kwargs) == plan
+    assert plan_token_budget(torch.tensor(lengths), budget, **kwargs) == plan
+
+
+@PROPERTY
+@given(batches())
+def test_min_num_micro_batches_only_raises_the_count(case: tuple) -> None:
+    lengths, budget, minimum, padded = case
+    natural = plan_token_budget(lengths, budget, padded=padded).num_micro_batches
+    forced = plan_token_budget(lengths, budget, min_num_micro_batches=minimum, padded=padded)
+    assert forced.num_micro_batches == max(natural, minimum)
+
+
+@PROPERTY
+@given(batches())
+def test_micro_batches_run_heaviest_first(case: tuple) -> None:
+    lengths, budget, minimum, padded = case
+    plan = plan_token_budget(lengths, budget, min_num_micro_batches=minimum, padded=padded)
+    assert list(plan.loads) == sorted(plan.loads, reverse=True)
+    assert all(list(group) == sorted(group) for group in plan.groups)
+
+
+# ------------------------------------------------------------------------ count and balance
+
+
+@settings(max_examples=200, deadline=None)
+@given(small_batches)
+def test_padded_plan_has_fewest_micro_batches_and_least_max_load(case: tuple) -> None:
+    """Padded accounting is solved exactly (sorted consecutive runs + binary search)."""
+    lengths, budget, minimum, _ = case
+    fewest, best = brute_force(lengths, budget, padded=True)
+    plan = plan_token_budget(lengths, budget, min_num_micro_batches=minimum, padded=True)
+    assert plan.num_micro_batches == max(fewest, minimum)
+    assert plan.max_load == best[plan.num_micro_batches]
+
+
+@settings(max_examples=200, deadline=None)
+@given(small_batches)
+def test_packed_plan_is_within_the_ffd_and_four_thirds_bounds(case: tuple) -> None:
+    """Packing is NP-hard; the count obeys FFD's bound (<= 11/9 OPT + 6/9, Dosa 2007) and the
+    max load for that count LPT's / MULTIFIT's (<= 4/3 of the optimum for that count)."""
+    lengths, budget, minimum, _ = case
+    fewest, best = brute_force(lengths, budget, padded=False)
+    plan = plan_token_budget(lengths, budget, min_num_micro_batches=minimum, padded=False)
+    assert max(fewest, minimum) <= plan.num_micro_batches
+    assert plan.num_micro_batches <= max(minimum, (11 * fewest + 6) // 9)
+    assert 3 * plan.max_load <= 4 * best[plan.num_micro_batches] + 2  # <= ceil(4/3 OPT)
+
+
+@PROPERTY
+@given(batches(max_sequences=200, max_length=2000))
+def test_packed_count_is_below_twice_the_token_lower_bound(case: tuple) -> None:
+    """Any two FFD bins together exceed the budget, so count <= 2 * ceil(total/budget) - 1."""
+    lengths, budget, _, _ = case
+    plan = plan_token_budget(lengths, budget, padded=False)
+    lower = math.ceil(sum(lengths) / budget)
+    assert lower <= plan.num_micro_batches <= 2 * lower - 1
+
+
+@PROPERTY
+@given(st.integers(1, 500), st.integers(1, 16), st.integers(1, 100), st.booleans())
+def test_equal_lengths_need_exactly_the_lower_bound(
+    length: int, per_batch: int, n: int, padded: bool
+) -> None:
+    budget = per_batch * length
+    plan = plan_token_budget([length] * n, budget, padded=padded)
+    assert plan.num_micro_batches == math.ceil(n * length / budget) == math.ceil(n / per_batch)
+
+
+@PROPERTY
+@given(st.integers(2, 5000), st.data())
+def test_complementary_lengths_pack_perfectly(budget: int, data: st.DataObject) -> None:
+    halves = data.draw(st.lists(st.integers(1, budget // 2), min_size=1, max_size=40))
+    lengths = [x for small in halves for x in (small, budget - small)]
+    order = data.draw(st.permutations(range(len(lengths))))
+    shuffled = [lengths[i] for i in order]
+    plan = plan_token_budget(shuffled, budget, padded=False)
+    assert plan.num_micro_batches == len(halves) == sum(lengths) // budget
+
+
+@PROPERTY
+@given(batches())
+def test_max_load_never_exceeds_in_order_chunking_with_the_same_count(case: tuple) -> None:
+    lengths, budget, minimum, padded = case
+    plan = plan_token_budget(lengths, budget, min_num_micro_batches=minimum, padded=padded)
+    naive = in_order_chunks(len(lengths), plan.num_micro_batches)
+    assert plan.max_load <= max(load(chunk, lengths, padded) for chunk in naive)
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_skewed_batch_is_balanced_strictly_better_than_in_order_chunking(padded: bool) -> None:
+    lengths = [1000, 1000, 10, 10, 10, 10]
+    plan = plan_token_budget(lengths, 4096, min_num_micro_batches=2, padded=padded)
+    naive = max(load(chunk, lengths, padded) for chunk in in_order_chunks(6, 2))
+    assert naive == (3000 if padded else 2010)
+    assert plan.max_load == (2000 if padded else 1020)
+
+
+def test_plans_4096_sequences_quickly() -> None:
+    rng = random.Random(0)
+    lengths = [rng.randint(16, 4096) for _ in range(4096)]
+    for padded in (True, False):
+        start = time.perf_counter()
+        plan = plan_token_budget(lengths, 16384, padded=padded)
+        elapsed = time.perf_counter() - start
+        assert_valid(plan, lengths, 16384, padded)
+        assert elapsed < 2.0  # about 5 ms padded and 15 ms packed on an idle CPU
+
+
+# --------------------------------------------------------------------------------- fixed size
+
+
+@PROPERTY
+@given(st.lists(st.integers(1, 100), min_size=1, max_size=60), st.integers(1, 70))
+def test_plan_fixed_is_consecutive_chunks(lengths: list[int], size: int) -> None:
+    plan = plan_fixed(lengths, size)
+    starts = range(0, len(lengths), size)
+    assert plan.groups == tuple(tuple(range(s, min(s + size, len(lengths)))) for s in starts)
+    assert plan.tokens == tuple(load(g, lengths, False) for g in plan.groups)
+    assert plan.padded_tokens == tuple(load(g, lengths, True) for g in plan.groups)
+    assert plan.max_tokens_per_micro_batch is None
+
+
+def test_plan_fixed_matches_split_fixed() -> None:
+    from engine.batching import from_token_lists, split_fixed
+
+    lengths = [3, 1, 4, 1, 5, 9, 2]
+    batch = from_token_lists([[1] * n for n in lengths])
+    expected = tuple(tuple(mb.indices.tolist()) for mb in split_fixed(batch, 3))
+    assert plan_fixed(lengths, 3).groups == expected
+
+
+# ------------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_over_long_sequence_error_names_index_length_and_budget(padded: bool) -> None:
+    with pytest.raises(BatchError) as raised:
+        plan_token_budget([10, 20, 30, 5000, 40, 6000], 4096, padded=padded)
+    message = str(raised.value)
+    assert "sequence 3 has 5000 tokens" in message
+    assert "max_tokens_per_micro_batch=4096" in message
+    assert "1 more" in message
+
+
+def test_more_micro_batches_than_sequences_is_a_clear_error() -> None:
+    with pytest.raises(BatchError, match=r"min_num_micro_batches=4 exceeds the 3 sequence"):
+        plan_token_budget([5, 6, 7], 100, min_num_micro_batches=4)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 1.5, True, "8", None])
+def test_budget_and_sizes_must_be_positive_ints(bad: object) -> None:
+    with pytest.raises(ConfigError, match="max_tokens_per_micro_batch must be a positive int"):
+        plan_token_budget([1, 2], bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="micro_batch_size must be a positive int"):
+        plan_fixed([1, 2], bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="min_num_micro_batches must be a positive int"):
+        plan_token_budget([1, 2], 10, min_num_micro_batches=bad)  # type: ignore[arg-type]
+    with pytest.raises(BatchError, match="local_count must be a positive int"):
+        agree_on_count(bad, None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("lengths", "match"),
+    [
+        ([], "at least one sequence"),
+        ([3, 0, 2], "sequence 1 has length 0"),
+        ([3, -1], "sequence 1 has length -1"),
+        ([3, 2.5], "sequence 1: length must be an int"),
+        ([True], "sequence 0: length must be an int"),
+        (torch.ones(2, 2, dtype=torch.long), "1-D integer tensor"),
+        (torch.ones(3), "1-D integer tensor"),
+    ],
+)
+def test_bad_lengths_are_batch_errors(lengths: object, match: str) -> None:
+    with pytest.raises(BatchError, match=match):
+        plan_token_budget(lengths, 100)  # type: ignore[arg-type]
+
+
+def test_padded_flag_must_be_a_bool() -> None:
+    with pytest.raises(ConfigError, match="padded must be a bool"):
+        plan_token_budget([1], 10, padded="yes")  # type: ignore[arg-type]
+
+
+def test_plan_rejects_groups_that_are_not_a_partition() -> None:
+    with pytest.raises(BatchError, match="exactly once"):
+        MicroBatchPlan(groups=((0, 1), (1,)), tokens=(2, 1), padded_tokens=(2, 1))
+    with pytest.raises(BatchError, match="empty"):
+        MicroBatchPlan(groups=((0,), ()), tokens=(1, 0), padded_tokens=(1, 0))
+
+
+def test_without_a_group_counts_and_plans_stay_local() -> None:
+    assert agree_on_count(5, None) == 5
+    lengths = [7, 3, 9, 1]
+    assert plan_for_data_parallel(lengths, 10, None) == plan_token_budget(lengths, 10)
+    with pytest.raises(BatchError, match="sequence 1 has 500 tokens"):
+        plan_for_data_parallel([10, 500], 100, None)
+
+
+# -------------------------------------------------------------------- data parallel (2 ranks)
+
+# The two ranks finish in about 3 s (mostly importing torch); the limit only stops a hang.
+RANK_TIMEOUT_S = 60
+
+# A lean rank: cases come as JSON in argv, plans go to stdout. It loads the planner by path,
+# skipping pytest, hypothesis and the engine package's imports (half the start-up time).
+RANK_PROGRAM = """
+import importlib.util, json, sys
+from datetime import timedelta
+import torch.distributed as dist
+from heads.errors import BatchError
+
+spec = importlib.util.spec_from_file_location("micro_batching", "engine/micro_batching.py")
+planner = importlib.util.module_from_spec(spec)
+sys.modules["micro_batching"] = planner
+spec.loader.exec_module(planner)
+agree_on_count = planner.agree_on_count
+plan_for_data_parallel = planner.plan_for_data_parallel
+plan_token_budget = planner.plan_token_budget
+
+rank, world, port, limit = (int(arg) for arg in sys.argv[1:5])
+cases = json.loads(sys.argv[5])
+timeout = timedelta(seconds=limit)
+store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+try:
+    group = dist.group.WORLD
+    result = {"agreed": agree_on_count(3 + 4 * rank, group), "plans": []}
+    for lengths, budget, padded in cases:
+        local = plan_token_budget(lengths, budget, padded=padded).num_micro_batches
+        plan = plan_for_data_parallel(lengths, budget, group, padded=padded)
+        fields = ("groups", "tokens", "padded_tokens", "max_tokens_per_micro_batch", "padded")
+        result["plans"].append({"local": local, **{f: getattr(plan, f) for f in fields}})
+    # Rank 1 needs 5 micro-batches, rank 0 has only 2 sequences: both must raise.
+    try:
+        plan_for_data_parallel([10, 10] if rank == 0 else [100] * 5, 100, group)
+        result["error"] = None
+    except BatchError as error:
+        result["error"] = str(error)
+    # Rank 0 has a sequence over the budget: it names it, rank 1 points to it.
+    try:
+        plan_for_data_parallel([10, 500] if rank == 0 else [10, 20], 100, group)
+        result["over_long"] = None
+    except BatchError as error:
+        result["over_long"] = str(error)
+    result["after_error"] = agree_on_count(1 + rank, group)  # nobody was left hanging
+    print("RESULT " + json.dumps(result), flush=True)
+finally:
+    dist.destroy_process_group()
+"""
+
+
+def rank_cases(rank: int) -> list[tuple[list[int], int, bool]]:
+    """Different lengths on each rank (so local counts differ), same budgets and modes."""
+    rng = random.Random(1000 + rank)
+    cases = []
+    for case in range(24):
+        budget = rng.choice([256, 512, 1024])
+        # Rank 0: many short sequences (few micro-batches); rank 1: fewer, longer ones (more
+        # micro-batches, but never more than rank 0 has sequences).
+        if rank == 0:
+            n, low, high = rng.randint(24, 40), 1, budget // 8
+        else:
+            n, low, high = rng.randint(8, 20), budget // 8, budget // 2
+        cases.append(([rng.randint(low, high) for _ in range(n)], budget, case % 2 == 0))
+    return cases
+
+
+@pytest.mark.multiprocess
+def test_data_parallel_ranks_agree_on_the_count_and_keep_their_budget() -> None:
+    import torch.distributed as dist
+
+    world = 2
+    # The test holds the store on a port the OS picks; the ranks connect to it as clients.
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=RANK_TIMEOUT_S),
+    )
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    cases = [rank_cases(rank) for rank in range(world)]
+    argv = [str(world), str(store.port), str(RANK_TIMEOUT_S)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_PROGRAM, str(rank), *argv, json.dumps(cases[rank])],
+            env=env,
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    outputs = []
+    deadline = time.monotonic() + RANK_TIMEOUT_S
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a data-parallel rank did not finish within {RANK_TIMEOUT_S} s")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    results = []
+    for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0, f"rank {rank} failed:\n{output}"
+        line = next(line for line in output.splitlines() if line.startswith("RESULT "))
+        results.append(json.loads(line.removeprefix("RESULT ")))
+
+    assert [r["agreed"] for r in results] == [7, 7]
+    assert [r["after_error"] for r in results] == [2, 2]
+    local_counts = [[plan.pop("local") for plan in r["plans"]] for r in results]
+    assert local_counts[0] != local_counts[1]  # the ranks really had to agree
+    for rank, result in enumerate(results):
+        for (lengths, budget, padded), fields in zip(cases[rank], result["plans"], strict=True):
+            plan = MicroBatchPlan(**{name: _tuples(value) for name, value in fields.items()})
+            assert_valid(plan, lengths, budget, padded)
+    for case, (first, second) in enumerate(zip(*(r["plans"] for r in results), strict=True)):
+        agreed = max(local_counts[0][case], local_counts[1][case])
+        assert len(first["groups"]) == len(second["groups"]) == agreed
+    for r in results:
+        assert r["error"] is not None
+        assert "need 5 micro-batches" in r["error"]
+        assert "at least 5 sequences" in r["error"]
+    assert "sequence 1 has 500 tokens" in results[0]["over_long"]
+    assert "another data-parallel rank could not plan" in results[1]["over_long"]
+
+
+def _tuples(value: Any) -> Any:
+    """JSON lists back to the tuples a MicroBatchPlan holds."""
+    return tuple(_tuples(item) for item in value) if isinstance(value, list) else value
