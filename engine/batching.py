@@ -189,11 +189,6 @@ def split_into(batch: TensorDict, groups: Sequence[Sequence[int]]) -> list[Micro
     return micro_batches
 
 
-def make_micro_batch(rows: TensorDict, indices: torch.Tensor) -> MicroBatch:
-    """Sequences ``indices`` of a batch, right-padded to their longest."""
-    return split_into(rows, [indices.tolist()])[0]
-
-
 def restore_outputs(
     outputs: Sequence[dict[str, torch.Tensor]], micro_batches: Sequence[MicroBatch], total: int
 ) -> TensorDict:

@@ -11,7 +11,7 @@ import yaml
 
 from engine.registry import STRICT_CONVERTER, describe_structure_error
 from heads.errors import ConfigError
-from heads.validation import bool_field, int_field, non_negative, of_type, one_of
+from heads.validation import bool_field, int_field, non_negative, of_type, one_of, positive
 from strategies.config import (
     ModelConfig,
     OptimizerConfig,
@@ -60,6 +60,12 @@ class EngineConfig:
     optimizer: OptimizerConfig = _section(OptimizerConfig)
     scheduler: SchedulerConfig = _section(SchedulerConfig)
     micro_batch_size: int = int_field(4)
+    #: When set, micro-batches are planned by token budget (rows x longest row, padding
+    #: included) instead of ``micro_batch_size``: the fewest that fit, balanced, and the same
+    #: count on every data-parallel rank.
+    max_tokens_per_micro_batch: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional([of_type(int), positive])
+    )
     #: Reference models: no optimizer, no gradients; ``train_batch`` is refused.
     forward_only: bool = bool_field(False)
     seed: int = int_field(1234, non_negative)

@@ -22,12 +22,13 @@ from engine.batching import (
     fields,
     restore_outputs,
     sequence_lengths,
-    split_fixed,
+    split_into,
     to_jagged,
     validate_batch,
 )
 from engine.config import EngineConfig, coerce_config
 from engine.losses import SCORED_TOKENS, SEQUENCES, LossContext, required_fields
+from engine.micro_batching import MicroBatchPlan, plan_fixed, plan_for_data_parallel
 from engine.registry import AUTO_DEVICE_ORDER, BACKENDS, DEVICES, HEADS
 from heads.base import Head, HeadContext
 from heads.errors import (
@@ -143,11 +144,17 @@ class Engine:
 
     # -- steps ---------------------------------------------------------------------------------
     def forward_backward_batch(
-        self, batch: TensorDict, loss_function: LossFn | None, forward_only: bool = False
+        self,
+        batch: TensorDict,
+        loss_function: LossFn | None,
+        forward_only: bool = False,
+        *,
+        return_outputs: bool = True,
     ) -> dict[str, Any]:
         """Micro-batch ``batch``, run forward (and backward), return on output ranks
-        ``{"model_output": jagged per-token outputs in input order, "loss": [per micro-batch],
-        "metrics": {name: [per micro-batch]}}``; other ranks get empty results."""
+        ``{"model_output": jagged per-token outputs in input order (None when
+        ``return_outputs=False``), "loss": [per micro-batch], "metrics": {name: [per
+        micro-batch]}}``; other ranks get empty results."""
         self._require_initialized("forward_backward_batch")
         if not forward_only:
             self._require_trainable("forward_backward_batch")
@@ -158,7 +165,7 @@ class Engine:
         fields = required_fields(loss_function) if loss_function is not None else ()
         rows = to_jagged(validate_batch(batch, fields))
         self._check_token_ids(rows)
-        micro_batches = split_fixed(rows, self.config.micro_batch_size)
+        micro_batches = split_into(rows, self.plan_micro_batches(rows).groups)
         counts = self._global_counts(rows)
         produced: list[dict[str, torch.Tensor]] = [{} for _ in micro_batches]
         losses: list[float] = [0.0] * len(micro_batches)
@@ -171,7 +178,8 @@ class Engine:
             micro_batch: MicroBatch = micro_batches[index]
             data = micro_batch.data.to(device)
             outputs = self.head.postprocess(raw, data["input_ids"], head_ctx)
-            produced[index] = {key: value.detach() for key, value in outputs.items()}
+            if return_outputs:
+                produced[index] = {key: value.detach() for key, value in outputs.items()}
             if loss_function is None:
                 return raw.sum() * 0.0, {}
             ctx = LossContext(
@@ -191,10 +199,24 @@ class Engine:
         if not self.backend.is_mp_src_rank_with_outputs():
             return {"model_output": None, "loss": [], "metrics": {}}
         return {
-            "model_output": restore_outputs(produced, micro_batches, rows.batch_size[0]),
+            "model_output": restore_outputs(produced, micro_batches, rows.batch_size[0])
+            if return_outputs
+            else None,
             "loss": losses,
             "metrics": _per_name(metrics),
         }
+
+    def plan_micro_batches(self, batch: TensorDict) -> MicroBatchPlan:
+        """Which sequences run together: fixed ``micro_batch_size`` groups, or token-budget
+        groups (``max_tokens_per_micro_batch``) agreed in count across data-parallel ranks."""
+        lengths = sequence_lengths(batch)
+        budget = self.config.max_tokens_per_micro_batch
+        if budget is None:
+            return plan_fixed(lengths, self.config.micro_batch_size)
+        group = (
+            self.backend.data_parallel_group() if self.backend.data_parallel_size() > 1 else None
+        )
+        return plan_for_data_parallel(lengths, budget, group)
 
     def train_batch(
         self, batch: TensorDict, loss_function: LossFn, *, step_lr: bool = True
@@ -209,7 +231,7 @@ class Engine:
         self._require_trainable("train_batch")
         start = time.perf_counter()
         self.optimizer_zero_grad()
-        result = self.forward_backward_batch(batch, loss_function)
+        result = self.forward_backward_batch(batch, loss_function, return_outputs=False)
         lr = self.backend.current_lr()
         grad_norm = self.optimizer_step()
         if step_lr:

@@ -91,7 +91,8 @@ def _suspended() -> Iterator[None]:
 
 def _wrapped(fn: _F, kind: str) -> _F:
     """kind "scoped": run fn under the mode; "unscoped": without it (model compute);
-    "schedule": a forward_backward function, mode on except inside the user's forward step."""
+    "schedule": a forward_backward function, mode on except inside the user's forward step
+    and the loss function it returns ("forward_step")."""
     if getattr(fn, _MARK, None) == kind:
         return fn  # already wrapped: enable() stays idempotent
 
@@ -100,8 +101,12 @@ def _wrapped(fn: _F, kind: str) -> _F:
         if kind == "unscoped":
             with _suspended():
                 return fn(*args, **kwargs)
+        if kind == "forward_step":  # the model and the loss function it returns run unscoped
+            with _suspended():
+                output, loss_func = fn(*args, **kwargs)
+            return output, _wrapped(loss_func, "unscoped")
         if kind == "schedule" and kwargs.get("forward_step_func") is not None:
-            kwargs["forward_step_func"] = _wrapped(kwargs["forward_step_func"], "unscoped")
+            kwargs["forward_step_func"] = _wrapped(kwargs["forward_step_func"], "forward_step")
         with megatron_cpu_scope():
             return fn(*args, **kwargs)
 

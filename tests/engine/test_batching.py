@@ -73,9 +73,14 @@ def test_padding_side_must_be_left_or_right() -> None:
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
-@given(lengths=lengths_strategy, size=st.integers(1, 8), side=st.sampled_from(["left", "right"]))
-def test_engine_outputs_do_not_depend_on_padding_side_or_micro_batch_size(
-    fresh_mesh: None, lengths: list[int], size: int, side: str
+@given(
+    lengths=lengths_strategy,
+    size=st.integers(1, 8),
+    budget=st.one_of(st.none(), st.integers(12, 60)),
+    side=st.sampled_from(["left", "right"]),
+)
+def test_engine_outputs_do_not_depend_on_padding_side_micro_batch_size_or_token_budget(
+    fresh_mesh: None, lengths: list[int], size: int, budget: int | None, side: str
 ) -> None:
     from strategies.backends.megatron.mesh import destroy_mesh
 
@@ -89,8 +94,17 @@ def test_engine_outputs_do_not_depend_on_padding_side_or_micro_batch_size(
     engine = Engine.build(
         head="lm",
         device="cpu",
-        config={"model": tiny_model(), "micro_batch_size": size, "head": {"compute_entropy": True}},
+        config={
+            "model": tiny_model(),
+            "micro_batch_size": size,
+            "max_tokens_per_micro_batch": budget,
+            "head": {"compute_entropy": True},
+        },
     ).initialize()
+    if budget is not None:
+        plan = engine.plan_micro_batches(batch)
+        assert all(load <= budget for load in plan.loads)
+        assert sorted(i for group in plan.groups for i in group) == list(range(len(lengths)))
     expected = one_by_one.infer_batch(batch)
     got = engine.infer_batch(to_padded(batch, side=side))
     for key in ("log_probs", "entropy"):

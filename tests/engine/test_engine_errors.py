@@ -179,3 +179,14 @@ def test_a_loss_function_returning_the_wrong_shape_of_result_is_named(
 ) -> None:
     with pytest.raises(ConfigError, match=expected):
         critic.train_batch(random_batch([3, 5], 64), lambda outputs, batch, ctx: result)
+
+
+def test_a_sequence_longer_than_the_token_budget_is_named_with_its_length(
+    fresh_mesh: None,
+) -> None:
+    engine = Engine.build(
+        head="value", device="cpu", config={**CONFIG, "max_tokens_per_micro_batch": 10}
+    ).initialize()
+    with pytest.raises(BatchError, match=r"sequence 1 has 12 tokens, more than .*=10"):
+        engine.train_batch(random_batch([4, 12, 3], 64), value_regression_loss)
+    assert engine.train_batch(random_batch([4, 9, 3], 64), value_regression_loss)["loss"] >= 0

@@ -1,0 +1,108 @@
+"""Megatron backend: optimizer variants, LR schedule, dtypes, forward-only builds."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from engine import Engine
+from engine.losses import sft_loss, value_regression_loss
+from strategies.backends.megatron.mesh import destroy_mesh
+from tests.factories import random_batch, tiny_model
+
+
+def train_losses(config: dict[str, Any], head: str = "lm", steps: int = 4) -> list[float]:
+    destroy_mesh()
+    engine = Engine.build(head=head, device="cpu", config=config).initialize()
+    loss = sft_loss if head == "lm" else value_regression_loss
+    batches = [random_batch([6, 11, 3, 9], 64, seed=step) for step in range(steps)]
+    with engine.train_mode():
+        return [engine.train_batch(batch, loss)["loss"] for batch in batches]
+
+
+@pytest.mark.parametrize("head", ["lm", "value"])
+def test_the_distributed_optimizer_trains_like_the_plain_one(fresh_mesh: None, head: str) -> None:
+    base = {"model": tiny_model(), "optimizer": {"lr": 1e-3}}
+    plain = train_losses(base, head)
+    distributed = train_losses(
+        {**base, "optimizer": {"lr": 1e-3, "use_distributed_optimizer": True}}, head
+    )
+    assert distributed == pytest.approx(plain, rel=1e-6, abs=1e-7)
+
+
+def test_learning_rate_warms_up_linearly_then_decays_by_cosine(fresh_mesh: None) -> None:
+    engine = Engine.build(
+        head="lm",
+        device="cpu",
+        config={
+            "model": tiny_model(),
+            "optimizer": {"lr": 1e-3, "min_lr": 1e-4},
+            "scheduler": {"warmup_steps": 2, "decay_style": "cosine", "decay_steps": 6},
+        },
+    ).initialize()
+    seen = [engine.lr_scheduler_step() for _ in range(6)]
+    expected = [5e-4, 1e-3]
+    for step in (3, 4, 5, 6):
+        progress = (step - 2) / 4
+        expected.append(1e-4 + 0.5 * (1e-3 - 1e-4) * (1 + math.cos(math.pi * progress)))
+    assert seen == pytest.approx(expected, rel=1e-9)
+
+
+def test_train_batch_reports_the_lr_it_used_and_advances_the_schedule(fresh_mesh: None) -> None:
+    engine = Engine.build(
+        head="lm",
+        device="cpu",
+        config={
+            "model": tiny_model(),
+            "optimizer": {"lr": 1e-3},
+            "scheduler": {"warmup_steps": 4},
+        },
+    ).initialize()
+    batch = random_batch([5, 7], 64)
+    used = [engine.train_batch(batch, sft_loss)["lr"] for _ in range(3)]
+    assert used == pytest.approx([0.0, 2.5e-4, 5e-4])
+    assert engine.train_batch(batch, sft_loss, step_lr=False)["lr"] == pytest.approx(7.5e-4)
+    assert engine.train_batch(batch, sft_loss)["lr"] == pytest.approx(7.5e-4)
+
+
+def test_grad_clipping_bounds_the_update_and_reports_the_unclipped_norm(fresh_mesh: None) -> None:
+    engine = Engine.build(
+        head="value",
+        device="cpu",
+        config={"model": tiny_model(), "optimizer": {"lr": 1e-3, "clip_grad": 1e-6}},
+    ).initialize()
+    metrics = engine.train_batch(random_batch([5, 7], 64), value_regression_loss)
+    assert metrics["grad_norm"] > 1e-3
+
+
+def test_a_forward_only_engine_builds_no_optimizer_and_keeps_weights(fresh_mesh: None) -> None:
+    reference = Engine.build(
+        head="lm", device="cpu", config={"model": tiny_model(), "forward_only": True}
+    ).initialize()
+    before = [p.clone() for p in reference.backend.modules()[0].parameters()]
+    reference.infer_batch(random_batch([5, 7], 64))
+    after = list(reference.backend.modules()[0].parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert all(p.grad is None for p in after)
+
+
+def test_value_head_never_ties_embeddings_and_lm_head_ties_when_asked(fresh_mesh: None) -> None:
+    model = {**tiny_model(), "tie_embeddings": True}
+    critic = Engine.build(head="value", device="cpu", config={"model": model}).initialize()
+    actor = Engine.build(head="lm", device="cpu", config={"model": model}).initialize()
+    critic_model, actor_model = critic.backend.modules()[0], actor.backend.modules()[0]
+    assert critic_model.output_layer.weight.shape == (1, 32)
+    assert not critic_model.share_embeddings_and_output_weights
+    assert actor_model.share_embeddings_and_output_weights
+
+
+def test_bfloat16_engines_train_and_return_float32_results(fresh_mesh: None) -> None:
+    config = {"model": tiny_model(), "dtype": "bfloat16", "optimizer": {"lr": 1e-3}}
+    losses = train_losses(config, "value", steps=3)
+    assert all(math.isfinite(loss) for loss in losses)
+    destroy_mesh()
+    engine = Engine.build(head="value", device="cpu", config=config).initialize()
+    assert engine.infer_batch(random_batch([4], 64))["values"].dtype == torch.float32
