@@ -223,9 +223,10 @@ class Engine:
     ) -> dict[str, float]:
         """Zero grads -> forward/backward -> optimizer step (-> LR step unless ``step_lr=False``).
 
-        Returns the batch ``loss`` (sum of the micro-batch shares of the global mean), the
-        loss function's metrics (mean over micro-batches), ``grad_norm``, the ``lr`` the step
-        used, ``num_tokens`` and ``tokens_per_s``.
+        Returns ``grad_norm`` (global), the ``lr`` the step used, this rank's ``num_tokens`` and
+        ``tokens_per_s``; on output ranks (``is_mp_src_rank_with_outputs``) also the global
+        batch ``loss`` (micro-batch shares summed over micro-batches and data-parallel ranks)
+        and the loss function's metrics (this rank's mean over micro-batches).
         """
         self._require_initialized("train_batch")
         self._require_trainable("train_batch")
@@ -241,8 +242,9 @@ class Engine:
         summary: dict[str, float] = {
             name: sum(values) / len(values) for name, values in result["metrics"].items() if values
         }
+        if self.backend.is_mp_src_rank_with_outputs():
+            summary["loss"] = self._data_parallel_sum(sum(result["loss"]))
         summary.update(
-            loss=sum(result["loss"]),
             grad_norm=grad_norm,
             lr=lr,
             num_tokens=float(num_tokens),
@@ -315,6 +317,14 @@ class Engine:
                 f"a sequence of {longest} tokens exceeds ModelConfig.max_sequence_length "
                 f"({self.config.model.max_sequence_length})"
             )
+
+    def _data_parallel_sum(self, value: float) -> float:
+        """Sum over the data-parallel group (whose members are all output ranks, or none)."""
+        if self.backend.data_parallel_size() == 1:
+            return value
+        total = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(total, group=self.backend.data_parallel_group())
+        return float(total)
 
     def _global_counts(self, rows: TensorDict) -> dict[str, float]:
         """Token, sequence and mask sums over the whole global batch (one all-reduce)."""

@@ -3,7 +3,8 @@
 It uses megatron-core directly (GPTModel, DDP, get_megatron_optimizer, the no-pipelining
 schedule) and plain PyTorch for the loss (log_softmax + gather), with none of the engine's
 batching, heads or loss code. Only the model description is shared
-(``transformer_config``), so both build the same architecture from the same seed.
+(``transformer_config``) and its initialisation (``initialize_parameters``), so both build
+the same model from the same seed.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class ReferenceLMTrainer:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        from strategies.backends.megatron.init import initialize_parameters
         from strategies.backends.megatron.model import transformer_config
 
         self.config = config
@@ -45,6 +47,7 @@ class ReferenceLMTrainer:
             position_embedding_type="rope",
             rotary_base=config.model.rotary_base,
         )
+        initialize_parameters(model, config)
         self.model = DistributedDataParallel(
             config=model_config,
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),

@@ -21,7 +21,7 @@ class CudaPlatform(DevicePlatform):
     device_type: ClassVar[str] = "cuda"
     dist_backend: ClassVar[str] = "nccl"
     visible_devices_env: ClassVar[str | None] = "CUDA_VISIBLE_DEVICES"
-    capabilities: ClassVar[frozenset[str]] = frozenset({"sequence_parallel"})
+    capabilities: ClassVar[frozenset[str]] = frozenset({"sequence_parallel", "context_parallel"})
 
     @override
     def load_runtime(self) -> DeviceRuntime:

@@ -44,7 +44,7 @@ class NpuPlatform(DevicePlatform):
     device_type: ClassVar[str] = "npu"
     dist_backend: ClassVar[str] = "hccl"
     visible_devices_env: ClassVar[str | None] = "ASCEND_RT_VISIBLE_DEVICES"
-    capabilities: ClassVar[frozenset[str]] = frozenset({"sequence_parallel"})
+    capabilities: ClassVar[frozenset[str]] = frozenset({"sequence_parallel", "context_parallel"})
 
     #: ``mindspeed.megatron_adaptor`` (or a double); imported on first use when None.
     mindspeed_adaptor: Any = None

@@ -18,7 +18,11 @@ from heads.errors import ConfigError, EngineStateError
 from heads.validation import bool_field, one_of
 from strategies.backends.base import MicroBatchConsumer
 from strategies.backends.megatron import mesh
-from strategies.backends.megatron.model import build_gpt_model, transformer_config
+from strategies.backends.megatron.model import (
+    build_gpt_model,
+    transformer_config,
+    uses_transformer_engine,
+)
 from strategies.backends.megatron.optimizer import build_optimizer, build_scheduler
 from strategies.backends.megatron.version import check_megatron_version
 from strategies.config import ParallelConfig, PartsConfig
@@ -84,6 +88,7 @@ class MegatronBackend:
                 f"expert_parallel_size={parallel.expert_parallel_size} needs a mixture-of-experts "
                 "model; ModelConfig describes dense models only"
             )
+        uses_transformer_engine(self.layer_spec, parallel)
         if config.model.max_sequence_length <= 1:
             raise ConfigError("ModelConfig.max_sequence_length must be > 1")
 

@@ -10,10 +10,8 @@ import torch.nn.functional as F
 
 from heads.base import OutputSpec
 from heads.errors import ConfigError
-from strategies.config import PartsConfig
-
-#: Seed offset of the replicated output layer's own generator (same weights on every TP rank).
-_REPLICATED_LAYER_SEED_OFFSET = 7919
+from strategies.backends.megatron.init import initialize_parameters
+from strategies.config import ParallelConfig, PartsConfig
 
 
 def transformer_config(config: PartsConfig) -> Any:
@@ -56,9 +54,10 @@ def transformer_config(config: PartsConfig) -> Any:
         "calculate_per_token_loss": True,
         "variable_seq_lengths": True,  # micro-batches are padded to their own longest sequence
         "moe_token_dispatcher_type": "alltoall",  # the only dispatcher that allows that
-        # Initialise the full weights on the host from the seeded default generator, then shard:
-        # the same seed gives the same model whatever the device and the parallel layout.
+        # Weights are drawn by ``init.initialize_parameters`` (layout-independent); megatron
+        # only allocates them, on the host.
         "use_cpu_initialization": True,
+        "perform_initialization": False,
     }
     settings.update(model.transformer_overrides)
     try:
@@ -67,20 +66,30 @@ def transformer_config(config: PartsConfig) -> Any:
         raise ConfigError(f"megatron rejected the model config: {error}") from error
 
 
-def layer_spec(kind: str, sequence_parallel: bool) -> Any:
-    """The transformer layer spec: TransformerEngine's where available, else megatron's local."""
-    from megatron.core.models.gpt import gpt_layer_specs
-
+def uses_transformer_engine(kind: str, parallel: ParallelConfig) -> bool:
+    """Whether the layer spec is TransformerEngine's; rejects what the local spec cannot do."""
     has_te = importlib.util.find_spec("transformer_engine") is not None
     use_te = kind == "transformer_engine" or (kind == "auto" and has_te)
     if use_te and not has_te:
         raise ConfigError("layer_spec='transformer_engine' but transformer_engine is not installed")
-    if sequence_parallel and not use_te:
-        raise ConfigError(
-            "sequence_parallel needs the TransformerEngine layer spec (megatron's local spec "
-            "cannot do it); install transformer_engine on a GPU host or set sequence_parallel=False"
-        )
-    if use_te:
+    if not use_te:
+        for feature, wanted in (
+            ("sequence_parallel", parallel.sequence_parallel),
+            ("context_parallel_size > 1", parallel.context_parallel_size > 1),
+        ):
+            if wanted:
+                raise ConfigError(
+                    f"{feature} needs the TransformerEngine layer spec (megatron's local spec "
+                    "cannot do it); install transformer_engine on a GPU host, or turn it off"
+                )
+    return use_te
+
+
+def layer_spec(kind: str, parallel: ParallelConfig) -> Any:
+    """The transformer layer spec: TransformerEngine's where available, else megatron's local."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if uses_transformer_engine(kind, parallel):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
 
@@ -93,16 +102,8 @@ class ReplicatedOutputLayer(torch.nn.Linear):
     megatron's ``sharded_state_dict`` finds ``output_layer.weight``.
     """
 
-    def __init__(
-        self, hidden_size: int, features: int, *, std: float, seed: int, dtype: torch.dtype
-    ) -> None:
+    def __init__(self, hidden_size: int, features: int, *, dtype: torch.dtype) -> None:
         super().__init__(hidden_size, features, bias=False, dtype=dtype)
-        # Its own generator: identical weights on every rank, whatever else consumed the RNG.
-        generator = torch.Generator().manual_seed(seed + _REPLICATED_LAYER_SEED_OFFSET)
-        with torch.no_grad():
-            weight = torch.empty(self.weight.shape, dtype=torch.float32)
-            weight.normal_(0.0, std, generator=generator)
-            self.weight.copy_(weight)
 
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: Any = None
@@ -124,7 +125,7 @@ def build_gpt_model(
     tie = spec.allow_tied_embeddings and model_config.tie_embeddings
     model = GPTModel(
         config=transformer_config(config),
-        transformer_layer_spec=layer_spec(layer_spec_kind, config.parallel.sequence_parallel),
+        transformer_layer_spec=layer_spec(layer_spec_kind, config.parallel),
         vocab_size=model_config.vocab_size,
         max_sequence_length=model_config.max_sequence_length,
         pre_process=pre_process,
@@ -136,10 +137,7 @@ def build_gpt_model(
     if spec.kind == "replicated" and post_process:
         dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
         model.output_layer = ReplicatedOutputLayer(
-            model_config.hidden_size,
-            spec.features,
-            std=model_config.init_method_std,
-            seed=config.seed,
-            dtype=dtype,
+            model_config.hidden_size, spec.features, dtype=dtype
         )
+    initialize_parameters(model, config)
     return model

@@ -1,0 +1,93 @@
+"""Layout-independent weight initialisation.
+
+Every parameter is drawn as its full (unsharded) tensor from a generator seeded by the engine
+seed and the parameter's *global* name, then this rank keeps its shard, split the way megatron
+splits it (``partition_dim``, ``partition_stride``). So the same seed gives the same model at
+any tensor / pipeline / data parallel layout and on any device: TP=2 or PP=2 runs start from
+exactly the weights of the single-process run.
+
+Scheme (Llama-style, as megatron's defaults): matrices and embeddings ~ N(0, std); output
+projections of each layer (attention ``linear_proj``, MLP ``linear_fc2``) ~ N(0, std /
+sqrt(2 * num_layers)); norm weights 1; biases 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Iterator
+
+import torch
+
+from strategies.config import PartsConfig
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_SCALED_OUTPUTS = ("linear_proj.weight", "linear_fc2.weight")
+_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def initialize_parameters(chunk: torch.nn.Module, config: PartsConfig) -> None:
+    """Re-draw every parameter of a GPTModel chunk from (seed, global name)."""
+    from megatron.core import parallel_state as ps
+
+    tp_size = ps.get_tensor_model_parallel_world_size()
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    std = config.model.init_method_std
+    scaled_std = std / math.sqrt(2.0 * config.model.num_layers)
+    with torch.no_grad():
+        for global_name, param in global_parameters(chunk):
+            if param.dim() == 1:
+                param.fill_(1.0 if global_name.endswith("weight") else 0.0)
+                continue
+            full_shape = list(param.shape)
+            parallel = bool(getattr(param, "tensor_model_parallel", False)) and tp_size > 1
+            dim = int(getattr(param, "partition_dim", 0))
+            if parallel:
+                full_shape[dim] *= tp_size
+            sigma = scaled_std if global_name.endswith(_SCALED_OUTPUTS) else std
+            generator = torch.Generator().manual_seed(_name_seed(config.seed, global_name))
+            full = torch.empty(full_shape, dtype=torch.float32).normal_(
+                0.0, sigma, generator=generator
+            )
+            if parallel:
+                full = _shard(
+                    full, dim, int(getattr(param, "partition_stride", 1)), tp_rank, tp_size
+                )
+            param.copy_(full.to(dtype=param.dtype, device=param.device))
+
+
+def global_parameters(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """Parameters named as in the single-process model (global layer numbers; the last
+    pipeline stage's copy of a tied embedding under the embedding's name)."""
+    layer_numbers = _global_layer_numbers(chunk)
+    for name, param in chunk.named_parameters():
+        yield _global_name(name, param, layer_numbers), param
+
+
+def _shard(full: torch.Tensor, dim: int, stride: int, rank: int, size: int) -> torch.Tensor:
+    """This rank's part of ``full``, as megatron's ``_initialize_affine_weight_cpu`` splits it."""
+    per_stride = full.shape[dim] // size // stride
+    pieces = torch.split(full, per_stride, dim=dim)
+    return torch.cat(pieces[rank::size], dim=dim)
+
+
+def _global_layer_numbers(chunk: torch.nn.Module) -> dict[int, int]:
+    decoder = getattr(chunk, "decoder", None)
+    layers = getattr(decoder, "layers", [])
+    return {index: int(layer.layer_number) for index, layer in enumerate(layers)}
+
+
+def _global_name(name: str, param: torch.nn.Parameter, layer_numbers: dict[int, int]) -> str:
+    if getattr(param, "shared_embedding", False):
+        return _EMBEDDING  # the last stage's copy of a tied embedding
+    match = _LAYER.match(name)
+    if match:
+        number = layer_numbers[int(match.group(1))]
+        return f"decoder.layers.{number - 1}.{name[match.end() :]}"
+    return name
+
+
+def _name_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
