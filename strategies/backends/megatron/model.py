@@ -54,10 +54,10 @@ def transformer_config(config: PartsConfig) -> Any:
         "calculate_per_token_loss": True,
         "variable_seq_lengths": True,  # micro-batches are padded to their own longest sequence
         "moe_token_dispatcher_type": "alltoall",  # the only dispatcher that allows that
-        # Weights are drawn by ``init.initialize_parameters`` (layout-independent); megatron
-        # only allocates them, on the host.
+        # Weights are re-drawn by ``init.initialize_parameters`` (layout-independent). Megatron
+        # still initialises them first, on the host: that is where it marks the tensor-parallel
+        # attributes (``tensor_model_parallel``, ``partition_dim``) that grad norms rely on.
         "use_cpu_initialization": True,
-        "perform_initialization": False,
     }
     settings.update(model.transformer_overrides)
     try:

@@ -1,0 +1,211 @@
+"""Tensor, pipeline and data parallel engines across processes match one process.
+
+Each layout runs as real processes (gloo on 127.0.0.1, OMP_NUM_THREADS=1, a timeout on every
+process) on the same global batch and seed as a single-process run; for both heads, the losses
+of every step and the final weights are compared (float32 tolerance 1e-5), and data-parallel
+replicas must hold bit-identical parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.multiprocess import RankFailure, run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 3
+LENGTHS = [6, 11, 3, 9, 14, 5, 8, 12]
+
+
+def _config(parallel: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    from tests.factories import tiny_model
+
+    return {
+        "model": tiny_model(num_layers=2, vocab_size=64, hidden_size=32),
+        "parallel": parallel,
+        "micro_batch_size": 2,
+        "seed": 11,
+        "optimizer": {"lr": 1e-3, "clip_grad": 1.0},
+        **extra,
+    }
+
+
+def train_both_heads(parallel: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """On every rank: train an LM and a value engine on this rank's data-parallel shard."""
+    from megatron.core import parallel_state as ps
+
+    from engine import Engine
+    from engine.losses import sft_loss, value_regression_loss
+    from strategies.backends.megatron.init import global_parameters
+    from tests.factories import random_batch
+
+    report: dict[str, Any] = {
+        "tp": ps.get_tensor_model_parallel_rank() if ps.model_parallel_is_initialized() else 0,
+    }
+    for head, loss in (("lm", sft_loss), ("value", value_regression_loss)):
+        engine = Engine.build(head=head, device="cpu", config=_config(parallel, **extra))
+        engine.initialize()
+        dp_rank, dp_size = engine.get_data_parallel_rank(), engine.get_data_parallel_size()
+        shard = len(LENGTHS) // dp_size
+        losses = []
+        with engine.train_mode():
+            for step in range(STEPS):
+                batch = random_batch(LENGTHS, 64, seed=step)[
+                    dp_rank * shard : (dp_rank + 1) * shard
+                ]
+                losses.append(engine.train_batch(batch, loss).get("loss"))
+        params = {}
+        for name, param in global_parameters(engine.backend.modules()[0]):
+            params[name] = (
+                param.detach().clone(),
+                bool(getattr(param, "tensor_model_parallel", False)),
+                int(getattr(param, "partition_dim", 0)),
+                int(getattr(param, "partition_stride", 1)),
+            )
+        report[head] = {"losses": losses, "params": params}
+    report.update(
+        tp=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_rank(),
+        dp=ps.get_data_parallel_rank(),
+        output_rank=engine.is_mp_src_rank_with_outputs(),
+    )
+    return report
+
+
+def _unshard(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+    """Inverse of megatron's strided split: shard r holds pieces r, r + size, ... of the full."""
+    pieces = [torch.chunk(shard, stride, dim=dim) for shard in shards]
+    return torch.cat([pieces[r][k] for k in range(stride) for r in range(len(shards))], dim=dim)
+
+
+def full_parameters(reports: list[dict[str, Any]], head: str) -> dict[str, torch.Tensor]:
+    """Reassemble full tensors from the ranks of data-parallel replica 0."""
+    by_name: dict[str, dict[int, tuple[torch.Tensor, bool, int, int]]] = {}
+    for report in reports:
+        if report["dp"] != 0:
+            continue
+        for name, entry in report[head]["params"].items():
+            by_name.setdefault(name, {})[report["tp"]] = entry
+    full = {}
+    for name, shards in by_name.items():
+        tensor, parallel, dim, stride = shards[0]
+        if parallel and len(shards) > 1:
+            tensor = _unshard([shards[r][0] for r in sorted(shards)], dim, stride)
+        full[name] = tensor
+    return full
+
+
+@pytest.fixture(scope="module")
+def single_process() -> dict[str, Any]:
+    (report,) = run_ranks(train_both_heads, 1, {}, {}, timeout=180)
+    return report
+
+
+@pytest.mark.parametrize(
+    ("parallel", "extra"),
+    [
+        ({"tensor_parallel_size": 2}, {}),
+        ({"pipeline_parallel_size": 2}, {}),
+        ({}, {}),  # data parallel 2
+        ({}, {"optimizer": {"lr": 1e-3, "clip_grad": 1.0, "use_distributed_optimizer": True}}),
+    ],
+    ids=["tp2", "pp2", "dp2", "dp2-distributed-optimizer"],
+)
+def test_two_process_layouts_match_one_process(
+    single_process: dict[str, Any], parallel: dict[str, Any], extra: dict[str, Any]
+) -> None:
+    reports = run_ranks(train_both_heads, 2, parallel, extra, timeout=240)
+    for head in ("lm", "value"):
+        outputs = [r[head]["losses"] for r in reports if r["output_rank"]]
+        assert outputs, "no rank reported outputs"
+        for losses in outputs:
+            assert losses == pytest.approx(single_process[head]["losses"], rel=1e-5, abs=1e-6)
+        expected = single_process[head]["params"]
+        got = full_parameters(reports, head)
+        assert set(got) == set(expected)
+        for name, tensor in got.items():
+            torch.testing.assert_close(tensor, expected[name][0], atol=1e-5, rtol=1e-5, msg=name)
+        replicas = [r for r in reports if r["tp"] == 0 and r["pp"] == 0]
+        if len(replicas) > 1:  # data parallel: replicas hold bit-identical parameters
+            first, second = (r[head]["params"] for r in replicas[:2])
+            assert all(torch.equal(first[n][0], second[n][0]) for n in first)
+    non_output = [r for r in reports if not r["output_rank"]]
+    assert all(r["lm"]["losses"] == [None] * STEPS for r in non_output)
+
+
+def fail_on_rank_one() -> None:
+    import os
+
+    from engine import Engine
+    from engine.losses import sft_loss
+    from tests.factories import random_batch
+
+    engine = Engine.build(head="lm", device="cpu", config=_config({})).initialize()
+
+    def loss(outputs: Any, batch: Any, ctx: Any) -> Any:
+        if os.environ["RANK"] == "1":
+            raise RuntimeError("loss exploded on rank 1")
+        return sft_loss(outputs, batch, ctx)
+
+    engine.train_batch(random_batch([4, 6], 64), loss)
+
+
+def test_a_failing_rank_makes_every_rank_fail_instead_of_hanging() -> None:
+    with pytest.raises(RankFailure) as caught:
+        run_ranks(fail_on_rank_one, 2, timeout=120)
+    message = str(caught.value)
+    assert "loss exploded on rank 1" in message
+    assert "still running" not in message
+
+
+def simulated_cell_at_tp2(device: str) -> dict[str, Any]:
+    """Train both heads on a simulated platform at TP=2; report the hook order seen here."""
+    from megatron.core import parallel_state
+
+    from engine import Engine
+    from tests.factories import raise_outputs_loss, random_batch
+    from tests.simulation import EventLog, make_platform
+
+    log = EventLog()
+    original = parallel_state.initialize_model_parallel
+
+    def recording(*args: Any, **kwargs: Any) -> None:
+        log.append(("initialize_model_parallel", kwargs))
+        original(*args, **kwargs)
+
+    parallel_state.initialize_model_parallel = recording
+    losses = {}
+    platform, simulated = make_platform(device, log)  # one device runtime, one MindSpeed module
+    assert simulated
+    for head in ("lm", "value"):
+        engine = Engine.build(
+            head=head, device=platform, config=_config({"tensor_parallel_size": 2})
+        ).initialize()
+        with engine.train_mode():
+            batch = random_batch(LENGTHS, 64)
+            losses[head] = [
+                engine.train_batch(batch, raise_outputs_loss).get("loss") for _ in range(3)
+            ]
+    return {"events": log.names(), "losses": losses, "pg": platform.backend_for_process_group}
+
+
+@pytest.mark.parametrize("device", ["cuda", "npu"])
+def test_simulated_accelerator_cells_run_at_tensor_parallel_2(device: str) -> None:
+    if torch.cuda.is_available() and device == "cuda":
+        pytest.skip("a real CUDA device is present; the real cell is tested instead")
+    for report in run_ranks(simulated_cell_at_tp2, 2, device, timeout=240):
+        events = report["events"]
+        assert events.count("initialize_model_parallel") == 1  # one mesh for both engines
+        if device == "npu":
+            assert events.count("repatch") == 1
+            assert events.index("repatch") < events.index("initialize_model_parallel")
+        else:
+            assert "repatch" not in events
+        for losses in report["losses"].values():
+            if losses[0] is not None:
+                assert losses[-1] < losses[0]
