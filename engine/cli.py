@@ -61,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--micro-batch-size", type=_positive_int)
     train.add_argument("--lr", type=float, help="peak learning rate")
     train.add_argument("--seed", type=int, help="random seed")
+    train.add_argument(
+        "--tensor-parallel-size", type=_positive_int, help="under torchrun: tensor parallel size"
+    )
+    train.add_argument(
+        "--pipeline-parallel-size",
+        type=_positive_int,
+        help="under torchrun: pipeline parallel size (data parallel takes the remaining ranks)",
+    )
     return parser
 
 
@@ -85,6 +93,9 @@ def engine_config(args: argparse.Namespace) -> Any:
         changes["seed"] = args.seed
     data = config.to_dict()
     data.update(changes)
+    for flag in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(args, flag) is not None:
+            data["parallel"] = {**data["parallel"], flag: getattr(args, flag)}
     if args.lr is not None:
         data["optimizer"] = {**data["optimizer"], "lr": args.lr}
     elif not args.config:
@@ -107,12 +118,19 @@ def train(args: argparse.Namespace) -> int:
             f"--max-length {args.max_length} exceeds the model's max_sequence_length "
             f"({config.model.max_sequence_length})"
         )
+    if args.batch_size % int(os.environ.get("WORLD_SIZE", "1")):
+        raise EngineError(f"--batch-size {args.batch_size} must divide by the number of ranks")
     engine.initialize()
-    show = int(os.environ.get("RANK", "0")) == 0
+    dp_rank, dp_size = engine.get_data_parallel_rank(), engine.get_data_parallel_size()
+    shard = args.batch_size // dp_size
+    # One rank reports: the first data-parallel replica's output rank (TP 0, last stage).
+    show = engine.is_mp_src_rank_with_outputs() and dp_rank == 0
     if show:
+        parallel = config.parallel
         print(
             f"training head={engine.head.name} backend={engine.backend.name} "
-            f"device={engine.platform.name} model={args.model or 'config'} steps={args.steps}",
+            f"device={engine.platform.name} model={args.model or 'config'} steps={args.steps} "
+            f"tp={parallel.tensor_parallel_size} pp={parallel.pipeline_parallel_size} dp={dp_size}",
             flush=True,
         )
     generator = torch.Generator().manual_seed(config.seed)
@@ -121,7 +139,7 @@ def train(args: argparse.Namespace) -> int:
         for step in range(1, args.steps + 1):
             batch = synthetic_batch(
                 args.head, config.model.vocab_size, args.batch_size, args.max_length, generator
-            )
+            )[dp_rank * shard : (dp_rank + 1) * shard]
             metrics = engine.train_batch(batch, loss_fn)
             if show:
                 print(

@@ -42,6 +42,10 @@ def run_ranks(
     """Call ``function(*args)`` in ``world_size`` fresh processes set up as torchrun would; return
     each rank's result. Raises RankFailure with every failing rank's error and output."""
     root = str(Path(__file__).resolve().parent.parent)
+    module = function.__module__
+    if module == "__main__":  # run as `python -m package.module`: import it by that name
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        module = spec.name if spec is not None else module
     port = free_port()
     with tempfile.TemporaryDirectory() as folder:
         args_path = os.path.join(folder, "args.pkl")
@@ -64,7 +68,7 @@ def run_ranks(
                 sys.executable,
                 "-c",
                 _LAUNCHER.format(root=root),
-                function.__module__,
+                module,
                 function.__name__,
                 args_path,
                 out_path,

@@ -1,0 +1,198 @@
+"""Token-budget micro-batching vs padding every micro-batch to the batch's longest sequence.
+
+An RL-like batch: prompts uniform in 32-512 tokens, responses log-normal (median 160 tokens,
+sigma 1.0) clipped to 8-1024, each sequence = prompt + response clipped to the model's
+``max_sequence_length`` (the ``tiny`` / ``small`` presets with it raised to 1536 so that every
+sequence fits), random token ids, ``loss_mask`` 1 on the response tokens. One fixed batch per
+model (seeded), reused for every step; loss ``sft_loss``.
+
+* baseline: every sequence right-padded with real pad tokens (id 0) to the batch's longest
+  sequence, ``loss_mask`` 0 on the padding, ``micro_batch_size`` sequences per micro-batch --
+  what a trainer that pads the batch once and cuts it into fixed-size micro-batches computes.
+  The padding is computed like tokens (the model is causal, so the real tokens' outputs and the
+  loss are unchanged).
+* dynamic: the unpadded batch with ``max_tokens_per_micro_batch = micro_batch_size x longest``
+  (exactly what one baseline micro-batch holds); the engine packs sequences of similar length
+  together, each micro-batch right-padded to its own longest.
+
+Two engines in one process, same seed (same initial weights), steps alternating between them
+after one warm-up step each. Reported: real (non-pad) tokens / s of ``train_batch`` (all
+measured steps' real tokens over their summed wall time) and the peak extra memory of a step:
+VmHWM (resident-set high-water mark) from ``/proc/self/status`` minus VmRSS just before the
+step, with the high-water mark reset by writing 5 to ``/proc/self/clear_refs`` after a
+``malloc_trim(0)`` (Linux only; the largest value over the measured steps). Both ratios are
+dynamic / baseline; the issue's target is >= 2x tokens/s (at no more memory). Never pass/fail.
+
+    python -m benchmarks.micro_batching [--model tiny|small] [--batch-size N] [--steps N]
+        [--micro-batch-size 4] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import gc
+import math
+import os
+import random
+import time
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+import attrs
+import torch
+from tensordict import TensorDict
+
+from engine import Engine
+from engine.batching import from_token_lists
+from engine.losses import sft_loss
+from strategies.config import model_preset
+
+MAX_SEQUENCE_LENGTH = 1536
+PROMPT_RANGE = (32, 512)
+RESPONSE_RANGE = (8, 1024)
+RESPONSE_MEDIAN, RESPONSE_SIGMA = 160.0, 1.0
+PAD_ID = 0
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None)
+
+
+def sample_lengths(count: int, seed: int) -> list[tuple[int, int]]:
+    """``(prompt, response)`` lengths; their sum is clipped to ``MAX_SEQUENCE_LENGTH``."""
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(count):
+        prompt = rng.randint(*PROMPT_RANGE)
+        response = round(rng.lognormvariate(math.log(RESPONSE_MEDIAN), RESPONSE_SIGMA))
+        response = min(max(response, RESPONSE_RANGE[0]), RESPONSE_RANGE[1])
+        response = min(response, MAX_SEQUENCE_LENGTH - prompt)
+        pairs.append((prompt, response))
+    return pairs
+
+
+def make_batches(
+    pairs: list[tuple[int, int]], vocab_size: int, seed: int
+) -> tuple[TensorDict, TensorDict, int, int]:
+    """The unpadded batch, the same batch padded to its longest, its real tokens and longest."""
+    generator = torch.Generator().manual_seed(seed)
+    longest = max(prompt + response for prompt, response in pairs)
+    tokens, masks, padded_tokens, padded_masks = [], [], [], []
+    for prompt, response in pairs:
+        length = prompt + response
+        # ids 1.. so that the pad id 0 never appears as a real token
+        row = torch.randint(1, vocab_size, (length,), generator=generator).tolist()
+        mask = [0.0] * prompt + [1.0] * response
+        tokens.append(row)
+        masks.append(mask)
+        padded_tokens.append(row + [PAD_ID] * (longest - length))
+        padded_masks.append(mask + [0.0] * (longest - length))
+    real = sum(prompt + response for prompt, response in pairs)
+    return (
+        from_token_lists(tokens, loss_mask=masks),
+        from_token_lists(padded_tokens, loss_mask=padded_masks),
+        real,
+        longest,
+    )
+
+
+def build_engine(model: str, micro_batch_size: int, budget: int | None) -> Engine:
+    fields: dict[str, Any] = attrs.asdict(model_preset(model))
+    config: dict[str, Any] = {
+        "model": {**fields, "max_sequence_length": MAX_SEQUENCE_LENGTH},
+        "micro_batch_size": micro_batch_size,
+        "optimizer": {"lr": 1e-4},
+    }
+    if budget is not None:
+        config["max_tokens_per_micro_batch"] = budget
+    return Engine.build(head="lm", device="cpu", config=config).initialize()
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def timed_step(engine: Engine, batch: TensorDict) -> tuple[float, int, float]:
+    """One ``train_batch``: wall seconds, peak extra resident bytes, loss."""
+    gc.collect()
+    _LIBC.malloc_trim(0)  # hand freed heap pages back so VmRSS is the live memory
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")  # VmHWM := VmRSS
+    before = _status_kib("VmRSS")
+    start = time.perf_counter()
+    result = engine.train_batch(batch, sft_loss)
+    elapsed = time.perf_counter() - start
+    peak = _status_kib("VmHWM")
+    return elapsed, (peak - before) * 1024, result["loss"]
+
+
+def measure(model: str, batch_size: int, steps: int, micro_batch_size: int, seed: int) -> None:
+    vocab = model_preset(model).vocab_size
+    pairs = sample_lengths(batch_size, seed)
+    batch, padded, real_tokens, longest = make_batches(pairs, vocab, seed)
+    budget = micro_batch_size * longest
+    engines = {
+        "baseline": build_engine(model, micro_batch_size, None),
+        "dynamic": build_engine(model, micro_batch_size, budget),
+    }
+    batches = {"baseline": padded, "dynamic": batch}
+    plans = {name: engines[name].plan_micro_batches(batches[name]) for name in engines}
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    peaks: dict[str, list[int]] = {name: [] for name in engines}
+    losses: dict[str, list[float]] = {name: [] for name in engines}
+    with engines["baseline"].train_mode(), engines["dynamic"].train_mode():
+        for step in range(steps + 1):
+            order = list(engines) if step % 2 == 0 else list(reversed(engines))
+            for name in order:
+                elapsed, peak, loss = timed_step(engines[name], batches[name])
+                losses[name].append(loss)
+                if step >= 1:  # warm-up
+                    times[name].append(elapsed)
+                    peaks[name].append(peak)
+    speed = {name: real_tokens * len(times[name]) / sum(times[name]) for name in engines}
+    peak_mib = {name: max(peaks[name]) / 2**20 for name in engines}
+    loss_gap = max(abs(a - b) for a, b in zip(losses["baseline"], losses["dynamic"], strict=True))
+    responses = sorted(response for _, response in pairs)
+    print(
+        f"model={model:5s} seqs={batch_size} real_tokens={real_tokens} longest={longest} "
+        f"median_response={responses[len(responses) // 2]} micro_batch_size={micro_batch_size} "
+        f"budget={budget} steps={steps} |loss diff|<={loss_gap:.1e}"
+    )
+    for name in engines:
+        plan = plans[name]
+        print(
+            f"  {name:8s}: {plan.num_micro_batches:2d} micro-batches, "
+            f"{sum(plan.padded_tokens):6d} tokens computed, {speed[name]:8.0f} real tokens/s, "
+            f"peak extra memory {peak_mib[name]:7.1f} MiB"
+        )
+    print(
+        f"  dynamic/baseline: tokens/s ratio {speed['dynamic'] / speed['baseline']:.2f} "
+        f"(target >= 2), peak extra memory ratio "
+        f"{peak_mib['dynamic'] / peak_mib['baseline']:.2f}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", choices=["tiny", "small"], action="append")
+    parser.add_argument("--batch-size", type=int, help="sequences (default: tiny 32, small 16)")
+    parser.add_argument("--steps", type=int, help="measured steps (default: tiny 5, small 2)")
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    for model in args.model or ["tiny", "small"]:
+        batch_size = args.batch_size or (32 if model == "tiny" else 16)
+        steps = args.steps or (5 if model == "tiny" else 2)
+        measure(model, batch_size, steps, args.micro_batch_size, args.seed)
+
+
+if __name__ == "__main__":
+    main()

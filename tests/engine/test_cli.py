@@ -1,0 +1,83 @@
+"""``python -m engine train``: one line of metrics per step; bad input exits non-zero, named."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(
+    *args: str, launcher: tuple[str, ...] = (sys.executable, "-m")
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [*launcher, "engine", *args], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT
+    )
+
+
+STEP_LINE = re.compile(r"^step +(\d+)/(\d+) +loss ([\d.]+) +grad_norm ([\d.]+) +lr ([\d.e+-]+)")
+
+
+@pytest.mark.parametrize("head", ["value", "lm"])
+def test_train_prints_one_metrics_line_per_step_and_learns(head: str) -> None:
+    result = run("train", "--head", head, "--device", "auto", "--steps", "12", "--seed", "3")
+    assert result.returncode == 0, result.stderr[-2000:]
+    steps = [STEP_LINE.match(line) for line in result.stdout.splitlines()]
+    losses = [float(match.group(3)) for match in steps if match]
+    assert len(losses) == 12
+    assert sum(losses[-3:]) < sum(losses[:3])
+    assert "tokens/s" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("train", "--steps", "0"), "must be a positive integer"),
+        (("train", "--device", "gpu"), "unknown device 'gpu'"),
+        (("train", "--head", "valeu"), "did you mean 'value'"),
+        (("train", "--model", "huge"), "unknown model preset 'huge'"),
+        (("train", "--max-length", "999"), "exceeds the model's max_sequence_length"),
+        (("train", "--device", "npu"), "torch_npu"),
+    ],
+)
+def test_bad_arguments_exit_non_zero_with_a_message_naming_the_problem(
+    args: tuple[str, ...], message: str
+) -> None:
+    result = run(*args)
+    assert result.returncode != 0
+    assert message in result.stderr
+
+
+def test_a_config_file_with_an_unknown_key_is_rejected_naming_it(tmp_path: Path) -> None:
+    config = tmp_path / "engine.yaml"
+    config.write_text("optimizer:\n  lr: 1e-3\n  betas: [0.9, 0.95]\n")
+    result = run("train", "--config", str(config), "--steps", "1")
+    assert result.returncode == 2
+    assert "betas" in result.stderr
+
+
+def test_a_config_file_sets_engine_settings_and_the_command_line_wins(tmp_path: Path) -> None:
+    config = tmp_path / "engine.yaml"
+    config.write_text("model: tiny\nmicro_batch_size: 3\noptimizer:\n  lr: 0.5\n")
+    result = run("train", "--config", str(config), "--steps", "1", "--lr", "0.002")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "lr 2.00e-03" in result.stdout
+
+
+@pytest.mark.multiprocess
+def test_train_runs_under_torchrun_with_tensor_parallelism() -> None:
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m")
+    result = run(
+        "train", "--head", "value", "--steps", "3", "--tensor-parallel-size", "2",
+        launcher=torchrun,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "tp=2" in result.stdout
+    assert len([line for line in result.stdout.splitlines() if STEP_LINE.match(line)]) == 3
