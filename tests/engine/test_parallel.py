@@ -106,20 +106,27 @@ def single_process() -> dict[str, Any]:
     return report
 
 
+DISTRIBUTED_OPTIMIZER = {
+    "optimizer": {"lr": 1e-3, "clip_grad": 1.0, "use_distributed_optimizer": True}
+}
+
+
 @pytest.mark.parametrize(
-    ("parallel", "extra"),
+    ("world", "parallel", "extra"),
     [
-        ({"tensor_parallel_size": 2}, {}),
-        ({"pipeline_parallel_size": 2}, {}),
-        ({}, {}),  # data parallel 2
-        ({}, {"optimizer": {"lr": 1e-3, "clip_grad": 1.0, "use_distributed_optimizer": True}}),
+        (2, {"tensor_parallel_size": 2}, {}),
+        (2, {"pipeline_parallel_size": 2}, {}),
+        (2, {}, {}),  # data parallel 2
+        (2, {}, DISTRIBUTED_OPTIMIZER),
+        (4, {"tensor_parallel_size": 2}, DISTRIBUTED_OPTIMIZER),  # x data parallel 2
+        (4, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, {}),
     ],
-    ids=["tp2", "pp2", "dp2", "dp2-distributed-optimizer"],
+    ids=["tp2", "pp2", "dp2", "dp2-distributed-optimizer", "tp2xdp2", "tp2xpp2"],
 )
-def test_two_process_layouts_match_one_process(
-    single_process: dict[str, Any], parallel: dict[str, Any], extra: dict[str, Any]
+def test_parallel_layouts_match_one_process(
+    single_process: dict[str, Any], world: int, parallel: dict[str, Any], extra: dict[str, Any]
 ) -> None:
-    reports = run_ranks(train_both_heads, 2, parallel, extra, timeout=240)
+    reports = run_ranks(train_both_heads, world, parallel, extra, timeout=300)
     for head in ("lm", "value"):
         outputs = [r[head]["losses"] for r in reports if r["output_rank"]]
         assert outputs, "no rank reported outputs"
@@ -130,10 +137,11 @@ def test_two_process_layouts_match_one_process(
         assert set(got) == set(expected)
         for name, tensor in got.items():
             torch.testing.assert_close(tensor, expected[name][0], atol=1e-5, rtol=1e-5, msg=name)
-        replicas = [r for r in reports if r["tp"] == 0 and r["pp"] == 0]
-        if len(replicas) > 1:  # data parallel: replicas hold bit-identical parameters
-            first, second = (r[head]["params"] for r in replicas[:2])
-            assert all(torch.equal(first[n][0], second[n][0]) for n in first)
+        for tp in (0, 1):  # data parallel: replicas hold bit-identical parameters
+            replicas = [r for r in reports if r["tp"] == tp and r["pp"] == 0]
+            if len(replicas) > 1:
+                first, second = (r[head]["params"] for r in replicas[:2])
+                assert all(torch.equal(first[n][0], second[n][0]) for n in first)
     non_output = [r for r in reports if not r["output_rank"]]
     assert all(r["lm"]["losses"] == [None] * STEPS for r in non_output)
 
@@ -209,3 +217,46 @@ def test_simulated_accelerator_cells_run_at_tensor_parallel_2(device: str) -> No
         for losses in report["losses"].values():
             if losses[0] is not None:
                 assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize(
+    ("world", "parallel", "model", "message"),
+    [
+        (3, {"tensor_parallel_size": 2}, {}, r"= 2 must divide the world size 3"),
+        (4, {"tensor_parallel_size": 4}, {}, r"num_query_groups \(2\) must be divisible by"),
+        (
+            2,
+            {"tensor_parallel_size": 2},
+            {"vocab_size": 63},
+            r"vocab_size \(63\) must be divisible",
+        ),
+        (
+            2,
+            {"pipeline_parallel_size": 2},
+            {"num_layers": 3},
+            r"num_layers \(3\) must be divisible",
+        ),
+        (2, {"context_parallel_size": 2}, {}, r"context_parallel is not supported by the cpu"),
+        (2, {"expert_parallel_size": 2}, {}, r"expert_parallel_size=2 needs a mixture-of-experts"),
+    ],
+)
+def test_parallel_configs_are_checked_before_any_process_group_is_touched(
+    monkeypatch: pytest.MonkeyPatch,
+    world: int,
+    parallel: dict[str, Any],
+    model: dict[str, Any],
+    message: str,
+) -> None:
+    from engine import Engine
+    from heads.errors import ConfigError
+    from tests.factories import tiny_model
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setattr(
+        "torch.distributed.init_process_group",
+        lambda *a, **k: pytest.fail("a process group was created"),
+    )
+    with pytest.raises(ConfigError, match=message):
+        Engine.build(
+            head="lm", device="cpu", config={"model": tiny_model(**model), "parallel": parallel}
+        )

@@ -54,9 +54,11 @@ class MegatronBackend:
 
     # -- checks --------------------------------------------------------------------------------
     def required_capabilities(self, config: PartsConfig) -> frozenset[str]:
-        return (
-            frozenset({"sequence_parallel"}) if config.parallel.sequence_parallel else frozenset()
-        )
+        parallel = config.parallel
+        wanted = {"sequence_parallel"} if parallel.sequence_parallel else set()
+        if parallel.context_parallel_size > 1:
+            wanted.add("context_parallel")
+        return frozenset(wanted)
 
     def validate(self, config: PartsConfig, world_size: int) -> None:
         check_megatron_version()
