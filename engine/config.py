@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,18 @@ from strategies.config import (
 )
 
 
+def _named_model(name: str) -> ModelConfig:
+    """A preset name, or a local Hugging Face checkpoint directory (config and weights)."""
+    if os.path.isdir(name):
+        from strategies.backends.megatron.hf.config import model_config_from_hf
+
+        return model_config_from_hf(name)
+    return model_preset(name)
+
+
 def _model_config(value: ModelConfig | str | Mapping[str, Any]) -> ModelConfig:
     if isinstance(value, str):
-        return model_preset(value)
+        return _named_model(value)
     if isinstance(value, Mapping):
         return structure(value, ModelConfig)
     return value
@@ -136,7 +146,7 @@ STRICT_CONVERTER.register_structure_hook(ModelConfig, lambda value, _: _structur
 
 def _structure_model(value: Any) -> ModelConfig:
     if isinstance(value, str):
-        return model_preset(value)
+        return _named_model(value)
     if isinstance(value, ModelConfig):
         return value
     if not isinstance(value, Mapping):

@@ -290,6 +290,33 @@ class Engine:
         self._require_initialized("is_mp_src_rank_with_outputs")
         return self.backend.is_mp_src_rank_with_outputs()
 
+    # -- weights -------------------------------------------------------------------------------
+    def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's weights as (Hugging Face name, full tensor), one at a time (e.g. to update
+        an inference engine). Collective over tensor-parallel ranks; under pipeline parallelism
+        each stage yields its own layers."""
+        self._require_initialized("get_per_tensor_param")
+        iterator: Iterator[tuple[str, torch.Tensor]] = self._hf_backend("export_hf").export_hf(
+            self.config
+        )
+        return iterator
+
+    def save_hf(self, directory: str | os.PathLike[str]) -> None:
+        """Write a causal-LM Hugging Face checkpoint (safetensors + config.json) to
+        ``directory``, atomically. Collective: every rank calls it."""
+        self._require_initialized("save_hf")
+        if self.head.output_spec().kind != "vocab":
+            raise ConfigError(
+                f"save_hf writes a causal language model; head {self.head.name!r} is not one "
+                "(use get_per_tensor_param for its weights)"
+            )
+        self._hf_backend("save_hf").save_hf(self.config, os.fspath(directory))
+
+    def _hf_backend(self, method: str) -> Any:
+        if not hasattr(self.backend, method):
+            raise ConfigError(f"the {self.backend.name} backend cannot export Hugging Face weights")
+        return self.backend
+
     # -- internals -----------------------------------------------------------------------------
     def _require_initialized(self, what: str) -> None:
         if not self._initialized:

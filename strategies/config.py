@@ -6,12 +6,29 @@ the field name and the allowed values, never deep inside megatron.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Protocol
 
 import attrs
 
 from heads.errors import ConfigError
-from heads.validation import bool_field, float_field, int_field, non_negative, one_of, positive
+from heads.validation import (
+    bool_field,
+    float_field,
+    int_field,
+    non_negative,
+    of_type,
+    one_of,
+    positive,
+)
+
+
+def _optional(kind: type | tuple[type, ...], *checks: Any) -> Any:
+    return attrs.field(default=None, validator=attrs.validators.optional([of_type(kind), *checks]))
+
+
+def _path_or_none(value: Any) -> Any:
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
 
 
 @attrs.frozen(kw_only=True)
@@ -29,6 +46,20 @@ class ModelConfig:
     norm_epsilon: float = float_field(1e-5, positive)
     init_method_std: float = float_field(0.02, positive)
     tie_embeddings: bool = bool_field(False)
+    #: Biases on the query, key and value projections (Qwen2).
+    add_qkv_bias: bool = bool_field(False)
+    #: RMSNorm on each head's queries and keys before RoPE (Qwen3).
+    qk_layernorm: bool = bool_field(False)
+    #: Per-head size when it is not ``hidden_size / num_attention_heads`` (Qwen3).
+    head_dim: int | None = _optional(int, positive)
+    #: Llama-3.x RoPE scaling factor (low/high frequency factors 1 and 4, original length 8192).
+    rope_scaling_factor: float | None = _optional((int, float), positive)
+    #: A local Hugging Face checkpoint directory the weights are loaded from.
+    hf_path: str | None = attrs.field(
+        default=None,
+        converter=_path_or_none,
+        validator=attrs.validators.optional(of_type(str)),
+    )
     #: Extra megatron ``TransformerConfig`` fields (also handed to MindSpeed's repatch on NPU).
     transformer_overrides: dict[str, Any] = attrs.field(factory=dict)
 
@@ -39,7 +70,7 @@ class ModelConfig:
                 f"ModelConfig.num_query_groups must divide num_attention_heads "
                 f"({self.num_attention_heads}); got {groups}"
             )
-        if self.hidden_size % self.num_attention_heads:
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"ModelConfig.hidden_size ({self.hidden_size}) must be divisible by "
                 f"num_attention_heads ({self.num_attention_heads})"

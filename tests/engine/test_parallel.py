@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from strategies.backends.megatron.init import unshard
 from tests.multiprocess import RankFailure, run_ranks
 
 pytestmark = pytest.mark.multiprocess
@@ -59,7 +60,9 @@ def train_both_heads(parallel: dict[str, Any], extra: dict[str, Any]) -> dict[st
                 ]
                 losses.append(engine.train_batch(batch, loss).get("loss"))
         params = {}
-        for name, param in global_parameters(engine.backend.modules()[0]):
+        for name, param in (
+            entry for chunk in engine.backend.modules() for entry in global_parameters(chunk)
+        ):
             params[name] = (
                 param.detach().clone(),
                 bool(getattr(param, "tensor_model_parallel", False)),
@@ -77,12 +80,6 @@ def train_both_heads(parallel: dict[str, Any], extra: dict[str, Any]) -> dict[st
     return report
 
 
-def _unshard(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
-    """Inverse of megatron's strided split: shard r holds pieces r, r + size, ... of the full."""
-    pieces = [torch.chunk(shard, stride, dim=dim) for shard in shards]
-    return torch.cat([pieces[r][k] for k in range(stride) for r in range(len(shards))], dim=dim)
-
-
 def full_parameters(reports: list[dict[str, Any]], head: str) -> dict[str, torch.Tensor]:
     """Reassemble full tensors from the ranks of data-parallel replica 0."""
     by_name: dict[str, dict[int, tuple[torch.Tensor, bool, int, int]]] = {}
@@ -95,7 +92,7 @@ def full_parameters(reports: list[dict[str, Any]], head: str) -> dict[str, torch
     for name, shards in by_name.items():
         tensor, parallel, dim, stride = shards[0]
         if parallel and len(shards) > 1:
-            tensor = _unshard([shards[r][0] for r in sorted(shards)], dim, stride)
+            tensor = unshard([shards[r][0] for r in sorted(shards)], dim, stride)
         full[name] = tensor
     return full
 
@@ -260,3 +257,18 @@ def test_parallel_configs_are_checked_before_any_process_group_is_touched(
         Engine.build(
             head="lm", device="cpu", config={"model": tiny_model(**model), "parallel": parallel}
         )
+
+
+def test_virtual_pipeline_stages_match_one_process() -> None:
+    from tests.factories import tiny_model
+
+    four_layers = {"model": tiny_model(num_layers=4, vocab_size=64, hidden_size=32)}
+    (expected,) = run_ranks(train_both_heads, 1, {}, four_layers, timeout=180)
+    layout = {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}
+    reports = run_ranks(train_both_heads, 2, layout, four_layers, timeout=300)
+    for head in ("lm", "value"):
+        (losses,) = [r[head]["losses"] for r in reports if r["output_rank"]]
+        assert losses == pytest.approx(expected[head]["losses"], rel=1e-5, abs=1e-6)
+        got = full_parameters(reports, head)
+        for name, tensor in expected[head]["params"].items():
+            torch.testing.assert_close(got[name], tensor[0], atol=1e-5, rtol=1e-5, msg=name)

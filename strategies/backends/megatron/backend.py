@@ -14,7 +14,7 @@ import torch
 from typing_extensions import override
 
 from heads.base import Head, HeadContext
-from heads.errors import ConfigError, EngineStateError
+from heads.errors import BatchError, ConfigError, EngineStateError
 from heads.validation import bool_field, one_of
 from strategies.backends.base import MicroBatchConsumer
 from strategies.backends.megatron import mesh
@@ -81,9 +81,10 @@ class MegatronBackend:
                 f"ModelConfig.num_layers ({model.num_layers}) must be divisible by "
                 f"pipeline_parallel_size x virtual stages ({stages})"
             )
-        if parallel.virtual_pipeline_parallel_size is not None:
+        if parallel.virtual_pipeline_parallel_size is not None and pp == 1:
             raise ConfigError(
-                "virtual_pipeline_parallel_size is not supported by this engine yet; leave it unset"
+                "virtual_pipeline_parallel_size needs pipeline_parallel_size > 1 (it splits each "
+                "pipeline stage into interleaved chunks)"
             )
         if parallel.expert_parallel_size > 1:
             raise ConfigError(
@@ -107,20 +108,31 @@ class MegatronBackend:
         torch.manual_seed(config.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
         spec = head.output_spec()
-        chunk = build_gpt_model(
-            config,
-            spec,
-            self.layer_spec,
-            pre_process=ps.is_pipeline_first_stage(),
-            post_process=ps.is_pipeline_last_stage(),
-        ).to(device)
-        self._chunks = [chunk]
-        wrapped: torch.nn.Module = chunk
+        virtual_stages = config.parallel.virtual_pipeline_parallel_size
+        self._chunks = []
+        for vp_stage in range(virtual_stages or 1):
+            stage = vp_stage if virtual_stages else None
+            self._chunks.append(
+                build_gpt_model(
+                    config,
+                    spec,
+                    self.layer_spec,
+                    pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                    post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                    vp_stage=stage,
+                ).to(device)
+            )
+        if config.model.hf_path is not None:
+            from strategies.backends.megatron.hf.loading import load_hf_weights
+
+            for chunk in self._chunks:
+                load_hf_weights(chunk, config.model, config.model.hf_path)
+        wrapped: list[torch.nn.Module] = list(self._chunks)
         if config.dtype == "bfloat16":
-            wrapped = Float16Module(chunk.config, chunk)
+            wrapped = [Float16Module(chunk.config, chunk) for chunk in self._chunks]
         if not config.forward_only:
             wrapped = self._wrap_ddp(config, wrapped)
-        self._wrapped = [wrapped]
+        self._wrapped = wrapped
         tp = ps.get_tensor_model_parallel_world_size()
         if spec.kind == "vocab" and tp > 1:
             shard = config.model.vocab_size // tp
@@ -129,30 +141,38 @@ class MegatronBackend:
                 vocab_start=ps.get_tensor_model_parallel_rank() * shard,
             )
 
-    def _wrap_ddp(self, config: PartsConfig, module: torch.nn.Module) -> torch.nn.Module:
+    def _wrap_ddp(
+        self, config: PartsConfig, modules: list[torch.nn.Module]
+    ) -> list[torch.nn.Module]:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
             finalize_model_grads,
         )
 
-        ddp = DistributedDataParallel(
-            config=self._chunks[0].config,
-            ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True,
-                overlap_grad_reduce=self.overlap_grad_reduce,
-                use_distributed_optimizer=config.optimizer.use_distributed_optimizer,
-            ),
-            module=module,
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=self.overlap_grad_reduce,
+            use_distributed_optimizer=config.optimizer.use_distributed_optimizer,
         )
-        model_config: Any = self._chunks[0].config
-        model_config.no_sync_func = ddp.no_sync
+        wrapped = [
+            DistributedDataParallel(
+                config=chunk.config,
+                ddp_config=ddp_config,
+                module=module,
+                disable_bucketing=index > 0,  # megatron: only the first chunk overlaps buckets
+            )
+            for index, (chunk, module) in enumerate(zip(self._chunks, modules, strict=True))
+        ]
+        model_config: Any = self._chunks[0].config  # the schedule reads the first chunk's
+        syncs = [ddp.no_sync for ddp in wrapped]
+        model_config.no_sync_func = syncs[0] if len(syncs) == 1 else syncs
         # Loss functions normalise by global token/sequence counts (DESIGN.md), so megatron
         # must sum gradients over DP and skip its own per-token rescaling.
         model_config.finalize_model_grads_func = functools.partial(
             _finalize_without_token_scaling, finalize_model_grads
         )
-        return ddp
+        return list(wrapped)
 
     def build_optimizer(self, config: PartsConfig) -> None:
         self._optimizer = build_optimizer(config, self._wrapped)
@@ -165,25 +185,35 @@ class MegatronBackend:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self._require_model()
-        data: Iterator[tuple[int, MicroBatch]] = iter(enumerate(micro_batches))
+        check_micro_batch_count([len(mb.indices) for mb in micro_batches], self._chunks[0].config)
+        # Each model chunk (virtual pipeline stage) walks the micro-batches with its own iterator.
+        data: list[Iterator[tuple[int, MicroBatch]]] = [
+            iter(enumerate(micro_batches)) for _ in self._wrapped
+        ]
         device, head_context = self._device, self._head_context
+        longest = max(int(mb.input_ids.shape[1]) for mb in micro_batches)
+        # The interleaved schedule sends one fixed activation shape: pad every micro-batch to
+        # the batch's longest sequence there (and slice the padding off before the head).
+        width = longest if len(self._wrapped) > 1 else None
 
         def forward_step(iterator: Iterator[tuple[int, MicroBatch]], model: Any) -> Any:
             index, micro_batch = next(iterator)
             input_ids = micro_batch.input_ids.to(device=device, dtype=torch.long)
+            length = input_ids.shape[1]
+            if width is not None and width > length:
+                input_ids = torch.nn.functional.pad(input_ids, (0, width - length))
             positions = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
             output = model(input_ids, positions, attention_mask=None)
 
             def loss_func(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-                loss, metrics = consume(index, raw, head_context)
+                loss, metrics = consume(index, raw[:, :length], head_context)
                 return loss, torch.ones((), dtype=torch.int), metrics
 
             return output, loss_func
 
-        longest = max(int(mb.input_ids.shape[1]) for mb in micro_batches)
         get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=data,
+            data_iterator=data if len(data) > 1 else data[0],
             model=self._wrapped,
             num_microbatches=len(micro_batches),
             seq_length=longest,
@@ -248,6 +278,21 @@ class MegatronBackend:
     def modules(self) -> list[torch.nn.Module]:
         return list(self._chunks)
 
+    def export_hf(self, config: PartsConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's weights as (Hugging Face name, full tensor) pairs (see ``hf.export``)."""
+        from strategies.backends.megatron.hf.export import export_hf
+
+        self._require_model()
+        for chunk in self._chunks:
+            yield from export_hf(chunk, config.model)
+
+    def save_hf(self, config: PartsConfig, directory: str) -> None:
+        """Write a Hugging Face checkpoint of the model (collective: every rank calls it)."""
+        from strategies.backends.megatron.hf.saving import save_hf
+
+        self._require_model()
+        save_hf(self._chunks, config.model, directory)
+
     def _require_model(self) -> None:
         if not self._wrapped:
             raise EngineStateError("the megatron backend has no model yet: call build_model first")
@@ -261,6 +306,26 @@ class MegatronBackend:
     @override
     def __repr__(self) -> str:
         return f"MegatronBackend(layer_spec={self.layer_spec!r})"
+
+
+def check_micro_batch_count(sizes: list[int], model_config: Any) -> None:
+    """The interleaved (virtual pipeline) schedule runs groups of PP equal micro-batches."""
+    if model_config.virtual_pipeline_model_parallel_size is None:
+        return
+    pp = model_config.pipeline_model_parallel_size
+    if len(set(sizes)) > 1:
+        raise BatchError(
+            f"with virtual pipeline stages every micro-batch must hold the same number of "
+            f"sequences (megatron's interleaved schedule sends one fixed shape); got {sizes}. "
+            "Make the batch size a multiple of micro_batch_size"
+        )
+    if len(sizes) % pp:  # megatron's groups of PP contiguous micro-batches must come out even
+        count = len(sizes)
+        raise BatchError(
+            f"with virtual pipeline stages the batch must make a multiple of "
+            f"pipeline_parallel_size ({pp}) micro-batches; it makes {count}. Change the batch "
+            "size, micro_batch_size or max_tokens_per_micro_batch"
+        )
 
 
 def _finalize_without_token_scaling(

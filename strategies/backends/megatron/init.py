@@ -72,6 +72,12 @@ def _shard(full: torch.Tensor, dim: int, stride: int, rank: int, size: int) -> t
     return torch.cat(pieces[rank::size], dim=dim)
 
 
+def unshard(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+    """Inverse of ``_shard``: the full tensor from every rank's part, in rank order."""
+    pieces = [torch.chunk(shard, stride, dim=dim) for shard in shards]
+    return torch.cat([pieces[r][k] for k in range(stride) for r in range(len(shards))], dim=dim)
+
+
 def _global_layer_numbers(chunk: torch.nn.Module) -> dict[int, int]:
     decoder = getattr(chunk, "decoder", None)
     layers = getattr(decoder, "layers", [])

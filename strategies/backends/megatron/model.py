@@ -6,6 +6,7 @@ import importlib.util
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from heads.base import OutputSpec
@@ -25,6 +26,9 @@ def transformer_config(config: PartsConfig) -> Any:
         "hidden_size": model.hidden_size,
         "num_attention_heads": model.num_attention_heads,
         "num_query_groups": model.num_query_groups,
+        "kv_channels": model.head_dim,
+        "add_qkv_bias": model.add_qkv_bias,
+        "qk_layernorm": model.qk_layernorm,
         "ffn_hidden_size": model.resolved_ffn_hidden_size,
         "normalization": "RMSNorm",
         "layernorm_epsilon": model.norm_epsilon,
@@ -52,6 +56,9 @@ def transformer_config(config: PartsConfig) -> Any:
         # Losses are normalised by global counts by the loss function itself (see DESIGN.md):
         # megatron must neither divide them by the micro-batch count nor average over DP.
         "calculate_per_token_loss": True,
+        # Batched p2p (send and receive posted together) mismatches messages on gloo in the
+        # interleaved schedule (virtual pipeline stages): post them one by one there.
+        "batch_p2p_comm": not (dist.is_initialized() and dist.get_backend() == "gloo"),
         "variable_seq_lengths": True,  # micro-batches are padded to their own longest sequence
         "moe_token_dispatcher_type": "alltoall",  # the only dispatcher that allows that
         # Weights are re-drawn by ``init.initialize_parameters`` (layout-independent). Megatron
@@ -85,13 +92,15 @@ def uses_transformer_engine(kind: str, parallel: ParallelConfig) -> bool:
     return use_te
 
 
-def layer_spec(kind: str, parallel: ParallelConfig) -> Any:
+def layer_spec(kind: str, parallel: ParallelConfig, qk_layernorm: bool = False) -> Any:
     """The transformer layer spec: TransformerEngine's where available, else megatron's local."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if uses_transformer_engine(kind, parallel):
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        normalization="RMSNorm", qk_layernorm=qk_layernorm
+    )
 
 
 class ReplicatedOutputLayer(torch.nn.Linear):
@@ -117,6 +126,7 @@ def build_gpt_model(
     layer_spec_kind: str,
     pre_process: bool,
     post_process: bool,
+    vp_stage: int | None = None,
 ) -> torch.nn.Module:
     """A GPTModel chunk whose output layer follows ``spec``."""
     from megatron.core.models.gpt import GPTModel
@@ -125,7 +135,9 @@ def build_gpt_model(
     tie = spec.allow_tied_embeddings and model_config.tie_embeddings
     model = GPTModel(
         config=transformer_config(config),
-        transformer_layer_spec=layer_spec(layer_spec_kind, config.parallel),
+        transformer_layer_spec=layer_spec(
+            layer_spec_kind, config.parallel, model_config.qk_layernorm
+        ),
         vocab_size=model_config.vocab_size,
         max_sequence_length=model_config.max_sequence_length,
         pre_process=pre_process,
@@ -133,6 +145,9 @@ def build_gpt_model(
         share_embeddings_and_output_weights=tie,
         position_embedding_type="rope",
         rotary_base=model_config.rotary_base,
+        rope_scaling=model_config.rope_scaling_factor is not None,
+        rope_scaling_factor=model_config.rope_scaling_factor or 8.0,
+        vp_stage=vp_stage,
     )
     if spec.kind == "replicated" and post_process:
         dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32

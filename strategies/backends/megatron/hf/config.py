@@ -1,0 +1,151 @@
+"""A ModelConfig from a Hugging Face ``config.json`` (Llama, Qwen2, Qwen3, Mistral).
+
+Anything megatron's GPTModel would compute differently is rejected naming the field, never
+silently approximated.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from heads.errors import CheckpointError, ConfigError
+from strategies.config import ModelConfig
+
+#: What megatron's llama3 RoPE scaling hard-codes (``RotaryEmbedding._apply_scaling``).
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+_LLAMA3_ORIGINAL_MAX_POSITIONS = 8192
+
+
+def load_hf_config(path: str | os.PathLike[str]) -> Any:
+    """transformers' config object for the checkpoint directory ``path`` (local files only)."""
+    from transformers import AutoConfig
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointError(f"{path} is not a Hugging Face checkpoint: it has no config.json")
+    try:
+        return AutoConfig.from_pretrained(os.fspath(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:
+        raise CheckpointError(f"cannot read {path}/config.json: {error}") from error
+
+
+def model_config_from_hf(path: str | os.PathLike[str]) -> ModelConfig:
+    """The ModelConfig of the checkpoint at ``path``, with ``hf_path`` set to load its weights."""
+    hf = load_hf_config(path)
+    architectures = list(getattr(hf, "architectures", None) or [])
+    architecture = architectures[0] if architectures else None
+    if architecture not in _ARCHITECTURE_CHECKS:
+        raise ConfigError(
+            f"config.json architectures={architectures!r} is not supported; supported: "
+            f"{', '.join(sorted(_ARCHITECTURE_CHECKS))}"
+        )
+    _ARCHITECTURE_CHECKS[architecture](hf)
+    _require(hf, "hidden_act", "silu")
+    if getattr(hf, "mlp_bias", False):
+        raise ConfigError("config.json mlp_bias=True is not supported (megatron: no MLP biases)")
+    theta, factor = _rope(hf)
+    heads = int(hf.num_attention_heads)
+    head_dim = getattr(hf, "head_dim", None)
+    return ModelConfig(
+        vocab_size=int(hf.vocab_size),
+        hidden_size=int(hf.hidden_size),
+        num_layers=int(hf.num_hidden_layers),
+        num_attention_heads=heads,
+        num_query_groups=int(getattr(hf, "num_key_value_heads", None) or heads),
+        ffn_hidden_size=int(hf.intermediate_size),
+        max_sequence_length=int(hf.max_position_embeddings),
+        rotary_base=theta,
+        norm_epsilon=float(hf.rms_norm_eps),
+        init_method_std=float(getattr(hf, "initializer_range", 0.02)),
+        tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        add_qkv_bias=architecture == "Qwen2ForCausalLM",
+        qk_layernorm=architecture == "Qwen3ForCausalLM",
+        head_dim=int(head_dim) if head_dim and head_dim * heads != hf.hidden_size else None,
+        rope_scaling_factor=factor,
+        hf_path=os.fspath(path),
+    )
+
+
+def _require(hf: Any, field: str, wanted: object) -> None:
+    value = getattr(hf, field, wanted)
+    if value != wanted:
+        raise ConfigError(f"config.json {field}={value!r} is not supported; only {wanted!r}")
+
+
+def _no_attention_bias(hf: Any) -> None:
+    if getattr(hf, "attention_bias", False):
+        raise ConfigError(
+            "config.json attention_bias=True is not supported (it adds an output-projection "
+            "bias megatron's add_qkv_bias does not have)"
+        )
+
+
+def _full_attention(hf: Any) -> None:
+    """Sliding-window attention is refused unless the window covers every position."""
+    window = getattr(hf, "sliding_window", None)
+    uses_window = getattr(hf, "use_sliding_window", True)
+    if uses_window and window is not None and window < hf.max_position_embeddings:
+        raise ConfigError(
+            f"config.json sliding_window={window} is smaller than max_position_embeddings "
+            f"({hf.max_position_embeddings}); sliding-window attention is not supported"
+        )
+
+
+def _llama(hf: Any) -> None:
+    _no_attention_bias(hf)
+
+
+def _qwen2(hf: Any) -> None:
+    _full_attention(hf)
+
+
+def _qwen3(hf: Any) -> None:
+    _no_attention_bias(hf)
+    _full_attention(hf)
+
+
+def _mistral(hf: Any) -> None:
+    _full_attention(hf)
+
+
+_ARCHITECTURE_CHECKS: dict[str, Callable[[Any], None]] = {
+    "LlamaForCausalLM": _llama,
+    "Qwen2ForCausalLM": _qwen2,
+    "Qwen3ForCausalLM": _qwen3,
+    "MistralForCausalLM": _mistral,
+}
+
+
+def _rope(hf: Any) -> tuple[int, float | None]:
+    """(rotary base, llama3 scaling factor or None) from transformers 4.x or 5.x fields."""
+    parameters: Mapping[str, Any] | None = getattr(hf, "rope_parameters", None)
+    if parameters:  # transformers 5.x
+        scaling, field = dict(parameters), "rope_parameters"
+        theta = scaling.get("rope_theta", getattr(hf, "rope_theta", None))
+    else:  # transformers 4.x
+        scaling, field = dict(getattr(hf, "rope_scaling", None) or {}), "rope_scaling"
+        theta = getattr(hf, "rope_theta", 10000.0)
+    if theta is None or float(theta) != int(theta):
+        raise ConfigError(f"config.json rope_theta={theta!r} must be a whole number")
+    partial = getattr(hf, "partial_rotary_factor", None) or scaling.get("partial_rotary_factor")
+    if partial not in (None, 1, 1.0):
+        raise ConfigError(f"config.json partial_rotary_factor={partial!r} is not supported")
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return int(theta), None
+    if rope_type != "llama3":
+        raise ConfigError(
+            f"config.json {field}.rope_type={rope_type!r} is not supported; supported: "
+            "'default', 'llama3'"
+        )
+    for name, wanted in (
+        *_LLAMA3_FIXED.items(),
+        ("original_max_position_embeddings", _LLAMA3_ORIGINAL_MAX_POSITIONS),
+    ):
+        if float(scaling.get(name, float("nan"))) != wanted:
+            raise ConfigError(
+                f"config.json {field}.{name}={scaling.get(name)!r} is not supported: megatron's "
+                f"llama3 RoPE scaling fixes it to {wanted:g}"
+            )
+    return int(theta), float(scaling["factor"])
