@@ -7,6 +7,7 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -103,3 +104,23 @@ def run_ranks(
         if failures:
             raise RankFailure("\n".join(failures))
         return results
+
+
+def communicate_all(processes: list[subprocess.Popen[str]], timeout: float, what: str) -> list[str]:
+    """Each process's output; kills them all and fails if they outlive ``timeout`` together."""
+    import pytest
+
+    outputs = []
+    deadline = time.monotonic() + timeout
+    try:
+        for process in processes:
+            remaining = max(1.0, deadline - time.monotonic())
+            outputs.append(process.communicate(timeout=remaining)[0])
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a {what} did not finish within {timeout} s")
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return outputs

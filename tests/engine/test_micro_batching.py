@@ -32,6 +32,7 @@ from engine.micro_batching import (
     plan_token_budget,
 )
 from heads.errors import BatchError, ConfigError
+from tests.multiprocess import communicate_all
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -426,18 +427,7 @@ def test_data_parallel_ranks_agree_on_the_count_and_keep_their_budget() -> None:
         )
         for rank in range(world)
     ]
-    outputs = []
-    deadline = time.monotonic() + RANK_TIMEOUT_S
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"a data-parallel rank did not finish within {RANK_TIMEOUT_S} s")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    outputs = communicate_all(procs, RANK_TIMEOUT_S, "data-parallel rank")
     results = []
     for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
         assert proc.returncode == 0, f"rank {rank} failed:\n{output}"

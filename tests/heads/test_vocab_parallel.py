@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -24,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from heads.vocab_parallel import MIN_TEMPERATURE, log_probs_and_entropy
+from tests.multiprocess import communicate_all
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -441,18 +441,7 @@ def test_two_vocab_parallel_ranks_match_full_vocab() -> None:
         )
         for rank in range(world)
     ]
-    outputs = []
-    deadline = time.monotonic() + RANK_TIMEOUT_S
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"a vocab-parallel rank did not finish within {RANK_TIMEOUT_S} s")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    outputs = communicate_all(procs, RANK_TIMEOUT_S, "vocab-parallel rank")
     for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
         assert proc.returncode == 0, f"rank {rank} failed:\n{output}"
 
