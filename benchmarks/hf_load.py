@@ -32,6 +32,7 @@ medians are printed. Ratios are engine / transformers. Never pass/fail.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -39,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +108,16 @@ def write_checkpoint(directory: Path, args: argparse.Namespace) -> int:
 
 
 # -- one load, in the child process ---------------------------------------------------------------
+def _read_every_weight(modules: list[torch.nn.Module]) -> float:
+    """Sum every parameter and buffer once (faults in any lazily mapped weight)."""
+    total = 0.0
+    with torch.no_grad():
+        for module in modules:
+            for tensor in itertools.chain(module.parameters(), module.buffers()):
+                total += float(tensor.sum())
+    return total
+
+
 def child(variant: str, directory: str) -> None:
     """Load ``directory`` with ``variant``; print one JSON line of measurements."""
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -113,50 +125,65 @@ def child(variant: str, directory: str) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     AutoConfig.from_pretrained(directory, local_files_only=True)  # config parsing warm-up
-    extra: dict[str, float] = {}
+    parts: dict[str, float] = {}
+
+    def timed(owner: Any, name: str, key: str) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                parts[key] = parts.get(key, 0.0) + time.perf_counter() - start
+
+        setattr(owner, name, wrapper)
+
+    load: Callable[[], list[torch.nn.Module]]
     if variant == "engine":
         import megatron.core.models.gpt  # noqa: F401 (not timed)
 
         import strategies.backends.megatron.hf.loading as loading
+        import strategies.backends.megatron.mesh as mesh
         from engine import Engine
 
-        original = loading.load_hf_weights
-
-        def timed_load(*args: Any, **kwargs: Any) -> None:
-            start = time.perf_counter()
-            original(*args, **kwargs)
-            extra["weights_s"] = extra.get("weights_s", 0.0) + time.perf_counter() - start
-
-        loading.load_hf_weights = timed_load
+        timed(mesh, "init_mesh", "mesh_s")
+        timed(loading, "load_hf_weights", "weights_s")
         config = {"model": directory, "forward_only": True, "micro_batch_size": 1}
 
-        def load() -> Any:
-            return Engine.build(head="lm", device="cpu", config=config).initialize()
+        def load() -> list[torch.nn.Module]:
+            engine = Engine.build(head="lm", device="cpu", config=config).initialize()
+            modules: list[torch.nn.Module] = engine.backend.modules()
+            return modules
 
     else:
 
-        def load() -> Any:
-            return AutoModelForCausalLM.from_pretrained(
+        def load() -> list[torch.nn.Module]:
+            model = AutoModelForCausalLM.from_pretrained(
                 directory, dtype=torch.float32, local_files_only=True
             )
+            return [model]
 
     baseline = _status_kib("VmRSS")
     reset = _reset_peak()
-    before = _status_kib("VmRSS")
+    before = {field: _status_kib(field) for field in ("VmRSS", "RssAnon", "RssFile")}
     start = time.perf_counter()
-    loaded = load()
-    seconds = time.perf_counter() - start
-    peak = _status_kib("VmHWM")
-    after = _status_kib("VmRSS")
+    modules = load()
+    middle = time.perf_counter()
+    load_peak = _status_kib("VmHWM")
+    _read_every_weight(modules)
+    end = time.perf_counter()
     result = {
-        "seconds": seconds,
+        "load_s": middle - start,
+        "read_s": end - middle,
+        "load_peak_kib": load_peak - before["VmRSS"],
+        "read_peak_kib": _status_kib("VmHWM") - before["VmRSS"],
+        "anon_kib": _status_kib("RssAnon") - before["RssAnon"],
+        "file_kib": _status_kib("RssFile") - before["RssFile"],
         "baseline_kib": baseline,
-        "peak_extra_kib": peak - before,
-        "retained_kib": after - before,
         "peak_reset": reset,
-        **extra,
+        **parts,
     }
-    del loaded
     print(json.dumps(result), flush=True)
 
 
@@ -194,21 +221,31 @@ def measure(directory: Path, args: argparse.Namespace) -> None:
         keys = [key for key, value in runs[variant][0].items() if not isinstance(value, bool)]
         medians[variant] = {k: statistics.median(run[k] for run in runs[variant]) for k in keys}
         m = medians[variant]
-        label = "engine TP=1 (build+initialize, lm)" if variant == "engine" else variant
-        weights = f" (of which load_hf_weights {m['weights_s']:.2f} s)" if "weights_s" in m else ""
+        if variant == "engine":
+            label = "engine TP=1 (build+initialize, lm)"
+            parts = f" [mesh {m['mesh_s']:.2f} s, load_hf_weights {m['weights_s']:.2f} s]"
+        else:
+            label, parts = "transformers from_pretrained", ""
         reset = "" if all(run["peak_reset"] for run in runs[variant]) else " [VmHWM not reset]"
         print(
-            f"{label:34s}: load {m['seconds']:6.2f} s{weights}, peak extra RSS "
-            f"{m['peak_extra_kib'] / 1024:6.0f} MiB{reset}, retained "
-            f"{m['retained_kib'] / 1024:6.0f} MiB, baseline RSS after imports "
-            f"{m['baseline_kib'] / 1024:6.0f} MiB "
+            f"{label}: load {m['load_s']:.2f} s{parts}, peak extra RSS "
+            f"{m['load_peak_kib'] / 1024:.0f} MiB{reset}; then reading every weight once "
+            f"{m['read_s']:.2f} s, peak extra RSS {m['read_peak_kib'] / 1024:.0f} MiB; held after: "
+            f"anon +{m['anon_kib'] / 1024:.0f} MiB, file-backed +{m['file_kib'] / 1024:.0f} MiB; "
+            f"baseline RSS after imports {m['baseline_kib'] / 1024:.0f} MiB "
             f"(median of {args.repeats})"
         )
     engine, reference = medians["engine"], medians["transformers"]
-    print(f"ratio engine/transformers: time {engine['seconds'] / reference['seconds']:.3f}")
     print(
-        "ratio engine/transformers: peak extra RSS "
-        f"{engine['peak_extra_kib'] / reference['peak_extra_kib']:.3f}"
+        "ratio engine/transformers, load only: time "
+        f"{engine['load_s'] / reference['load_s']:.3f}, peak extra RSS "
+        f"{engine['load_peak_kib'] / reference['load_peak_kib']:.3f}"
+    )
+    total = {name: m["load_s"] + m["read_s"] for name, m in medians.items()}
+    print(
+        "ratio engine/transformers, load + reading every weight once: time "
+        f"{total['engine'] / total['transformers']:.3f}, peak extra RSS "
+        f"{engine['read_peak_kib'] / reference['read_peak_kib']:.3f}"
     )
 
 

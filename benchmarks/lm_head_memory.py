@@ -35,8 +35,8 @@ from collections.abc import Callable
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.measure import peak_allocated
 from heads.vocab_parallel import log_probs_and_entropy
 
 Outputs = tuple[torch.Tensor, torch.Tensor | None]
@@ -70,20 +70,6 @@ def step(
         outputs.append(entropy)
         grads.append(upstream[1])
     torch.autograd.backward(outputs, grads)
-
-
-def peak_allocated(fn: Callable[[], None]) -> int:
-    """Peak bytes allocated by ``fn`` beyond what was live before it, from profiler events."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    # kineto's raw events: one "[memory]" event per allocation (+bytes) and free (-bytes)
-    assert prof.profiler is not None and prof.profiler.kineto_results is not None
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
 
 
 def check(methods: dict[str, Method], with_entropy: bool, vocab: int, seed: int) -> str:

@@ -45,8 +45,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 import attrs
 import torch
 from tensordict import TensorDict
-from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.measure import peak_allocated
 from engine import Engine
 from engine.batching import from_token_lists
 from engine.losses import sft_loss
@@ -111,18 +111,15 @@ def build_engine(model: str, micro_batch_size: int, budget: int | None) -> Engin
 
 def timed_step(engine: Engine, batch: TensorDict) -> tuple[float, int, float]:
     """One ``train_batch``: wall seconds, peak extra allocated bytes, loss."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    seen: dict[str, float] = {}
+
+    def step() -> None:
         start = time.perf_counter()
-        result = engine.train_batch(batch, sft_loss)
-        elapsed = time.perf_counter() - start
-    assert prof.profiler is not None and prof.profiler.kineto_results is not None
-    # kineto's raw events: one "[memory]" event per allocation (+bytes) and free (-bytes)
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
-    return elapsed, peak, result["loss"]
+        seen["loss"] = engine.train_batch(batch, sft_loss)["loss"]
+        seen["elapsed"] = time.perf_counter() - start
+
+    peak = peak_allocated(step)
+    return seen["elapsed"], peak, seen["loss"]
 
 
 def measure(model: str, batch_size: int, steps: int, micro_batch_size: int, seed: int) -> None:

@@ -1,0 +1,21 @@
+"""Measurement helpers the benchmarks share."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch.profiler import ProfilerActivity, profile
+
+
+def peak_allocated(fn: Callable[[], None]) -> int:
+    """Peak bytes allocated by ``fn`` beyond what was live before it, from profiler events."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    # kineto's raw events: one "[memory]" event per allocation (+bytes) and free (-bytes)
+    assert prof.profiler is not None and prof.profiler.kineto_results is not None
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
