@@ -10,19 +10,27 @@ loads it in a fresh subprocess, so that its peak memory is its own:
 * engine: ``Engine.build(head="lm", device="cpu", config={"model": dir, "forward_only": True})``
   then ``.initialize()`` (TP=1: the megatron model is built with random weights, then the
   checkpoint is streamed into it); forward-only so that, like transformers, no gradient buffers
-  or optimizer state are allocated. Also shown: the part spent in ``load_hf_weights``.
+  or optimizer state are allocated. Also shown: the time spent in the mesh set-up
+  (``mesh.init_mesh``) and in ``load_hf_weights``; the rest is mostly building the model.
 * transformers: ``AutoModelForCausalLM.from_pretrained(dir, dtype=torch.float32)``.
 
 Before a load the child imports everything the load needs (torch, transformers with the Llama
 modelling code, megatron-core, the engine), so import time is not counted; the RSS after these
 imports (``VmRSS`` of ``/proc/self/status``) is printed as the baseline. Then the peak RSS
 high-water mark is reset (``echo 5 > /proc/self/clear_refs``; if the kernel refuses, the mark
-counts from process start) and the load runs, timed with ``time.perf_counter``.
-Peak extra memory = ``VmHWM`` after the load - ``VmRSS`` right before it. RSS counts the pages
-of the memory-mapped safetensors files a loader touches while they are mapped, as well as
-anonymous memory. The checkpoint was just written, so its files are normally in the page cache
-for both variants (no disk reads timed). With ``--repeats N`` the variants alternate N times and
-medians are printed. Ratios are engine / transformers. Never pass/fail.
+counts from process start and the line says so) and the load runs, timed with
+``time.perf_counter``. Peak extra memory = ``VmHWM`` after the load - ``VmRSS`` right before it.
+
+RSS counts the pages of memory-mapped safetensors files a process has touched while they are
+mapped, as well as anonymous memory. transformers 5 leaves its parameters as views of the mapped
+files, so its load faults almost nothing in; the weights are read on first use. Each child
+therefore next reads every parameter and buffer once (a sum), timed, and the peak is taken again
+(same ``VmHWM`` minus the same pre-load ``VmRSS``); the change in ``RssAnon`` and ``RssFile``
+after that shows how much of the memory still held is private copies and how much mapped file
+pages. The checkpoint was just written, so its files are normally in the page cache (no disk
+reads timed). With ``--repeats N`` the variants alternate N times, each run a fresh subprocess,
+and medians are printed. Ratios are engine / transformers, for the load alone and for the load
+plus the first read of every weight. Never pass/fail.
 
     python -m benchmarks.hf_load [--dir DIR] [--max-shard-size 200MB|none] [--repeats 1]
         [--hidden 768] [--layers 12] [--heads 12] [--kv-heads 4] [--intermediate 2048]
