@@ -27,8 +27,11 @@ _SCALED_OUTPUTS = ("linear_proj.weight", "linear_fc2.weight")
 _EMBEDDING = "embedding.word_embeddings.weight"
 
 
-def initialize_parameters(chunk: torch.nn.Module, config: PartsConfig) -> None:
-    """Re-draw every parameter of a GPTModel chunk from (seed, global name)."""
+def initialize_parameters(
+    chunk: torch.nn.Module, config: PartsConfig, only: tuple[str, ...] | None = None
+) -> None:
+    """Re-draw every parameter of a GPTModel chunk (or those whose global name starts with one
+    of ``only``) from (seed, global name)."""
     from megatron.core import parallel_state as ps
 
     tp_size = ps.get_tensor_model_parallel_world_size()
@@ -37,6 +40,8 @@ def initialize_parameters(chunk: torch.nn.Module, config: PartsConfig) -> None:
     scaled_std = std / math.sqrt(2.0 * config.model.num_layers)
     with torch.no_grad():
         for global_name, param in global_parameters(chunk):
+            if only is not None and not global_name.startswith(only):
+                continue
             if param.dim() == 1:
                 param.fill_(1.0 if global_name.endswith("weight") else 0.0)
                 continue

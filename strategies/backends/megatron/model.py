@@ -154,5 +154,8 @@ def build_gpt_model(
         model.output_layer = ReplicatedOutputLayer(
             model_config.hidden_size, spec.features, dtype=dtype
         )
-    initialize_parameters(model, config)
+    if model_config.hf_path is None:
+        initialize_parameters(model, config)
+    elif spec.kind == "replicated" and post_process:  # the checkpoint brings everything else
+        initialize_parameters(model, config, only=("output_layer.",))
     return model
