@@ -67,6 +67,8 @@ class Engine:
         self.platform.require_available()
         self.device: torch.device | None = None
         self._initialized = False
+        #: Optimizer steps taken (restored by ``load_checkpoint``; names checkpoint directories).
+        self.global_step = 0
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -266,7 +268,9 @@ class Engine:
     def optimizer_step(self) -> float:
         """Clip and apply the gradients; returns the global gradient norm (before clipping)."""
         self._require_trainable("optimizer_step")
-        return self.backend.optimizer_step()
+        grad_norm = self.backend.optimizer_step()
+        self.global_step += 1
+        return grad_norm
 
     def lr_scheduler_step(self) -> float:
         """Advance the LR schedule; returns the new learning rate."""
@@ -311,6 +315,32 @@ class Engine:
                 "(use get_per_tensor_param for its weights)"
             )
         self._hf_backend("save_hf").save_hf(self.config, os.fspath(directory))
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        global_step: int | None = None,
+        max_ckpt_to_keep: int | None = None,
+    ) -> str:
+        """Save model, optimizer, LR schedule and RNG states to ``path/global_step_{N}/``
+        (N: ``global_step``, default ``self.global_step``), published atomically; keep only the
+        newest ``max_ckpt_to_keep``. Collective: every rank calls it. Returns the directory."""
+        from engine import checkpointing
+
+        self._require_initialized("save_checkpoint")
+        step = self.global_step if global_step is None else global_step
+        return checkpointing.save_checkpoint(self, os.fspath(path), step, max_ckpt_to_keep)
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> str:
+        """Restore a checkpoint: ``path`` is a root (its newest complete checkpoint) or one
+        ``global_step_*`` directory. Verified first; on CheckpointError nothing changed. The
+        model and optimizer reshard to this engine's parallel layout; RNG states are restored
+        at the same layout only. Collective. Returns the directory loaded."""
+        from engine import checkpointing
+
+        self._require_initialized("load_checkpoint")
+        return checkpointing.load_checkpoint(self, os.fspath(path))
 
     def _hf_backend(self, method: str) -> Any:
         if not hasattr(self.backend, method):

@@ -278,6 +278,20 @@ class MegatronBackend:
     def modules(self) -> list[torch.nn.Module]:
         return list(self._chunks)
 
+    def save_state(self, directory: str) -> None:
+        """Model, optimizer, LR schedule and RNG states into ``directory`` (collective)."""
+        from strategies.backends.megatron.checkpoint import save_state
+
+        self._require_model()
+        save_state(self, directory)
+
+    def load_state(self, directory: str, *, same_layout: bool) -> None:
+        """Restore ``save_state``'s directory, resharded to this layout (collective)."""
+        from strategies.backends.megatron.checkpoint import load_state
+
+        self._require_model()
+        load_state(self, directory, same_layout=same_layout)
+
     def export_hf(self, config: PartsConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's weights as (Hugging Face name, full tensor) pairs (see ``hf.export``)."""
         from strategies.backends.megatron.hf.export import export_hf

@@ -1,0 +1,297 @@
+"""Engine checkpoints on disk: one root, one ``global_step_{N}/`` directory per save, each
+published whole.
+
+A save writes into a temporary sibling (``.tmp-global_step_{N}-<random>``); after every rank
+has written its part, rank 0 fsyncs the files, writes ``manifest.json`` last (format version,
+engine config, head, model shape, step, parallel layout, every file's size and sha256) and
+renames the directory into place. A directory without a readable manifest is not a
+checkpoint, so a save killed at any point leaves the previous checkpoint as the latest.
+Loading verifies the manifest (version, head, model shape, sizes and checksums) before any
+state changes. What is in the files is the backend's business (``save_state`` /
+``load_state``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from heads.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STEP_PREFIX = "global_step_"
+_STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d+)$")
+#: Test hook: the saving process SIGKILLs itself when it reaches the named stage
+#: (``after_state``, ``before_manifest``, ``before_rename``).
+KILL_AT_ENV = "COMPOSABLE_ENGINE_CHECKPOINT_KILL_AT"
+_MODEL_SHAPE_FIELDS = (
+    "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+    "ffn_hidden_size", "head_dim", "tie_embeddings", "add_qkv_bias", "qk_layernorm",
+)  # fmt: skip
+
+
+def save_checkpoint(
+    engine: Engine, root: str, global_step: int, max_ckpt_to_keep: int | None
+) -> str:
+    """Write ``root/global_step_{global_step}`` (collective); returns its path."""
+    if max_ckpt_to_keep is not None and max_ckpt_to_keep < 1:
+        raise ConfigError(f"max_ckpt_to_keep must be >= 1 or None; got {max_ckpt_to_keep}")
+    root = os.path.abspath(os.fspath(root))
+    target = os.path.join(root, f"{STEP_PREFIX}{global_step}")
+    staging = ""
+    if _rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        staging = os.path.join(root, f".tmp-{STEP_PREFIX}{global_step}-{secrets.token_hex(4)}")
+        os.makedirs(staging)
+    staging = _from_rank_zero(staging)
+    _state_backend(engine).save_state(staging)
+    _stage("after_state")
+    _barrier()
+    error = None
+    if _rank() == 0:
+        try:
+            _stage("before_manifest")
+            _write_manifest(staging, _describe(engine, global_step))
+            _stage("before_rename")
+            _publish(staging, target)
+            if max_ckpt_to_keep is not None:
+                for _, old in complete_checkpoints(root)[:-max_ckpt_to_keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+        except OSError as failure:
+            error = f"cannot write the checkpoint {target}: {failure}"
+    _raise_if(_from_rank_zero(error))
+    return target
+
+
+def load_checkpoint(engine: Engine, path: str) -> str:
+    """Verify, then restore the checkpoint at ``path`` (a root: its newest complete checkpoint;
+    or one ``global_step_*`` directory). Collective; returns the directory loaded."""
+    found: tuple[str, dict[str, Any]] | str | None = None
+    if _rank() == 0:
+        try:
+            directory = resolve_checkpoint(os.fspath(path))
+            manifest = read_manifest(directory)
+            _check_compatible(directory, manifest, _describe(engine, 0))
+            verify_files(directory, manifest)
+            found = (directory, manifest)
+        except CheckpointError as error:
+            found = str(error)
+    found = _from_rank_zero(found)
+    if isinstance(found, str) or found is None:
+        raise CheckpointError(found)
+    directory, manifest = found
+    same_layout = manifest["parallel"] == _layout(engine)
+    _state_backend(engine).load_state(directory, same_layout=same_layout)
+    engine.global_step = int(manifest["global_step"])
+    return directory
+
+
+def complete_checkpoints(root: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of every ``global_step_*`` directory with a readable manifest, oldest
+    first (temporary and manifest-less directories are not checkpoints)."""
+    found = []
+    for name in os.listdir(root) if os.path.isdir(root) else ():
+        match = _STEP_DIR.match(name)
+        path = os.path.join(root, name)
+        if match is None or not os.path.isfile(os.path.join(path, MANIFEST)):
+            continue
+        try:
+            read_manifest(path)
+        except CheckpointError:
+            continue
+        found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint directory itself, or a root's newest complete checkpoint."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"no checkpoint at {path}: the path does not exist")
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        return path
+    if _STEP_DIR.match(os.path.basename(os.path.normpath(path))):
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint (no {MANIFEST}: the save did not finish); "
+            "load its root to get the newest complete one"
+        )
+    complete = complete_checkpoints(path)
+    if not complete:
+        raise CheckpointError(
+            f"no complete checkpoint under {path} (looked for {STEP_PREFIX}<N>/ directories "
+            f"holding a valid {MANIFEST})"
+        )
+    return complete[-1][1]
+
+
+def read_manifest(directory: str) -> dict[str, Any]:
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path) as handle:
+            manifest = json.load(handle)
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"cannot read the checkpoint manifest {path}: {error}") from error
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("format_version"), int):
+        raise CheckpointError(f"{path} is not a checkpoint manifest (no format_version)")
+    if manifest["format_version"] > FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {directory} has format_version {manifest['format_version']}, newer than "
+            f"this composable-engine reads ({FORMAT_VERSION}); upgrade composable-engine"
+        )
+    return manifest
+
+
+def verify_files(directory: str, manifest: dict[str, Any]) -> None:
+    """Every file the manifest lists is there with its size and sha256."""
+    for name, entry in manifest["files"].items():
+        path = os.path.join(directory, name)
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            raise CheckpointError(f"checkpoint {directory} is missing {name}") from None
+        if size != entry["size"]:
+            raise CheckpointError(
+                f"checkpoint file {path} has {size} bytes, the manifest says {entry['size']} "
+                "(truncated or overwritten)"
+            )
+        if _sha256(path) != entry["sha256"]:
+            raise CheckpointError(f"checkpoint file {path} is corrupted (sha256 mismatch)")
+
+
+def _describe(engine: Engine, global_step: int) -> dict[str, Any]:
+    return {
+        "format_version": FORMAT_VERSION,
+        "global_step": global_step,
+        "head": engine.head.name,
+        "backend": engine.backend.name,
+        "model_shape": model_shape(engine),
+        "parallel": _layout(engine),
+        "config": engine.config.to_dict(),
+    }
+
+
+def model_shape(engine: Engine) -> dict[str, Any]:
+    """What must match for the weights to fit (layout-independent)."""
+    model = engine.config.model
+    shape = {name: getattr(model, name) for name in _MODEL_SHAPE_FIELDS}
+    shape.update(
+        num_query_groups=model.num_query_groups or model.num_attention_heads,
+        ffn_hidden_size=model.resolved_ffn_hidden_size,
+    )
+    return shape
+
+
+def _layout(engine: Engine) -> dict[str, Any]:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    parallel: dict[str, Any] = engine.config.to_dict()["parallel"]
+    return {**parallel, "world_size": world}
+
+
+def _check_compatible(directory: str, manifest: dict[str, Any], ours: dict[str, Any]) -> None:
+    if manifest.get("head") != ours["head"]:
+        raise CheckpointError(
+            f"checkpoint {directory} was saved by a {manifest.get('head')!r} head engine; this "
+            f"engine has a {ours['head']!r} head"
+        )
+    saved = manifest.get("model_shape", {})
+    if saved != ours["model_shape"]:
+        differ = sorted(k for k in ours["model_shape"] if saved.get(k) != ours["model_shape"][k])
+        theirs = ", ".join(f"{k}={saved.get(k)}" for k in differ)
+        mine = ", ".join(f"{k}={ours['model_shape'][k]}" for k in differ)
+        raise CheckpointError(
+            f"checkpoint {directory} holds a model of another shape ({theirs}); this engine's "
+            f"model has {mine}"
+        )
+
+
+def _write_manifest(directory: str, description: dict[str, Any]) -> None:
+    files = {}
+    for folder, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(folder, name)
+            _fsync(path)
+            files[os.path.relpath(path, directory)] = {
+                "size": os.path.getsize(path),
+                "sha256": _sha256(path),
+            }
+        _fsync(folder)
+    manifest = {**description, "files": dict(sorted(files.items()))}
+    path = os.path.join(directory, MANIFEST)
+    with open(path, "w") as handle:
+        json.dump(manifest, handle, indent=1, default=str)
+        handle.flush()
+        os.fsync(handle.fileno())
+    _fsync(directory)
+
+
+def _publish(staging: str, target: str) -> None:
+    """Rename into place; an existing checkpoint of the same step is replaced."""
+    aside = None
+    if os.path.exists(target):
+        aside = f"{staging}-replaced"
+        os.rename(target, aside)
+    os.rename(staging, target)
+    _fsync(os.path.dirname(target))
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: str) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _stage(name: str) -> None:
+    if os.environ.get(KILL_AT_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _state_backend(engine: Engine) -> Any:
+    if not hasattr(engine.backend, "save_state"):
+        raise ConfigError(f"the {engine.backend.name} backend cannot save checkpoints")
+    return engine.backend
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _from_rank_zero(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def _raise_if(error: str | None) -> None:
+    if error is not None:
+        raise CheckpointError(error)

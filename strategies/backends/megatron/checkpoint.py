@@ -1,0 +1,190 @@
+"""Megatron backend state in a checkpoint directory: model and optimizer through megatron's
+``dist_checkpointing`` (torch_dist format, so a checkpoint saved at one TP/PP layout loads at
+another), the LR schedule as JSON, this rank's RNG streams as a small tensor-only file.
+
+Collective: every rank calls ``save_state`` / ``load_state`` with the same directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from strategies.backends.megatron.backend import MegatronBackend
+
+MODEL_DIR = "dist"
+SCHEDULER_FILE = "scheduler.json"
+RNG_DIR = "rng"
+#: The distributed optimizer's only sharding type that round-trips with the torch AdamW
+#: fallback (megatron-core 0.16.1; see notes/megatron-on-cpu.md); ignored by the plain one.
+_OPTIMIZER_METADATA = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "chained_optim_avoid_prefix": True,
+}
+
+
+def save_state(backend: MegatronBackend, directory: str) -> None:
+    """Write model (+ optimizer, scheduler) and this rank's RNG states under ``directory``."""
+    from megatron.core import dist_checkpointing
+
+    rank = dist.get_rank()
+    model_dir = os.path.join(directory, MODEL_DIR)
+    if rank == 0:
+        os.makedirs(model_dir, exist_ok=True)
+        os.makedirs(os.path.join(directory, RNG_DIR), exist_ok=True)
+    dist.barrier()
+    if backend._optimizer is not None:
+        _materialize_optimizer_state(backend._optimizer)
+    state = _sharded_state(backend, with_optimizer=backend._optimizer is not None, loading=False)
+    dist_checkpointing.save(state, model_dir)
+    if rank == 0 and backend._scheduler is not None:
+        with open(os.path.join(directory, SCHEDULER_FILE), "w") as handle:
+            json.dump(backend._scheduler.state_dict(), handle)
+    torch.save(_rng_states(), os.path.join(directory, RNG_DIR, f"rank_{rank}.pt"))
+
+
+def load_state(backend: MegatronBackend, directory: str, *, same_layout: bool) -> None:
+    """Restore what ``save_state`` wrote. Model and optimizer reshard to this layout
+    (``dist_checkpointing``); per-rank RNG streams are restored only at the same layout (at
+    another one there is no rank to take them from)."""
+    from megatron.core import dist_checkpointing
+
+    scheduler_path = os.path.join(directory, SCHEDULER_FILE)
+    # A forward-only engine's checkpoint has neither optimizer nor scheduler state.
+    with_optimizer = backend._optimizer is not None and os.path.exists(scheduler_path)
+    with torch.no_grad():
+        if with_optimizer:
+            _materialize_optimizer_state(backend._optimizer)
+        template = _sharded_state(backend, with_optimizer=with_optimizer, loading=True)
+        loaded = dist_checkpointing.load(template, os.path.join(directory, MODEL_DIR))
+        for key, chunk in zip(_model_keys(backend), backend._chunks, strict=True):
+            chunk.load_state_dict(loaded[key])
+        if with_optimizer:
+            _load_optimizer(backend._optimizer, loaded["optimizer"])
+    if with_optimizer and backend._scheduler is not None:
+        with open(scheduler_path) as handle:
+            backend._scheduler.load_state_dict(json.load(handle))
+    rng_path = os.path.join(directory, RNG_DIR, f"rank_{dist.get_rank()}.pt")
+    if same_layout and os.path.exists(rng_path):
+        _set_rng_states(torch.load(rng_path, weights_only=True))
+
+
+def _model_keys(backend: MegatronBackend) -> list[str]:
+    """megatron's convention: ``model``, or ``model0``, ``model1``... for virtual stages."""
+    chunks = backend._chunks
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
+def _sharded_state(
+    backend: MegatronBackend, *, with_optimizer: bool, loading: bool
+) -> dict[str, Any]:
+    # The inner chunks, not the DDP wrappers (whose keys carry a ``module.`` prefix).
+    state: dict[str, Any] = {
+        key: chunk.sharded_state_dict()  # type: ignore[operator]
+        for key, chunk in zip(_model_keys(backend), backend._chunks, strict=True)
+    }
+    if with_optimizer:
+        state["optimizer"] = backend._optimizer.sharded_state_dict(
+            state, is_loading=loading, metadata=_OPTIMIZER_METADATA
+        )
+    return state
+
+
+def _load_optimizer(optimizer: Any, state: Any) -> None:
+    """``load_state_dict`` per chained optimizer. Around megatron-core 0.16.1's distributed
+    optimizer with the torch AdamW fallback: its parameter-state loader copies every inner
+    state key from the checkpoint, which keeps ``step`` elsewhere (KeyError 'step'), so
+    ``step`` is set aside meanwhile; and it gives every parameter the same ``step`` tensor,
+    which Adam would then bump once per parameter, so each gets its own copy."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    states = [state] if len(parts) == 1 else [state[index] for index in range(len(parts))]
+    for part, part_state in zip(parts, states, strict=True):
+        if not isinstance(part, DistributedOptimizer):
+            # megatron saves the shared step only when it is non-zero (``if step:``)
+            part_state["state"].setdefault("common_step", torch.zeros((), dtype=torch.float32))
+            part.load_state_dict(part_state)
+            continue
+        param_state = part_state.pop("param_state")
+        part_state.pop("param_state_sharding_type")
+        part.load_state_dict(part_state)
+        inner_state = part.optimizer.state
+        steps = {
+            param: entry.pop("step") for param, entry in inner_state.items() if "step" in entry
+        }
+        try:
+            part.load_parameter_state_from_fully_reshardable(param_state)
+        finally:
+            for param, step in steps.items():  # megatron hands every parameter one shared
+                inner_state[param]["step"] = step.clone()  # tensor; Adam bumps each in place
+
+
+def _materialize_optimizer_state(optimizer: Any) -> None:
+    """Give never-stepped parameters zero Adam state (what their first step starts from), so
+    that a saved checkpoint and a loading template always hold every state tensor."""
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = part.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param].update(
+                        step=torch.zeros((), dtype=torch.float32),
+                        exp_avg=torch.zeros_like(param),
+                        exp_avg_sq=torch.zeros_like(param),
+                    )
+
+
+def _rng_states() -> dict[str, Any]:
+    """Python, NumPy, torch CPU and megatron's tracker streams, as tensors and plain values
+    (loadable with ``torch.load(weights_only=True)``)."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    version, python_state, gauss = random.getstate()
+    numpy_state: Any = np.random.get_state(legacy=True)
+    kind, keys, position, has_gauss, cached = numpy_state
+    states: dict[str, Any] = {
+        "python": {"version": version, "state": torch.tensor(python_state), "gauss": gauss},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "position": int(position),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+        "tracker": {
+            name: state.clone() for name, state in get_cuda_rng_tracker().get_states().items()
+        },
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    python = states["python"]
+    random.setstate((python["version"], tuple(python["state"].tolist()), python["gauss"]))
+    numpy = states["numpy"]
+    np.random.set_state(
+        (
+            numpy["kind"],
+            numpy["keys"].numpy().astype(np.uint32),
+            numpy["position"],
+            numpy["has_gauss"],
+            numpy["cached_gaussian"],
+        )
+    )
+    torch.set_rng_state(states["torch"])
+    get_cuda_rng_tracker().set_states(dict(states["tracker"]))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])

@@ -1,0 +1,243 @@
+"""Engine checkpoints: exact resume, retention, atomic publish, verification before loading,
+resharding to another tensor-parallel layout."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine import Engine
+from engine.checkpointing import (
+    FORMAT_VERSION,
+    KILL_AT_ENV,
+    MANIFEST,
+    complete_checkpoints,
+    resolve_checkpoint,
+)
+from engine.losses import sft_loss, value_regression_loss
+from heads.errors import CheckpointError
+from tests.factories import random_batch, tiny_model
+from tests.multiprocess import RankFailure, run_ranks
+
+LENGTHS = [5, 7, 9, 4]
+LOSSES = {"lm": sft_loss, "value": value_regression_loss}
+
+
+def _config(**optimizer: Any) -> dict[str, Any]:
+    return {
+        "model": tiny_model(),
+        "micro_batch_size": 2,
+        "seed": 5,
+        "optimizer": {"lr": 1e-3, "clip_grad": 1.0, **optimizer},
+    }
+
+
+def _engine(head: str = "lm", **config: Any) -> Engine:
+    return Engine.build(head=head, device="cpu", config={**_config(), **config}).initialize()
+
+
+def _train(engine: Engine, head: str, steps: range) -> list[float | None]:
+    return [
+        engine.train_batch(random_batch(LENGTHS, 64, seed=step), LOSSES[head]).get("loss")
+        for step in steps
+    ]
+
+
+def _weights(engine: Engine) -> dict[str, torch.Tensor]:
+    return {
+        name: param.detach().clone()
+        for chunk in engine.backend.modules()
+        for name, param in chunk.named_parameters()
+    }
+
+
+def _assert_same_weights(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> None:
+    assert first.keys() == second.keys()
+    for name, tensor in first.items():
+        assert torch.equal(tensor, second[name]), name
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("head", "distributed_optimizer"),
+    [("lm", False), ("value", False), ("lm", True)],
+    ids=["lm", "value", "lm-distributed-optimizer"],
+)
+def test_resuming_from_a_checkpoint_reproduces_training_bit_exactly(
+    fresh_mesh: None, tmp_path: Path, head: str, distributed_optimizer: bool
+) -> None:
+    config = _config(use_distributed_optimizer=distributed_optimizer)
+    original = Engine.build(head=head, device="cpu", config=config).initialize()
+    _train(original, head, range(2))
+    saved = original.save_checkpoint(tmp_path)
+    assert saved == str(tmp_path / "global_step_2")
+    expected_losses = _train(original, head, range(2, 4))
+
+    resumed = Engine.build(head=head, device="cpu", config=config).initialize()
+    assert resumed.load_checkpoint(tmp_path) == saved
+    assert resumed.global_step == 2
+    assert _train(resumed, head, range(2, 4)) == expected_losses
+    _assert_same_weights(_weights(resumed), _weights(original))
+    assert resumed.backend.current_lr() == original.backend.current_lr()
+
+
+@pytest.mark.timeout(120)
+def test_retention_keeps_the_newest_and_latest_skips_incomplete_directories(
+    fresh_mesh: None, tmp_path: Path
+) -> None:
+    engine = _engine()
+    for step in (1, 2, 3):
+        engine.save_checkpoint(tmp_path, global_step=step, max_ckpt_to_keep=2)
+    assert [step for step, _ in complete_checkpoints(str(tmp_path))] == [2, 3]
+    assert sorted(os.listdir(tmp_path)) == ["global_step_2", "global_step_3"]
+    (tmp_path / ".tmp-global_step_9-abcd").mkdir()  # a save that died before publishing
+    (tmp_path / "global_step_8").mkdir()  # no manifest: not a checkpoint
+    assert resolve_checkpoint(str(tmp_path)) == str(tmp_path / "global_step_3")
+    assert engine.load_checkpoint(tmp_path) == str(tmp_path / "global_step_3")
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        engine.load_checkpoint(tmp_path / "global_step_8")
+
+
+def _damage_truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-7])
+
+
+def _damage_flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _largest_file(directory: Path) -> Path:
+    return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def _set_manifest(directory: Path, **changes: Any) -> None:
+    manifest = json.loads((directory / MANIFEST).read_text())
+    manifest.update(changes)
+    (directory / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.timeout(180)
+def test_bad_checkpoints_raise_checkpoint_error_and_leave_the_engine_unchanged(
+    fresh_mesh: None, tmp_path: Path
+) -> None:
+    source = _engine()
+    _train(source, "lm", range(1))
+    good = Path(source.save_checkpoint(tmp_path / "good"))
+
+    target = _engine()
+    before, step_before, lr_before = (
+        _weights(target),
+        target.global_step,
+        target.backend.current_lr(),
+    )
+
+    def expect(path: Path, match: str) -> None:
+        with pytest.raises(CheckpointError, match=match):
+            target.load_checkpoint(path)
+        _assert_same_weights(_weights(target), before)
+        assert (target.global_step, target.backend.current_lr()) == (step_before, lr_before)
+
+    expect(tmp_path / "missing", "does not exist")
+    (tmp_path / "empty").mkdir()
+    expect(tmp_path / "empty", "no complete checkpoint under")
+    for name, damage, match in (
+        ("truncated", _damage_truncate, "truncated"),
+        ("flipped", _damage_flip, "sha256 mismatch"),
+    ):
+        broken = Path(source.save_checkpoint(tmp_path / name))
+        damage(_largest_file(broken / "dist"))
+        expect(broken, match)
+    newer = Path(source.save_checkpoint(tmp_path / "newer"))
+    _set_manifest(newer, format_version=FORMAT_VERSION + 1)
+    expect(newer, "newer than this composable-engine reads")
+    target.load_checkpoint(good)  # the good one still loads after all that
+    _assert_same_weights(_weights(target), _weights(source))
+
+
+@pytest.mark.timeout(180)
+def test_a_checkpoint_of_another_head_or_model_shape_is_refused_naming_both(
+    fresh_mesh: None, tmp_path: Path
+) -> None:
+    saved = _engine("lm").save_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="'lm' head engine; this engine has a 'value' head"):
+        _engine("value").load_checkpoint(saved)
+    wider = _engine(model=tiny_model(ffn_hidden_size=128))
+    with pytest.raises(CheckpointError, match=r"ffn_hidden_size=64\); .* ffn_hidden_size=128"):
+        wider.load_checkpoint(saved)
+
+
+def save_then_die(root: str, stage: str) -> None:
+    """Save step 1 normally, train, then die at ``stage`` while saving step 2."""
+    engine = _engine()
+    _train(engine, "lm", range(1))
+    engine.save_checkpoint(root)
+    _train(engine, "lm", range(1, 2))
+    os.environ[KILL_AT_ENV] = stage
+    engine.save_checkpoint(root)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stage", ["after_state", "before_manifest", "before_rename"])
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_as_latest(
+    fresh_mesh: None, tmp_path: Path, stage: str
+) -> None:
+    with pytest.raises(RankFailure, match="exited -9"):
+        run_ranks(save_then_die, 1, str(tmp_path), stage, timeout=180)
+    assert [step for step, _ in complete_checkpoints(str(tmp_path))] == [1]
+    assert any(name.startswith(".tmp-global_step_2-") for name in os.listdir(tmp_path))
+    engine = _engine()
+    assert engine.load_checkpoint(tmp_path) == str(tmp_path / "global_step_1")
+    assert engine.global_step == 1
+
+
+def train_save_and_infer(root: str, parallel: dict[str, Any]) -> dict[str, Any]:
+    """Train 2 steps and save (or, where there is a checkpoint, load it); infer; train."""
+    engine = _engine(parallel=parallel)
+    if os.listdir(root):
+        engine.load_checkpoint(root)
+    else:
+        _train(engine, "lm", range(2))
+        engine.save_checkpoint(root)
+    log_probs = engine.infer_batch(random_batch(LENGTHS, 64, seed=9))
+    outputs = None if log_probs is None else log_probs["log_probs"].values().clone()
+    return {"log_probs": outputs, "losses": _train(engine, "lm", range(2, 4))}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.multiprocess
+def test_a_checkpoint_saved_at_tp1_loads_at_tp2(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    (expected,) = run_ranks(train_save_and_infer, 1, root, {}, timeout=180)
+    tp2 = {"tensor_parallel_size": 2}
+    reports = run_ranks(train_save_and_infer, 2, root, tp2, timeout=240)
+    output = [r for r in reports if r["log_probs"] is not None]
+    assert len(output) == 1
+    torch.testing.assert_close(output[0]["log_probs"], expected["log_probs"], atol=1e-5, rtol=0)
+    # optimizer state (Adam moments) and LR schedule resharded too: training continues alike
+    assert output[0]["losses"] == pytest.approx(expected["losses"], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {}], ids=["tp2", "dp2"])
+def test_a_checkpoint_saved_by_two_ranks_resumes_there_and_loads_in_one_process(
+    tmp_path: Path, parallel: dict[str, Any]
+) -> None:
+    root = str(tmp_path)
+    saved = run_ranks(train_save_and_infer, 2, root, parallel, timeout=240)
+    assert len([name for name in os.listdir(root) if name.startswith("global_step_")]) == 1
+    resumed = run_ranks(train_save_and_infer, 2, root, parallel, timeout=240)
+    for before, after in zip(saved, resumed, strict=True):
+        if before["log_probs"] is not None:
+            assert torch.equal(before["log_probs"], after["log_probs"])
+            assert before["losses"] == after["losses"]
+    (single,) = run_ranks(train_save_and_infer, 1, root, {}, timeout=180)
+    (reference,) = [r for r in saved if r["log_probs"] is not None][:1]
+    torch.testing.assert_close(single["log_probs"], reference["log_probs"], atol=1e-5, rtol=0)
