@@ -1,0 +1,206 @@
+"""Time and size of ``Engine.save_checkpoint`` / ``load_checkpoint`` vs a plain ``torch.save``.
+
+For each model preset (default ``tiny`` and ``small``, ~20M parameters) an LM engine is built
+on CPU (``Engine.build(head="lm", device="cpu", config={"model": name}).initialize()``) and
+trained one step (so Adam's ``exp_avg`` / ``exp_avg_sq`` exist). Then, in the same process and
+on the same state, two variants alternate ``--repeats`` times (order flipped every repeat so
+that drift hits both alike; medians printed):
+
+* engine: ``engine.save_checkpoint(fresh_dir)`` (megatron ``dist_checkpointing`` torch_dist
+  files for model + optimizer, scheduler JSON, RNG states, then fsync + sha256 of every file,
+  ``manifest.json`` and an atomic rename), timed, and the bytes of the published
+  ``global_step_N/`` directory (every file, manifest included); then
+  ``engine.load_checkpoint(fresh_dir)`` (manifest check, sha256 of every file, then restore),
+  timed. The lines also show the time spent in the manifest write (``_write_manifest``: fsync +
+  sha256) and in the load's verification (``verify_files``: sha256), the checkpoint's safety
+  net, which the baseline has no counterpart for.
+* torch.save: the inner model chunks' ``state_dict()`` (``engine.backend.modules()``), the
+  optimizer's ``state_dict()`` and the LR scheduler's ``state_dict()`` in one dict written
+  with ``torch.save`` to a fresh file (no fsync unless ``--fsync-baseline``), timed, and its
+  size; then ``torch.load(..., weights_only=True)`` and ``load_state_dict`` of each part, timed.
+
+One untimed warm-up round of both variants comes first (the first ``dist_checkpointing`` save
+pays one-off set-up; its time is shown as "first engine save"). Every save goes to a fresh
+directory under ``--dir`` (default: the system temporary directory), deleted after its load,
+so the files are normally still in the page cache when loaded (no disk reads timed). Ratios
+are engine / torch.save. Never pass/fail.
+
+    python -m benchmarks.checkpoint_io [--model tiny|small] [--repeats 5] [--dir DIR]
+        [--fsync-baseline]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+import torch
+
+from engine import Engine, checkpointing
+from engine.losses import sft_loss
+from tests.factories import random_batch
+
+VARIANTS = ("engine", "torch.save")
+MIB = 1024 * 1024
+#: Time spent inside the engine's manifest write and file verification during one round.
+PARTS: dict[str, float] = {}
+
+
+def _timed(owner: Any, name: str, key: str) -> None:
+    """Accumulate the time spent in ``owner.name`` into ``PARTS[key]``."""
+    original = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            PARTS[key] = PARTS.get(key, 0.0) + time.perf_counter() - start
+
+    setattr(owner, name, wrapper)
+
+
+def _directory_bytes(directory: Path) -> int:
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def engine_round(engine: Engine, root: Path) -> dict[str, float]:
+    """One save + load with the engine into the fresh directory ``root``."""
+    PARTS.clear()
+    start = time.perf_counter()
+    saved = Path(engine.save_checkpoint(root))
+    save_s = time.perf_counter() - start
+    size = _directory_bytes(saved)
+    start = time.perf_counter()
+    engine.load_checkpoint(root)
+    load_s = time.perf_counter() - start
+    shutil.rmtree(root)
+    return {
+        "save_s": save_s,
+        "load_s": load_s,
+        "bytes": size,
+        "manifest_s": PARTS.get("manifest_s", 0.0),
+        "verify_s": PARTS.get("verify_s", 0.0),
+    }
+
+
+def torch_round(engine: Engine, root: Path, fsync: bool) -> dict[str, float]:
+    """One ``torch.save`` of the plain state dicts into ``root/state.pt``, and back."""
+    backend = engine.backend
+    chunks = backend.modules()
+    root.mkdir()
+    path = root / "state.pt"
+    start = time.perf_counter()
+    state = {
+        "model": [chunk.state_dict() for chunk in chunks],
+        "optimizer": backend._optimizer.state_dict(),
+        "scheduler": backend._scheduler.state_dict(),
+    }
+    torch.save(state, path)
+    if fsync:
+        _fsync(path)
+        _fsync(root)
+    save_s = time.perf_counter() - start
+    del state
+    size = path.stat().st_size
+    start = time.perf_counter()
+    loaded = torch.load(path, weights_only=True)
+    for chunk, chunk_state in zip(chunks, loaded["model"], strict=True):
+        chunk.load_state_dict(chunk_state)
+    backend._optimizer.load_state_dict(loaded["optimizer"])
+    backend._scheduler.load_state_dict(loaded["scheduler"])
+    load_s = time.perf_counter() - start
+    shutil.rmtree(root)
+    return {"save_s": save_s, "load_s": load_s, "bytes": size}
+
+
+def measure(model: str, args: argparse.Namespace, parent: Path) -> None:
+    engine = Engine.build(head="lm", device="cpu", config={"model": model}).initialize()
+    params = sum(p.numel() for chunk in engine.backend.modules() for p in chunk.parameters())
+    batch = random_batch([64] * 4, engine.config.model.vocab_size, seed=0)
+    engine.train_batch(batch, sft_loss)  # Adam state exists from here on
+
+    counter = itertools.count()
+
+    def fresh() -> Path:
+        return parent / f"{model}-{next(counter)}"
+
+    rounds: dict[str, Callable[[], dict[str, float]]] = {
+        "engine": lambda: engine_round(engine, fresh()),
+        "torch.save": lambda: torch_round(engine, fresh(), args.fsync_baseline),
+    }
+    first = rounds["engine"]()  # warm-up, not counted
+    rounds["torch.save"]()
+    runs: dict[str, list[dict[str, float]]] = {variant: [] for variant in VARIANTS}
+    for repeat in range(args.repeats):
+        for variant in VARIANTS if repeat % 2 == 0 else VARIANTS[::-1]:
+            runs[variant].append(rounds[variant]())
+    m = {
+        variant: {
+            key: statistics.median(run[key] for run in runs[variant]) for key in runs[variant][0]
+        }
+        for variant in VARIANTS
+    }
+    engine_m, torch_m = m["engine"], m["torch.save"]
+    label = f"model={model:5s} ({params / 1e6:.1f}M params)"
+    fsync = " + fsync" if args.fsync_baseline else ""
+    print(
+        f"{label} save: engine {engine_m['save_s'] * 1e3:8.1f} ms [manifest: fsync + sha256 "
+        f"{engine_m['manifest_s'] * 1e3:.1f} ms; first engine save {first['save_s'] * 1e3:.0f} ms, "
+        f"not counted], torch.save{fsync} {torch_m['save_s'] * 1e3:8.1f} ms, ratio "
+        f"{engine_m['save_s'] / torch_m['save_s']:.2f} (median of {args.repeats})"
+    )
+    print(
+        f"{label} load: engine {engine_m['load_s'] * 1e3:8.1f} ms [verify: sha256 "
+        f"{engine_m['verify_s'] * 1e3:.1f} ms], torch.load + load_state_dict "
+        f"{torch_m['load_s'] * 1e3:8.1f} ms, ratio {engine_m['load_s'] / torch_m['load_s']:.2f} "
+        f"(median of {args.repeats})"
+    )
+    print(
+        f"{label} size: engine {engine_m['bytes'] / MIB:8.2f} MiB ({int(engine_m['bytes']):,} B), "
+        f"torch.save {torch_m['bytes'] / MIB:8.2f} MiB ({int(torch_m['bytes']):,} B), ratio "
+        f"{engine_m['bytes'] / torch_m['bytes']:.3f}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", choices=["tiny", "small"], action="append")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dir", type=Path, help="where the temporary checkpoints go")
+    parser.add_argument(
+        "--fsync-baseline", action="store_true", help="fsync the torch.save file (like the engine)"
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    _timed(checkpointing, "_write_manifest", "manifest_s")
+    _timed(checkpointing, "verify_files", "verify_s")
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="checkpoint_io_", dir=args.dir) as parent:
+        for model in args.model or ["tiny", "small"]:
+            measure(model, args, Path(parent))
+
+
+if __name__ == "__main__":
+    main()
