@@ -57,6 +57,19 @@ def _section(kind: type[Any]) -> Any:
 
 
 @attrs.frozen(kw_only=True)
+class OffloadConfig:
+    """What ``train_mode`` / ``eval_mode`` keep in host memory outside their block (RL phases
+    alternate: the actor's optimizer state need not occupy the device during rollouts)."""
+
+    model: bool = bool_field(False)
+    optimizer: bool = bool_field(False)
+    grad: bool = bool_field(False)
+
+    def parts(self) -> tuple[str, ...]:
+        return tuple(part for part in ("model", "optimizer", "grad") if getattr(self, part))
+
+
+@attrs.frozen(kw_only=True)
 class EngineConfig:
     """Everything an engine needs; each part's own options ride along as ``head`` / ``backend`` /
     ``device`` mappings, used when that part is given by name."""
@@ -69,6 +82,7 @@ class EngineConfig:
     parallel: ParallelConfig = _section(ParallelConfig)
     optimizer: OptimizerConfig = _section(OptimizerConfig)
     scheduler: SchedulerConfig = _section(SchedulerConfig)
+    offload: OffloadConfig = _section(OffloadConfig)
     micro_batch_size: int = int_field(4)
     #: When set, micro-batches are planned by token budget (rows x longest row, padding
     #: included) instead of ``micro_batch_size``: the fewest that fit, balanced, and the same

@@ -40,6 +40,9 @@ from heads.errors import (
 from strategies.backends.base import Backend
 from strategies.devices.base import DevicePlatform
 
+#: Parts of an engine that can be offloaded (``Engine.to``).
+PARTS = ("model", "optimizer", "grad")
+
 LossFn = Callable[[Mapping[str, torch.Tensor], TensorDict, LossContext], tuple[torch.Tensor, Any]]
 
 
@@ -128,21 +131,52 @@ class Engine:
     # -- modes ---------------------------------------------------------------------------------
     @contextlib.contextmanager
     def train_mode(self) -> Iterator[Engine]:
-        """Model in training mode inside; gradients are zeroed on exit."""
+        """Model in training mode inside, everything on the device; on exit gradients are
+        zeroed and the parts ``config.offload`` names go back to host memory."""
         self._require_initialized("train_mode")
+        self.to("device")
         self.backend.train()
         try:
             yield self
         finally:
             if not self.config.forward_only:
                 self.backend.optimizer_zero_grad()
+            self._offload_configured()
 
     @contextlib.contextmanager
     def eval_mode(self) -> Iterator[Engine]:
-        """Model in evaluation mode inside."""
+        """Model in evaluation mode inside, on the device; offloads as configured on exit."""
         self._require_initialized("eval_mode")
+        self.to("device", optimizer=False, grad=False)
         self.backend.eval()
-        yield self
+        try:
+            yield self
+        finally:
+            self._offload_configured()
+
+    def to(
+        self, device: str, *, model: bool = True, optimizer: bool = True, grad: bool = True
+    ) -> Engine:
+        """``to("cpu")`` moves the chosen parts to host memory (their device storage is freed);
+        ``to("device")`` (or the platform's device type, e.g. ``"cuda"``) brings them back."""
+        self._require_initialized("to")
+        parts = [name for name, wanted in (("model", model), ("optimizer", optimizer),
+                                           ("grad", grad)) if wanted]  # fmt: skip
+        if device == "cpu":
+            self.backend.offload(parts)
+        elif device in ("device", self.platform.device_type):
+            self.backend.reload(parts)
+        else:
+            raise ConfigError(
+                f"to() takes 'cpu' (offload) or 'device' / {self.platform.device_type!r} "
+                f"(load back); got {device!r}"
+            )
+        return self
+
+    def _offload_configured(self) -> None:
+        parts = self.config.offload.parts()
+        if parts:
+            self.backend.offload(parts)
 
     # -- steps ---------------------------------------------------------------------------------
     def forward_backward_batch(
@@ -158,6 +192,7 @@ class Engine:
         ``return_outputs=False``), "loss": [per micro-batch], "metrics": {name: [per
         micro-batch]}}``; other ranks get empty results."""
         self._require_initialized("forward_backward_batch")
+        self._require_resident("forward_backward_batch", ("model",) if forward_only else PARTS)
         if not forward_only:
             self._require_trainable("forward_backward_batch")
             if loss_function is None:
@@ -268,6 +303,7 @@ class Engine:
     def optimizer_step(self) -> float:
         """Clip and apply the gradients; returns the global gradient norm (before clipping)."""
         self._require_trainable("optimizer_step")
+        self._require_resident("optimizer_step", PARTS)
         grad_norm = self.backend.optimizer_step()
         self.global_step += 1
         return grad_norm
@@ -300,6 +336,7 @@ class Engine:
         an inference engine). Collective over tensor-parallel ranks; under pipeline parallelism
         each stage yields its own layers."""
         self._require_initialized("get_per_tensor_param")
+        self._require_resident("get_per_tensor_param", ("model",))
         iterator: Iterator[tuple[str, torch.Tensor]] = self._hf_backend("export_hf").export_hf(
             self.config
         )
@@ -309,6 +346,7 @@ class Engine:
         """Write a causal-LM Hugging Face checkpoint (safetensors + config.json) to
         ``directory``, atomically. Collective: every rank calls it."""
         self._require_initialized("save_hf")
+        self._require_resident("save_hf", ("model",))
         if self.head.output_spec().kind != "vocab":
             raise ConfigError(
                 f"save_hf writes a causal language model; head {self.head.name!r} is not one "
@@ -329,6 +367,7 @@ class Engine:
         from engine import checkpointing
 
         self._require_initialized("save_checkpoint")
+        self._require_resident("save_checkpoint", PARTS)
         step = self.global_step if global_step is None else global_step
         return checkpointing.save_checkpoint(self, os.fspath(path), step, max_ckpt_to_keep)
 
@@ -340,6 +379,7 @@ class Engine:
         from engine import checkpointing
 
         self._require_initialized("load_checkpoint")
+        self._require_resident("load_checkpoint", PARTS)
         return checkpointing.load_checkpoint(self, os.fspath(path))
 
     def _hf_backend(self, method: str) -> Any:
@@ -351,6 +391,14 @@ class Engine:
     def _require_initialized(self, what: str) -> None:
         if not self._initialized:
             raise EngineStateError(f"{what}() needs an initialised engine: call initialize() first")
+
+    def _require_resident(self, what: str, parts: tuple[str, ...]) -> None:
+        away = sorted(self.backend.offloaded() & set(parts))
+        if away:
+            raise EngineStateError(
+                f"{what}() needs the {', '.join(away)} on the device, but it is offloaded; "
+                "call engine.to('device') or work inside train_mode() / eval_mode()"
+            )
 
     def _require_trainable(self, what: str) -> None:
         self._require_initialized(what)

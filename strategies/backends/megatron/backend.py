@@ -6,7 +6,7 @@ megatron-core is imported inside methods only, so listing or constructing the ba
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
@@ -17,12 +17,13 @@ from heads.base import Head, HeadContext
 from heads.errors import BatchError, ConfigError, EngineStateError
 from heads.validation import bool_field, one_of
 from strategies.backends.base import MicroBatchConsumer
-from strategies.backends.megatron import mesh
+from strategies.backends.megatron import mesh, offload
 from strategies.backends.megatron.model import (
     build_gpt_model,
     transformer_config,
     uses_transformer_engine,
 )
+from strategies.backends.megatron.offload import StorageStash
 from strategies.backends.megatron.optimizer import build_optimizer, build_scheduler
 from strategies.backends.megatron.version import check_megatron_version
 from strategies.config import ParallelConfig, PartsConfig
@@ -48,6 +49,7 @@ class MegatronBackend:
     _chunks: list[torch.nn.Module] = attrs.field(factory=list, init=False)
     _wrapped: list[torch.nn.Module] = attrs.field(factory=list, init=False)
     _optimizer: Any = attrs.field(default=None, init=False)
+    _offloaded: dict[str, StorageStash] = attrs.field(factory=dict, init=False)
     _scheduler: Any = attrs.field(default=None, init=False)
     _device: torch.device = attrs.field(factory=lambda: torch.device("cpu"), init=False)
     _head_context: HeadContext = attrs.field(factory=HeadContext, init=False)
@@ -220,6 +222,36 @@ class MegatronBackend:
             micro_batch_size=max(len(mb.indices) for mb in micro_batches),
             forward_only=forward_only,
         )
+
+    # -- offload -------------------------------------------------------------------------------
+    def offload(self, parts: Iterable[str]) -> None:
+        """Move ``parts`` (model, optimizer, grad) to host memory; their device storage is freed."""
+        self._require_model()
+        for part in parts:
+            if part in self._offloaded:
+                continue
+            if part == "model":
+                tensors = offload.model_tensors(self._chunks, self._wrapped)
+                self._offloaded[part] = offload.stash(tensors)
+            elif part == "grad":
+                self._offloaded[part] = offload.stash(offload.grad_tensors(self._wrapped))
+            elif part == "optimizer" and self._optimizer is not None:
+                model = {t.untyped_storage().data_ptr() for t in self._model_tensors()}
+                tensors = offload.optimizer_tensors(self._optimizer)
+                self._offloaded[part] = offload.stash(tensors, keep=model)
+
+    def reload(self, parts: Iterable[str]) -> None:
+        """Bring offloaded ``parts`` back onto the device, in place."""
+        for part in parts:
+            stashed = self._offloaded.pop(part, None)
+            if stashed is not None:
+                stashed.restore()
+
+    def offloaded(self) -> frozenset[str]:
+        return frozenset(self._offloaded)
+
+    def _model_tensors(self) -> list[torch.Tensor]:
+        return offload.model_tensors(self._chunks, self._wrapped)
 
     def train(self) -> None:
         for module in self._wrapped:
