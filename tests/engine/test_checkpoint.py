@@ -212,11 +212,15 @@ def train_save_and_infer(root: str, parallel: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.multiprocess
-def test_a_checkpoint_saved_at_tp1_loads_at_tp2(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"]
+)
+def test_a_checkpoint_saved_in_one_process_loads_at_another_layout(
+    tmp_path: Path, layout: dict[str, Any]
+) -> None:
     root = str(tmp_path)
     (expected,) = run_ranks(train_save_and_infer, 1, root, {}, timeout=180)
-    tp2 = {"tensor_parallel_size": 2}
-    reports = run_ranks(train_save_and_infer, 2, root, tp2, timeout=240)
+    reports = run_ranks(train_save_and_infer, 2, root, layout, timeout=240)
     output = [r for r in reports if r["log_probs"] is not None]
     assert len(output) == 1
     torch.testing.assert_close(output[0]["log_probs"], expected["log_probs"], atol=1e-5, rtol=0)
