@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +33,12 @@ import torch.distributed as dist
 if dist.is_initialized():
     dist.destroy_process_group()
 """
+
+
+def _kill_group(leader: int) -> None:
+    """SIGKILL what is left of a finished rank's process group."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(leader, signal.SIGKILL)
 
 
 class RankFailure(AssertionError):
@@ -75,18 +83,24 @@ def run_ranks(
                 out_path,
             ]
             log = open(os.path.join(folder, f"rank{rank}.log"), "w+")  # noqa: SIM115
-            processes.append((subprocess.Popen(command, env=env, stdout=log, stderr=log), log))
+            # Each rank leads its own process group, so that whatever it started (e.g. the
+            # Manager of megatron's checkpoint writer) goes with it when the rank ends or dies.
+            worker = subprocess.Popen(
+                command, env=env, stdout=log, stderr=log, start_new_session=True
+            )
+            processes.append((worker, log))
         failures, results = [], []
         for rank, (process, _) in enumerate(processes):
             try:
                 process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 for other, _ in processes:
-                    other.kill()
+                    _kill_group(other.pid)
                 failures.append(f"rank {rank}: still running after {timeout:.0f} s (killed)")
                 continue
         for rank, (process, log) in enumerate(processes):
             process.wait()
+            _kill_group(process.pid)
             log.seek(0)
             output = log.read()[-4000:]
             log.close()
