@@ -40,12 +40,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import torch
 
+from benchmarks.measure import time_calls
 from engine import Engine, checkpointing
 from engine.losses import sft_loss
 from tests.factories import random_batch
@@ -54,20 +54,6 @@ VARIANTS = ("engine", "torch.save")
 MIB = 1024 * 1024
 #: Time spent inside the engine's manifest write and file verification during one round.
 PARTS: dict[str, float] = {}
-
-
-def _timed(owner: Any, name: str, key: str) -> None:
-    """Accumulate the time spent in ``owner.name`` into ``PARTS[key]``."""
-    original = getattr(owner, name)
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            PARTS[key] = PARTS.get(key, 0.0) + time.perf_counter() - start
-
-    setattr(owner, name, wrapper)
 
 
 def _directory_bytes(directory: Path) -> int:
@@ -193,8 +179,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    _timed(checkpointing, "_write_manifest", "manifest_s")
-    _timed(checkpointing, "verify_files", "verify_s")
+    time_calls(checkpointing, "_write_manifest", "manifest_s", PARTS)
+    time_calls(checkpointing, "verify_files", "verify_s", PARTS)
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="checkpoint_io_", dir=args.dir) as parent:

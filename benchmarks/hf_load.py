@@ -56,6 +56,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import torch
 
+from benchmarks.measure import time_calls
+
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("engine", "transformers")
 MIB = 1024 * 1024
@@ -135,18 +137,6 @@ def child(variant: str, directory: str) -> None:
     AutoConfig.from_pretrained(directory, local_files_only=True)  # config parsing warm-up
     parts: dict[str, float] = {}
 
-    def timed(owner: Any, name: str, key: str) -> None:
-        original = getattr(owner, name)
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                parts[key] = parts.get(key, 0.0) + time.perf_counter() - start
-
-        setattr(owner, name, wrapper)
-
     load: Callable[[], list[torch.nn.Module]]
     if variant == "engine":
         import megatron.core.models.gpt  # noqa: F401 (not timed)
@@ -155,8 +145,8 @@ def child(variant: str, directory: str) -> None:
         import strategies.backends.megatron.mesh as mesh
         from engine import Engine
 
-        timed(mesh, "init_mesh", "mesh_s")
-        timed(loading, "load_hf_weights", "weights_s")
+        time_calls(mesh, "init_mesh", "mesh_s", parts)
+        time_calls(loading, "load_hf_weights", "weights_s", parts)
         config = {"model": directory, "forward_only": True, "micro_batch_size": 1}
 
         def load() -> list[torch.nn.Module]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, MutableMapping
+from typing import Any
 
 from torch.profiler import ProfilerActivity, profile
 
@@ -19,3 +21,17 @@ def peak_allocated(fn: Callable[[], None]) -> int:
         live += event.nbytes()
         peak = max(peak, live)
     return peak
+
+
+def time_calls(owner: Any, name: str, key: str, into: MutableMapping[str, float]) -> None:
+    """Wrap ``owner.name`` so that the seconds spent in it accumulate in ``into[key]``."""
+    original = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            into[key] = into.get(key, 0.0) + time.perf_counter() - start
+
+    setattr(owner, name, wrapper)

@@ -138,3 +138,31 @@ def communicate_all(processes: list[subprocess.Popen[str]], timeout: float, what
                 process.kill()
                 process.wait()
     return outputs
+
+
+def rendezvous_store(world_size: int, timeout: float) -> Any:
+    """A TCPStore the test process holds on a port the OS picks (no pick-then-bind race);
+    workers connect to ``store.port`` as clients."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout),
+    )
+
+
+def worker_env() -> dict[str, str]:
+    """Environment for worker processes: one thread, loopback gloo, the repository importable."""
+    root = str(Path(__file__).resolve().parent.parent)
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    }

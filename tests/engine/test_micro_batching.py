@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from datetime import timedelta
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -32,7 +30,7 @@ from engine.micro_batching import (
     plan_token_budget,
 )
 from heads.errors import BatchError, ConfigError
-from tests.multiprocess import communicate_all
+from tests.multiprocess import communicate_all, rendezvous_store, worker_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -396,24 +394,11 @@ def rank_cases(rank: int) -> list[tuple[list[int], int, bool]]:
 
 @pytest.mark.multiprocess
 def test_data_parallel_ranks_agree_on_the_count_and_keep_their_budget() -> None:
-    import torch.distributed as dist
 
     world = 2
     # The test holds the store on a port the OS picks; the ranks connect to it as clients.
-    store = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        world,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=RANK_TIMEOUT_S),
-    )
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "GLOO_SOCKET_IFNAME": "lo",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-    }
+    store = rendezvous_store(world, RANK_TIMEOUT_S)
+    env = worker_env()
     cases = [rank_cases(rank) for rank in range(world)]
     argv = [str(world), str(store.port), str(RANK_TIMEOUT_S)]
     procs = [

@@ -9,7 +9,6 @@ the two-process vocab-parallel check (see ``test_two_vocab_parallel_ranks_match_
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from heads.vocab_parallel import MIN_TEMPERATURE, log_probs_and_entropy
-from tests.multiprocess import communicate_all
+from tests.multiprocess import communicate_all, rendezvous_store, worker_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -410,26 +409,13 @@ def _run_rank(rank: int, world: int, port: int) -> None:
 
 @pytest.mark.multiprocess
 def test_two_vocab_parallel_ranks_match_full_vocab() -> None:
-    import torch.distributed as dist
 
     world = 2
     # The test holds the rendezvous store on a port the OS picks, so no other process can take
     # the port between choosing and binding it; the ranks connect to it as clients.
-    store = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        world,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=RANK_TIMEOUT_S),
-    )
+    store = rendezvous_store(world, RANK_TIMEOUT_S)
     port = store.port
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "GLOO_SOCKET_IFNAME": "lo",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-    }
+    env = worker_env()
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "--worker", str(rank), str(world), str(port)],
