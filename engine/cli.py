@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -49,6 +50,10 @@ def synthetic_batch(
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    matrix = commands.add_parser(
+        "matrix", help="list every head x backend x device cell and whether it runs here"
+    )
+    matrix.add_argument("--json", action="store_true", help="machine-readable output")
     train = commands.add_parser("train", help="train a model on synthetic data")
     train.add_argument("--head", default="lm", help="head name (lm, value, or a plugin's)")
     train.add_argument("--backend", default="megatron", help="backend name")
@@ -153,11 +158,30 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
+def show_matrix(as_json: bool) -> int:
+    from engine.matrix import cells, versions
+
+    rows, installed = cells(), versions()
+    if as_json:
+        print(json.dumps({"cells": rows, "versions": installed}, indent=2))
+        return 0
+    for row in rows:
+        status = "runs here" if row["runs_here"] else "unavailable"
+        cell = f"{row['head']} x {row['backend']} x {row['device']}"
+        print(f"{cell:32s} {status}")
+        for reason in row["reasons"]:
+            print(f"    {reason}")
+    print("versions: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in installed.items()))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "train":
             return train(args)
+        if args.command == "matrix":
+            return show_matrix(args.json)
     except EngineError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

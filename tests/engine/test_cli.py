@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -81,3 +82,32 @@ def test_train_runs_under_torchrun_with_tensor_parallelism() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tp=2" in result.stdout
     assert len([line for line in result.stdout.splitlines() if STEP_LINE.match(line)]) == 3
+
+
+def test_matrix_lists_every_cell_and_why_npu_cannot_run_here() -> None:
+    result = run("matrix", "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    cells = {(c["head"], c["backend"], c["device"]): c for c in report["cells"]}
+    assert set(cells) == {
+        (head, "megatron", device) for head in ("lm", "value") for device in ("cpu", "cuda", "npu")
+    }
+    assert cells[("value", "megatron", "cpu")]["runs_here"]
+    npu = cells[("value", "megatron", "npu")]
+    assert not npu["runs_here"]
+    assert any("torch_npu" in reason for reason in npu["reasons"])
+    assert report["versions"]["megatron-core"] == "0.16.1"
+    assert report["versions"]["torch-npu"] is None
+
+
+def test_matrix_picks_up_registered_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.matrix import cells
+    from engine.registry import HEADS
+    from tests.engine.test_registry import RewardHead
+
+    HEADS.register("reward-matrix", RewardHead)
+    try:
+        names = {(c["head"], c["device"]) for c in cells() if c["runs_here"]}
+        assert ("reward-matrix", "cpu") in names
+    finally:
+        HEADS.unregister("reward-matrix")

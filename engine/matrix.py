@@ -1,0 +1,73 @@
+"""``python -m engine matrix``: every head x backend x device cell the registries know, whether
+it can run on this machine and, if not, why; plus the versions that matter."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+from engine.registry import BACKENDS, DEVICES, HEADS
+
+PACKAGES = ("torch", "megatron-core", "tensordict", "transformers", "torch-npu", "mindspeed")
+
+
+def _part_problem(registry: Any, name: str) -> str | None:
+    """Why the part ``name`` cannot be used here (None when it can)."""
+    try:
+        part = registry.create(name)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    if registry is DEVICES:
+        state = part.availability()
+        return None if state.ok else state.reason
+    if registry is BACKENDS and hasattr(part, "validate"):
+        from engine.config import EngineConfig
+
+        try:
+            part.validate(EngineConfig(), 1)
+        except Exception as error:
+            return f"{type(error).__name__}: {error}"
+    return None
+
+
+def cells() -> list[dict[str, Any]]:
+    """One entry per cell: its parts, whether it runs here, and the reasons it does not."""
+    problems = {
+        (kind, name): _part_problem(registry, name)
+        for kind, registry in (("head", HEADS), ("backend", BACKENDS), ("device", DEVICES))
+        for name in registry.names()
+    }
+    rows = []
+    for head in HEADS.names():
+        for backend in BACKENDS.names():
+            for device in DEVICES.names():
+                reasons = [
+                    _labelled(kind, name, problem)
+                    for kind, name in (("head", head), ("backend", backend), ("device", device))
+                    if (problem := problems[(kind, name)])
+                ]
+                rows.append(
+                    {
+                        "head": head,
+                        "backend": backend,
+                        "device": device,
+                        "runs_here": not reasons,
+                        "reasons": reasons,
+                    }
+                )
+    return rows
+
+
+def _labelled(kind: str, name: str, problem: str) -> str:
+    return problem if problem.startswith(f"{name}:") else f"{kind} {name}: {problem}"
+
+
+def versions() -> dict[str, str | None]:
+    """Installed versions of the packages the engine uses (None: not installed)."""
+    found: dict[str, str | None] = {}
+    for package in PACKAGES:
+        try:
+            found[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            found[package] = None
+    return found
