@@ -245,3 +245,25 @@ def test_a_checkpoint_saved_by_two_ranks_resumes_there_and_loads_in_one_process(
     (single,) = run_ranks(train_save_and_infer, 1, root, {}, timeout=180)
     (reference,) = [r for r in saved if r["log_probs"] is not None][:1]
     torch.testing.assert_close(single["log_probs"], reference["log_probs"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("head", ["lm", "value"])
+@pytest.mark.parametrize("device", ["cuda", "npu"])
+def test_simulated_accelerator_cells_save_and_resume_exactly(
+    fresh_mesh: None, tmp_path: Path, head: str, device: str
+) -> None:
+    from tests.simulation import EventLog, make_platform
+
+    def build() -> Engine:
+        platform, _ = make_platform(device, EventLog())
+        return Engine.build(head=head, device=platform, config=_config()).initialize()
+
+    engine = build()
+    _train(engine, head, range(2))
+    engine.save_checkpoint(tmp_path)
+    expected = _train(engine, head, range(2, 4))
+    resumed = build()
+    resumed.load_checkpoint(tmp_path)
+    assert _train(resumed, head, range(2, 4)) == expected
+    _assert_same_weights(_weights(engine), _weights(resumed))
