@@ -8,6 +8,7 @@ Collective: every rank calls ``save_state`` / ``load_state`` with the same direc
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import random
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,19 @@ _OPTIMIZER_METADATA = {
 }
 
 
+def _use_forked_results_queue() -> None:
+    """Give megatron's checkpoint writer its results queue from a *forked* Manager.
+
+    Megatron creates it from a spawn-context Manager, which re-imports the user's ``__main__``:
+    a plain script without an ``if __name__ == "__main__":`` guard would run again in it. Its
+    writer processes are forked anyway, so a forked Manager changes nothing else.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+
+
 def save_state(backend: MegatronBackend, directory: str) -> None:
     """Write model (+ optimizer, scheduler) and this rank's RNG states under ``directory``."""
     from megatron.core import dist_checkpointing
@@ -43,6 +57,7 @@ def save_state(backend: MegatronBackend, directory: str) -> None:
     if backend._optimizer is not None:
         _materialize_optimizer_state(backend._optimizer)
     state = _sharded_state(backend, with_optimizer=backend._optimizer is not None, loading=False)
+    _use_forked_results_queue()
     dist_checkpointing.save(state, model_dir)
     if rank == 0 and backend._scheduler is not None:
         with open(os.path.join(directory, SCHEDULER_FILE), "w") as handle:
