@@ -29,9 +29,11 @@ except BaseException as error:
     result = ("error", f"{{type(error).__name__}}: {{error}}\\n{{traceback.format_exc()}}")
 with open(out_path, "wb") as handle:
     pickle.dump(result, handle)
-import torch.distributed as dist
-if dist.is_initialized():
-    dist.destroy_process_group()
+sys.stdout.flush()
+sys.stderr.flush()
+# No process-group teardown: it can block on a peer that has already left. The result is
+# written; the launcher kills whatever this rank started along with its process group.
+os._exit(0)
 """
 
 
