@@ -60,14 +60,6 @@ def _directory_bytes(directory: Path) -> int:
     return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
 
 
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
 def engine_round(engine: Engine, root: Path) -> dict[str, float]:
     """One save + load with the engine into the fresh directory ``root``."""
     PARTS.clear()
@@ -102,8 +94,8 @@ def torch_round(engine: Engine, root: Path, fsync: bool) -> dict[str, float]:
     }
     torch.save(state, path)
     if fsync:
-        _fsync(path)
-        _fsync(root)
+        checkpointing.fsync_path(path)
+        checkpointing.fsync_path(root)
     save_s = time.perf_counter() - start
     del state
     size = path.stat().st_size

@@ -220,19 +220,19 @@ def _write_manifest(directory: str, description: dict[str, Any]) -> None:
     for folder, _, names in os.walk(directory):
         for name in names:
             path = os.path.join(folder, name)
-            _fsync(path)
+            fsync_path(path)
             files[os.path.relpath(path, directory)] = {
                 "size": os.path.getsize(path),
                 "sha256": _sha256(path),
             }
-        _fsync(folder)
+        fsync_path(folder)
     manifest = {**description, "files": dict(sorted(files.items()))}
     path = os.path.join(directory, MANIFEST)
     with open(path, "w") as handle:
         json.dump(manifest, handle, indent=1, default=str)
         handle.flush()
         os.fsync(handle.fileno())
-    _fsync(directory)
+    fsync_path(directory)
 
 
 def _publish(staging: str, target: str) -> None:
@@ -242,7 +242,7 @@ def _publish(staging: str, target: str) -> None:
         aside = f"{staging}-replaced"
         os.rename(target, aside)
     os.rename(staging, target)
-    _fsync(os.path.dirname(target))
+    fsync_path(os.path.dirname(target))
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
 
@@ -255,7 +255,8 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def _fsync(path: str) -> None:
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """Flush a file or directory to stable storage."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
