@@ -111,3 +111,53 @@ def test_matrix_picks_up_registered_parts(monkeypatch: pytest.MonkeyPatch) -> No
         assert ("reward-matrix", "cpu") in names
     finally:
         HEADS.unregister("reward-matrix")
+
+
+def test_train_reads_jsonl_data_and_writes_metrics_and_a_plot(tmp_path: Path) -> None:
+    data = tmp_path / "values.jsonl"
+    rows = [
+        {"input_ids": [i % 7, 3, 5, 1 + i % 5], "returns": [0.0, 0.5, 0.25, 1.0]} for i in range(6)
+    ]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "run"
+    result = run(
+        "train", "--head", "value", "--data", str(data), "--batch-size", "4", "--steps", "4",
+        "--output-dir", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"data={data}" in result.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records] == [1, 2, 3, 4]
+    assert all(record["num_tokens"] == 16.0 for record in records)
+    assert (out / "metrics.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"input_ids": [1, 2, 3]}\n', "lacks 'returns'"),
+        ('{"input_ids": [1, 2], "returns": [0.5]}\n', "'returns' must be a list as long as"),
+        ('{"input_ids": [1, 2], "returns": [0, 1]}\nnot json\n', ":2 is not JSON"),
+        ("", "holds no records"),
+    ],
+)
+def test_train_rejects_bad_jsonl_data_naming_the_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, message: str
+) -> None:
+    from engine.cli import main
+
+    data = tmp_path / "bad.jsonl"
+    data.write_text(content)
+    assert main(["train", "--head", "value", "--data", str(data), "--device", "cpu"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_train_refuses_to_overwrite_an_earlier_runs_metrics(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from engine.cli import main
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert main(["train", "--device", "cpu", "--output-dir", str(tmp_path)]) == 2
+    assert "an earlier run's" in capsys.readouterr().err
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'

@@ -1,0 +1,268 @@
+"""``python -m engine demo``: PPO end to end, its files, resume, Ctrl-C and bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+from engine.cli import main
+from engine.demo import (
+    ROLES,
+    DemoConfig,
+    build_generator,
+    make_prompts,
+    parity_reward,
+    push_weights,
+    resolve_config,
+    rollout_batch,
+    sample,
+)
+from heads.errors import ConfigError
+from tests.engine.test_cli import ROOT, run
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+#: A short run: small batches, a checkpoint every second iteration.
+SHORT = "task:\n  prompts: 8\n  prompt_length: 4\n  response_length: 4\nsave_every: 2\n"
+
+
+def short_config(tmp_path: Path, extra: str = "") -> str:
+    path = tmp_path / "demo.yaml"
+    path.write_text(SHORT + extra)
+    return str(path)
+
+
+def records(output_dir: Path) -> list[dict[str, Any]]:
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def checkpoint_steps(output_dir: Path, role: str) -> list[int]:
+    root = output_dir / "checkpoints" / role
+    return sorted(int(path.name.split("_")[-1]) for path in root.glob("global_step_*"))
+
+
+def test_demo_runs_ppo_and_writes_metrics_plot_and_checkpoints(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    config = short_config(tmp_path)
+    result = run("demo", "--config", config, "--steps", "3", "--output-dir", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    iterations = records(out)
+    assert [record["iteration"] for record in iterations] == [1, 2, 3]
+    for record in iterations:
+        for key in ("reward", "pg_loss", "vf_loss", "kl", "entropy", "tokens_per_s"):
+            assert isinstance(record[key], float) and math.isfinite(record[key]), key
+        assert 0.0 <= record["reward"] <= 1.0
+    assert (out / "metrics.png").read_bytes().startswith(PNG_MAGIC)
+    assert checkpoint_steps(out, "actor") == checkpoint_steps(out, "critic") == [2, 3]
+    assert json.loads((out / "run.json").read_text())["task"]["prompts"] == 8
+    assert "iter    3/3  reward" in result.stdout
+    assert "mean reward: first 10 iterations" in result.stdout
+
+
+def test_resume_continues_the_iterations_and_matches_an_uninterrupted_run(
+    tmp_path: Path,
+) -> None:
+    config = short_config(tmp_path)
+    resumed, straight = tmp_path / "resumed", tmp_path / "straight"
+    first = run("demo", "--config", config, "--steps", "2", "--output-dir", str(resumed))
+    assert first.returncode == 0, first.stderr[-3000:]
+    # No --config: a resumed run takes the settings saved in run.json.
+    second = run("demo", "--resume", "--steps", "4", "--output-dir", str(resumed))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed after iteration 2" in second.stdout
+    whole = run("demo", "--config", config, "--steps", "4", "--output-dir", str(straight))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+
+    continued, reference = records(resumed), records(straight)
+    assert [record["iteration"] for record in continued] == [1, 2, 3, 4]
+    for key in ("reward", "pg_loss", "vf_loss", "kl"):
+        assert [r[key] for r in continued] == pytest.approx([r[key] for r in reference], abs=1e-6)
+    assert checkpoint_steps(resumed, "actor") == [2, 4]
+
+
+def test_ctrl_c_saves_the_finished_iteration_and_exits_cleanly(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    config = short_config(tmp_path, "save_every: 1000\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "engine", "demo", "--config", config, "--steps", "1000"]
+    process = subprocess.Popen(
+        [*command, "--output-dir", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        metrics = out / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert process.poll() is None, process.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the demo wrote no metrics in time"
+            time.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 130, stderr[-3000:]
+    last = records(out)[-1]["iteration"]
+    assert f"interrupted after iteration {last} (saved)" in stderr
+    assert checkpoint_steps(out, "actor") == checkpoint_steps(out, "critic") == [last]
+    assert (out / "metrics.png").read_bytes().startswith(PNG_MAGIC)
+    assert "Traceback" not in stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "layout",
+    [("--tensor-parallel-size", "2"), ("--pipeline-parallel-size", "2"), ()],
+    ids=["tp2", "pp2", "dp2"],
+)
+def test_demo_runs_under_torchrun(tmp_path: Path, layout: tuple[str, ...]) -> None:
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m")
+    out = tmp_path / "run"
+    result = run(
+        "demo", "--config", short_config(tmp_path), "--steps", "2", "--output-dir", str(out),
+        *layout, launcher=torchrun,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 process(es)" in result.stdout
+    assert [record["iteration"] for record in records(out)] == [1, 2]
+    assert checkpoint_steps(out, "critic") == [2]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "config", "message"),
+    [
+        (("--steps", "0"), "", "must be a positive integer"),
+        (("--seed", "-1"), "", "must be a non-negative integer"),
+        (("--device", "gpu"), "", "unknown device 'gpu'"),
+        (("--device", "npu"), "", "torch_npu"),
+        ((), "ppo:\n  clip: 0.1\n", "clip"),
+        ((), "ppo:\n  gamma: 2\n", "PPOConfig.gamma must be in [0, 1]"),
+        ((), "task:\n  prompts: -3\n", "TaskConfig.prompts must be > 0"),
+        ((), "engine:\n  optimizer:\n    learning_rate: 1\n", "learning_rate"),
+        ((), "critic:\n  micro_batch_size: 0\n", "sections 'engine' and 'critic'"),
+        ((), "stepz: 3\n", "stepz"),
+        ((), "task:\n  prompt_length: 200\n  response_length: 100\n", "max_sequence_length"),
+        ((), "- a list\n", "must hold a mapping"),
+    ],
+)
+def test_bad_arguments_and_config_files_exit_non_zero_naming_the_problem(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    arguments: tuple[str, ...],
+    config: str,
+    message: str,
+) -> None:
+    args = ["demo", "--output-dir", str(tmp_path / "run"), *arguments]
+    if config:
+        path = tmp_path / "bad.yaml"
+        path.write_text(config)
+        args += ["--config", str(path)]
+    try:
+        status = main(args)
+    except SystemExit as exit_:  # argparse
+        status = int(exit_.code or 0)
+    assert status != 0
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_without_a_checkpoint_and_a_fresh_run_over_an_old_one_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    (out / "checkpoints" / "actor" / "global_step_3").mkdir(parents=True)  # no manifest
+    assert main(["demo", "--resume", "--device", "cpu", "--output-dir", str(out)]) == 2
+    assert "nothing to resume" in capsys.readouterr().err
+    assert main(["demo", "--device", "cpu", "--output-dir", str(out)]) == 2
+    assert "already holds a run; pass --resume" in capsys.readouterr().err
+
+
+def test_settings_layer_defaults_then_file_then_flags(tmp_path: Path) -> None:
+    path = tmp_path / "demo.yaml"
+    path.write_text(
+        "seed: 5\nsteps: 7\nengine:\n  micro_batch_size: 8\ncritic:\n  optimizer:\n"
+        "    lr: 0.5\nreference:\n  micro_batch_size: 2\n"
+    )
+    config = resolve_config(str(path), {"steps": 9}, resume=False, output_dir=None)
+    assert (config.seed, config.steps) == (5, 9)
+    actor, critic, reference = (config.engine_config(role) for role in ROLES)
+    assert actor.micro_batch_size == critic.micro_batch_size == 8
+    assert reference.micro_batch_size == 2
+    assert critic.optimizer.lr == 0.5
+    assert actor.optimizer.lr == DemoConfig().engine_config("actor").optimizer.lr
+    assert (actor.forward_only, critic.forward_only, reference.forward_only) == (
+        False,
+        False,
+        True,
+    )
+    assert actor.seed == critic.seed == reference.seed == 5
+    assert actor.model == critic.model == reference.model
+
+
+def test_roles_must_share_the_actors_model() -> None:
+    with pytest.raises(ConfigError, match="the critic's model must have the actor's shape"):
+        DemoConfig(critic={"model": "small"})
+
+
+def test_the_reward_is_the_share_of_answer_tokens_with_the_instructed_parity() -> None:
+    prompts = torch.tensor([[9, 0], [9, 1], [4, 1]])
+    responses = torch.tensor([[2, 4, 5, 7], [1, 3, 5, 7], [2, 4, 6, 8]])
+    assert parity_reward(prompts, responses).tolist() == [0.5, 1.0, 0.0]
+    made = make_prompts(DemoConfig().task, vocab_size=128, seed=0, iteration=3)
+    assert set(made[:, -1].tolist()) == {0, 1}
+    assert torch.equal(made, make_prompts(DemoConfig().task, 128, 0, 3))
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"rotary_base": 500000},
+        {"tie_embeddings": True, "num_query_groups": 4},
+    ],
+    ids=["rope-base", "tied"],
+)
+def test_the_generator_gets_the_actors_weights_and_samples_its_distribution(
+    fresh_mesh: None, model: dict[str, Any]
+) -> None:
+    from engine import Engine
+
+    preset = attrs.asdict(DemoConfig().engine_config("actor").model)
+    config = DemoConfig(engine={"model": {**preset, **model}})
+    actor = Engine.build(head="lm", device="cpu", config=config.engine_config("actor"))
+    actor.initialize()
+    generator = build_generator(actor.config.model, torch.device("cpu"))
+    assert push_weights(actor, generator) == len(list(generator.parameters()))
+    prompts = make_prompts(config.task, actor.config.model.vocab_size, seed=0, iteration=1)
+    responses = sample(generator, prompts, 6, torch.Generator().manual_seed(0))
+    batch = rollout_batch(prompts, responses, parity_reward(prompts, responses))
+    engine_log_probs = actor.infer_batch(batch)["log_probs"].to_padded_tensor(0.0)
+    ids = batch["input_ids"]
+    with torch.no_grad():
+        logits = generator(input_ids=ids).logits.float()
+    hf_log_probs = torch.log_softmax(logits, -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    torch.testing.assert_close(engine_log_probs[:, 1:], hf_log_probs, atol=1e-5, rtol=1e-5)
+
+
+def test_the_readme_config_example_is_a_valid_demo_config(tmp_path: Path) -> None:
+    readme = (ROOT / "README.md").read_text()
+    example = readme.split("```yaml\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "readme.yaml"
+    path.write_text(example)
+    config = resolve_config(str(path), {}, resume=False, output_dir=None)
+    assert config.steps == 200
+    assert config.engine_config("critic").optimizer.lr == 3.0e-3
