@@ -441,13 +441,16 @@ def _iteration(
     actor, critic, reference = (engines[role] for role in ROLES)
     task, ppo = config.task, config.ppo
     began = time.perf_counter()
+    phases: dict[str, float] = {}
     with actor.eval_mode():
         push_weights(actor, generator)
+    phases["sync_s"] = time.perf_counter() - began
     prompts = make_prompts(task, vocab, config.seed, iteration).to(device)
     rng = torch.Generator(device=device).manual_seed(config.seed * 1_000_003 + iteration)
     responses = sample(generator, prompts, task.response_length, rng)
     scores = parity_reward(prompts, responses).cpu()
     batch = rollout_batch(prompts.cpu(), responses.cpu(), scores)
+    phases["generate_s"] = time.perf_counter() - began - sum(phases.values())
 
     dp_rank, dp_size = actor.get_data_parallel_rank(), actor.get_data_parallel_size()
     shard = _shard(batch, dp_rank, dp_size)
@@ -461,6 +464,7 @@ def _iteration(
         batch["values"] = _gather_outputs(critic, critic.infer_batch(shard), "values")
     add_advantages(batch, ppo)
     batch["advantages"] = whiten(batch["advantages"], batch["response_mask"])
+    phases["score_s"] = time.perf_counter() - began - sum(phases.values())
     actor_loss, critic_loss = losses
     trained: dict[str, list[float]] = {}
     order_rng = torch.Generator().manual_seed(config.seed * 7919 + iteration)
@@ -473,6 +477,7 @@ def _iteration(
             with critic.train_mode():
                 _collect(trained, "critic_", critic.train_batch(mini, critic_loss))
     elapsed = time.perf_counter() - began
+    phases["train_s"] = elapsed - sum(phases.values())
     record: dict[str, Any] = {
         "iteration": iteration,
         "reward": float(scores.mean()),
@@ -492,6 +497,7 @@ def _iteration(
         tokens_per_s=tokens / elapsed,
         iteration_s=elapsed,
         elapsed_s=time.perf_counter() - start,
+        **phases,
     )
     return record
 

@@ -61,9 +61,12 @@ def test_demo_runs_ppo_and_writes_metrics_plot_and_checkpoints(tmp_path: Path) -
     iterations = records(out)
     assert [record["iteration"] for record in iterations] == [1, 2, 3]
     for record in iterations:
-        for key in ("reward", "pg_loss", "vf_loss", "kl", "entropy", "tokens_per_s"):
+        keys = ("reward", "pg_loss", "vf_loss", "kl", "entropy", "tokens_per_s", "train_s")
+        for key in keys:
             assert isinstance(record[key], float) and math.isfinite(record[key]), key
         assert 0.0 <= record["reward"] <= 1.0
+        phases = ("sync_s", "generate_s", "score_s", "train_s")
+        assert sum(record[p] for p in phases) == pytest.approx(record["iteration_s"])
     assert (out / "metrics.png").read_bytes().startswith(PNG_MAGIC)
     assert checkpoint_steps(out, "actor") == checkpoint_steps(out, "critic") == [2, 3]
     assert json.loads((out / "run.json").read_text())["task"]["prompts"] == 8
