@@ -17,8 +17,21 @@ from heads.base import Head, HeadContext
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from engine.batching import MicroBatch
     from strategies.config import ParallelConfig, PartsConfig
+
+
+class MicroBatch(Protocol):
+    """What a backend reads of a micro-batch (structural: no upward import).
+
+    The Engine's ``engine.batching.MicroBatch`` fits: sequences ``indices`` of the batch with
+    their ``input_ids`` right-padded to the micro-batch's own longest sequence, ``[b, s]``.
+    """
+
+    @property
+    def indices(self) -> torch.Tensor: ...
+    @property
+    def input_ids(self) -> torch.Tensor: ...
+
 
 #: Called by the backend with each micro-batch's index and raw model output, on the ranks that
 #: hold outputs; returns the loss to back-propagate and metrics for that micro-batch.

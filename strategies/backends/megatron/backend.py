@@ -16,7 +16,7 @@ from typing_extensions import override
 from heads.base import Head, HeadContext
 from heads.errors import BatchError, ConfigError, EngineStateError
 from heads.validation import bool_field, one_of
-from strategies.backends.base import MicroBatchConsumer
+from strategies.backends.base import MicroBatch, MicroBatchConsumer
 from strategies.backends.megatron import mesh, offload
 from strategies.backends.megatron.model import (
     build_gpt_model,
@@ -30,8 +30,6 @@ from strategies.config import ParallelConfig, PartsConfig
 
 if TYPE_CHECKING:
     import torch.distributed as dist
-
-    from engine.batching import MicroBatch
 
 
 @attrs.define(kw_only=True)
