@@ -1,7 +1,9 @@
 """The dependency direction ``engine -> strategies -> heads`` holds in every module.
 
 Checked on the source (``ast``), so imports under ``if TYPE_CHECKING:`` and inside functions
-count too: a lower layer names what it needs of a higher one as a ``Protocol`` instead.
+count too: a lower layer names what it needs of a higher one as a ``Protocol`` instead. Inside
+``strategies/``, backends and device platforms do not import each other: the Engine hands a
+backend the platform's torch device and a platform the backend's mesh-init hook.
 """
 
 from __future__ import annotations
@@ -12,35 +14,43 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-#: Each package and the packages it must not import.
-FORBIDDEN = {"heads": {"strategies", "engine"}, "strategies": {"engine"}}
+#: Each source folder and the modules (with everything under them) it must not import.
+FORBIDDEN = {
+    "heads": ("strategies", "engine"),
+    "strategies": ("engine",),
+    "strategies/backends": ("strategies.devices",),
+    "strategies/devices": ("strategies.backends",),
+}
 
 
-def imported_packages(source: str) -> list[tuple[int, str]]:
-    """``(line, top-level package)`` of every absolute import in ``source``."""
+def imported_modules(source: str) -> list[tuple[int, str]]:
+    """``(line, dotted name)`` of every absolute import in ``source``.
+
+    ``from a.b import c`` yields ``a.b.c`` (``c`` may be a module or a name in ``a.b``).
+    """
     found: list[tuple[int, str]] = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
+            found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.append((node.lineno, node.module.split(".")[0]))
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
     return sorted(found)
 
 
-def upward_imports(package: str) -> list[str]:
-    forbidden = FORBIDDEN[package]
+def forbidden_imports(folder: str) -> list[str]:
+    forbidden = FORBIDDEN[folder]
     return [
         f"{path.relative_to(ROOT)}:{line} imports {name}"
-        for path in sorted((ROOT / package).rglob("*.py"))
-        for line, name in imported_packages(path.read_text())
-        if name in forbidden
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for line, name in imported_modules(path.read_text())
+        if any(name == prefix or name.startswith(prefix + ".") for prefix in forbidden)
     ]
 
 
-@pytest.mark.parametrize("package", sorted(FORBIDDEN))
-def test_no_upward_imports(package: str) -> None:
-    assert (ROOT / package / "__init__.py").exists()
-    assert upward_imports(package) == []
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN))
+def test_no_forbidden_imports(folder: str) -> None:
+    assert (ROOT / folder / "__init__.py").exists()
+    assert forbidden_imports(folder) == []
 
 
 def test_the_scan_sees_type_checking_and_function_level_imports() -> None:
@@ -50,6 +60,12 @@ def test_the_scan_sees_type_checking_and_function_level_imports() -> None:
         "    from engine.batching import MicroBatch\n"
         "def f():\n"
         "    import strategies.config as c\n"
+        "from strategies import backends\n"
         "from . import sibling\n"
     )
-    assert imported_packages(source) == [(1, "typing"), (3, "engine"), (5, "strategies")]
+    assert imported_modules(source) == [
+        (1, "typing.TYPE_CHECKING"),
+        (3, "engine.batching.MicroBatch"),
+        (5, "strategies.config"),
+        (6, "strategies.backends"),
+    ]

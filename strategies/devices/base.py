@@ -22,7 +22,6 @@ import torch.distributed as dist
 from heads.errors import DeviceUnavailableError
 
 if TYPE_CHECKING:
-    from strategies.backends.base import Backend
     from strategies.config import PartsConfig
 
 
@@ -33,6 +32,13 @@ class DeviceRuntime(Protocol):
     def device_count(self) -> int: ...
     def set_device(self, device: Any) -> None: ...
     def synchronize(self) -> None: ...
+
+
+class NamedBackend(Protocol):
+    """What a platform reads of a backend: its registry name (backends are not imported here)."""
+
+    @property
+    def name(self) -> str: ...
 
 
 #: A platform's contribution to one backend's mesh init: called with the engine config.
@@ -124,7 +130,7 @@ class DevicePlatform(abc.ABC):
         """What this platform contributes to ``backend_name``'s mesh init (default: nothing)."""
         return ()
 
-    def before_mesh_init(self, backend: Backend, config: PartsConfig) -> None:
+    def before_mesh_init(self, backend: NamedBackend, config: PartsConfig) -> None:
         """Run this platform's contributions for ``backend``, strictly before its mesh init."""
         for step in self.mesh_init_steps(backend.name):
             step(config)
