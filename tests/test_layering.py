@@ -1,9 +1,9 @@
 """The dependency direction ``engine -> strategies -> heads`` holds in every module.
 
-Checked on the source (``ast``), so imports under ``if TYPE_CHECKING:`` and inside functions
-count too: a lower layer names what it needs of a higher one as a ``Protocol`` instead. Inside
-``strategies/``, backends and device platforms do not import each other: the Engine hands a
-backend the platform's torch device and a platform the backend's mesh-init hook.
+Checked on the source (``ast``), so imports under ``if TYPE_CHECKING:``, inside functions and
+relative ones count too: a lower layer names what it needs of a higher one as a ``Protocol``
+instead. Inside ``strategies/``, backends and device platforms do not import each other: the
+Engine hands a backend the platform's torch device and a platform the backend's mesh-init hook.
 """
 
 from __future__ import annotations
@@ -23,17 +23,21 @@ FORBIDDEN = {
 }
 
 
-def imported_modules(source: str) -> list[tuple[int, str]]:
-    """``(line, dotted name)`` of every absolute import in ``source``.
+def imported_modules(source: str, package: str = "") -> list[tuple[int, str]]:
+    """``(line, dotted name)`` of every import in ``source``, a module of ``package``.
 
-    ``from a.b import c`` yields ``a.b.c`` (``c`` may be a module or a name in ``a.b``).
+    ``from a.b import c`` yields ``a.b.c`` (``c`` may be a module or a name in ``a.b``);
+    relative imports are resolved against ``package``.
     """
     found: list[tuple[int, str]] = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = ".".join(parts[: len(parts) - node.level + 1]) if node.level else ""
+            module = ".".join(filter(None, (base, node.module)))
+            found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
     return sorted(found)
 
 
@@ -42,7 +46,9 @@ def forbidden_imports(folder: str) -> list[str]:
     return [
         f"{path.relative_to(ROOT)}:{line} imports {name}"
         for path in sorted((ROOT / folder).rglob("*.py"))
-        for line, name in imported_modules(path.read_text())
+        for line, name in imported_modules(
+            path.read_text(), ".".join(path.parent.relative_to(ROOT).parts)
+        )
         if any(name == prefix or name.startswith(prefix + ".") for prefix in forbidden)
     ]
 
@@ -53,7 +59,7 @@ def test_no_forbidden_imports(folder: str) -> None:
     assert forbidden_imports(folder) == []
 
 
-def test_the_scan_sees_type_checking_and_function_level_imports() -> None:
+def test_the_scan_sees_type_checking_function_level_and_relative_imports() -> None:
     source = (
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n"
@@ -62,10 +68,13 @@ def test_the_scan_sees_type_checking_and_function_level_imports() -> None:
         "    import strategies.config as c\n"
         "from strategies import backends\n"
         "from . import sibling\n"
+        "from ..backends.base import Backend\n"
     )
-    assert imported_modules(source) == [
+    assert imported_modules(source, package="strategies.devices") == [
         (1, "typing.TYPE_CHECKING"),
         (3, "engine.batching.MicroBatch"),
         (5, "strategies.config"),
         (6, "strategies.backends"),
+        (7, "strategies.devices.sibling"),
+        (8, "strategies.backends.base.Backend"),
     ]
