@@ -48,7 +48,7 @@ from tensordict import TensorDict
 
 from benchmarks.measure import peak_allocated
 from engine import Engine
-from engine.batching import from_token_lists
+from engine.data.batching import from_token_lists
 from engine.losses import sft_loss
 from strategies.config import model_preset
 

@@ -107,17 +107,7 @@ class EngineConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> EngineConfig:
-        try:
-            text = Path(path).read_text()
-        except OSError as error:
-            raise ConfigError(f"cannot read config file {path}: {error.strerror}") from error
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as error:
-            raise ConfigError(f"config file {path} is not valid YAML: {error}") from error
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"config file {path} must hold a mapping, got {type(data).__name__}")
-        return cls.from_dict(data)
+        return cls.from_dict(read_yaml_mapping(path))
 
     def to_dict(self) -> dict[str, Any]:
         unstructured: dict[str, Any] = STRICT_CONVERTER.unstructure(self)
@@ -125,6 +115,21 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> EngineConfig:
         return attrs.evolve(self, **changes)
+
+
+def read_yaml_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A YAML file that holds a mapping (an empty file is an empty one); ConfigError otherwise."""
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {path}: {error.strerror}") from error
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {path} is not valid YAML: {error}") from error
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config file {path} must hold a mapping, got {type(data).__name__}")
+    return dict(data)
 
 
 def coerce_config(config: EngineConfig | Mapping[str, Any] | None) -> EngineConfig:

@@ -10,14 +10,15 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from engine.batching import (
+from engine.config import EngineConfig, coerce_config
+from engine.data.batching import (
     MicroBatch,
     fields,
     restore_outputs,
@@ -26,15 +27,21 @@ from engine.batching import (
     to_jagged,
     validate_batch,
 )
-from engine.config import EngineConfig, coerce_config
-from engine.losses import SCORED_TOKENS, SEQUENCES, LossContext, required_fields
-from engine.micro_batching import MicroBatchPlan, plan_fixed, plan_for_data_parallel
-from engine.registry import AUTO_DEVICE_ORDER, BACKENDS, DEVICES, HEADS
+from engine.data.micro_batching import MicroBatchPlan, plan_fixed, plan_for_data_parallel
+from engine.losses.contract import (
+    SCORED_TOKENS,
+    SEQUENCES,
+    LossContext,
+    LossFn,
+    checked_loss,
+    metrics_per_name,
+    required_fields,
+)
+from engine.registry import BACKENDS, DEVICES, HEADS, check_part, resolve_device
 from heads.base import Head, HeadContext
 from heads.errors import (
     BatchError,
     ConfigError,
-    DeviceUnavailableError,
     EngineStateError,
 )
 from strategies.backends.base import Backend
@@ -42,8 +49,6 @@ from strategies.devices.base import DevicePlatform
 
 #: Parts of an engine that can be offloaded (``Engine.to``).
 PARTS = ("model", "optimizer", "grad")
-
-LossFn = Callable[[Mapping[str, torch.Tensor], TensorDict, LossContext], tuple[torch.Tensor, Any]]
 
 
 class Engine:
@@ -63,9 +68,9 @@ class Engine:
         config: EngineConfig | Mapping[str, Any] | None = None,
     ) -> None:
         self.config = coerce_config(config)
-        self.head = _check_part(head, Head, "head", HEADS.names())
-        self.backend = _check_part(backend, Backend, "backend", BACKENDS.names())
-        self.platform = _check_part(platform, DevicePlatform, "platform", DEVICES.names())
+        self.head = check_part(head, Head, "head", HEADS.names())
+        self.backend = check_part(backend, Backend, "backend", BACKENDS.names())
+        self.platform = check_part(platform, DevicePlatform, "platform", DEVICES.names())
         self._check_combination()
         self.platform.require_available()
         self.device: torch.device | None = None
@@ -225,7 +230,7 @@ class Engine:
                 data_parallel_size=self.backend.data_parallel_size(),
                 global_counts=counts,
             )
-            loss, loss_metrics = _checked_loss(loss_function(outputs, data, ctx))
+            loss, loss_metrics = checked_loss(loss_function(outputs, data, ctx))
             losses[index] = float(loss.detach())
             metrics[index] = loss_metrics
             return loss, loss_metrics
@@ -240,7 +245,7 @@ class Engine:
             if return_outputs
             else None,
             "loss": losses,
-            "metrics": _per_name(metrics),
+            "metrics": metrics_per_name(metrics),
         }
 
     def plan_micro_batches(self, batch: TensorDict) -> MicroBatchPlan:
@@ -444,56 +449,3 @@ class Engine:
         if self.backend.data_parallel_size() > 1:
             dist.all_reduce(totals, group=self.backend.data_parallel_group())
         return dict(zip(names, totals.tolist(), strict=True))
-
-
-def resolve_device(device: str | DevicePlatform, options: Mapping[str, Any]) -> DevicePlatform:
-    """A platform object from a name (``auto``: the first available of cuda, npu, cpu)."""
-    if not isinstance(device, str):
-        return device
-    if device != "auto":
-        platform: DevicePlatform = DEVICES.create(device, options)
-        return platform
-    reasons = []
-    for name in AUTO_DEVICE_ORDER:
-        candidate: DevicePlatform = DEVICES.create(name, options if name == "cpu" else {})
-        state = candidate.availability()
-        if state.ok:
-            return candidate
-        reasons.append(state.reason)
-    raise DeviceUnavailableError("device='auto' found no usable platform: " + "; ".join(reasons))
-
-
-def _check_part(part: Any, protocol: type, role: str, known: list[str]) -> Any:
-    if isinstance(part, type):
-        raise ConfigError(
-            f"{role} must be an instance, not the class {part.__name__}; pass {part.__name__}()"
-        )
-    if not isinstance(part, protocol):
-        raise ConfigError(
-            f"{role} must be a name ({', '.join(known)}) or a {protocol.__name__} object; got "
-            f"{type(part).__name__}: {part!r}"
-        )
-    return part
-
-
-def _checked_loss(result: Any) -> tuple[torch.Tensor, dict[str, Any]]:
-    if not (isinstance(result, tuple) and len(result) == 2):
-        raise ConfigError(
-            f"a loss function must return (loss, metrics); got {type(result).__name__}"
-        )
-    loss, metrics = result
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ConfigError(f"a loss function's loss must be a scalar tensor; got {loss!r:.80}")
-    if not isinstance(metrics, Mapping):
-        raise ConfigError(
-            f"a loss function's metrics must be a mapping; got {type(metrics).__name__}"
-        )
-    return loss.reshape(()), {k: float(v) for k, v in metrics.items()}
-
-
-def _per_name(metrics: list[Mapping[str, Any]]) -> dict[str, list[float]]:
-    names: dict[str, list[float]] = {}
-    for entry in metrics:
-        for name, value in entry.items():
-            names.setdefault(name, []).append(float(value))
-    return names

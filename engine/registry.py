@@ -17,7 +17,8 @@ from typing import Any, Generic, TypeVar
 import cattrs
 from cattrs.v import format_exception
 
-from heads.errors import ConfigError, EngineError, UnknownStrategyError
+from heads.errors import ConfigError, DeviceUnavailableError, EngineError, UnknownStrategyError
+from strategies.devices.base import DevicePlatform
 
 T = TypeVar("T")
 
@@ -204,3 +205,34 @@ def register_backend(name: str, *, override: bool = False) -> Any:
 def register_device(name: str, *, override: bool = False) -> Any:
     """Decorator registering a DevicePlatform class or factory under ``name``."""
     return DEVICES.register(name, override=override)
+
+
+def resolve_device(device: str | DevicePlatform, options: Mapping[str, Any]) -> DevicePlatform:
+    """A platform object from a name (``auto``: the first available of cuda, npu, cpu)."""
+    if not isinstance(device, str):
+        return device
+    if device != "auto":
+        platform: DevicePlatform = DEVICES.create(device, options)
+        return platform
+    reasons = []
+    for name in AUTO_DEVICE_ORDER:
+        candidate: DevicePlatform = DEVICES.create(name, options if name == "cpu" else {})
+        state = candidate.availability()
+        if state.ok:
+            return candidate
+        reasons.append(state.reason)
+    raise DeviceUnavailableError("device='auto' found no usable platform: " + "; ".join(reasons))
+
+
+def check_part(part: Any, protocol: type, role: str, known: list[str]) -> Any:
+    """``part`` itself if it is an instance of ``protocol``; a ConfigError saying what to pass."""
+    if isinstance(part, type):
+        raise ConfigError(
+            f"{role} must be an instance, not the class {part.__name__}; pass {part.__name__}()"
+        )
+    if not isinstance(part, protocol):
+        raise ConfigError(
+            f"{role} must be a name ({', '.join(known)}) or a {protocol.__name__} object; got "
+            f"{type(part).__name__}: {part!r}"
+        )
+    return part

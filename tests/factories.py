@@ -8,8 +8,9 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from engine.batching import from_token_lists
-from engine.losses import LossContext, scored_mask, token_mean
+from engine.data.batching import from_token_lists
+from engine.losses.aggregation import scored_mask, token_mean
+from engine.losses.contract import LossContext
 
 
 def random_batch(lengths: Sequence[int], vocab_size: int, seed: int = 0) -> TensorDict:

@@ -63,7 +63,7 @@ def test_the_scan_sees_type_checking_function_level_and_relative_imports() -> No
     source = (
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n"
-        "    from engine.batching import MicroBatch\n"
+        "    from engine.data.batching import MicroBatch\n"
         "def f():\n"
         "    import strategies.config as c\n"
         "from strategies import backends\n"
@@ -72,7 +72,7 @@ def test_the_scan_sees_type_checking_function_level_and_relative_imports() -> No
     )
     assert imported_modules(source, package="strategies.devices") == [
         (1, "typing.TYPE_CHECKING"),
-        (3, "engine.batching.MicroBatch"),
+        (3, "engine.data.batching.MicroBatch"),
         (5, "strategies.config"),
         (6, "strategies.backends"),
         (7, "strategies.devices.sibling"),

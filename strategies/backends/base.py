@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 class MicroBatch(Protocol):
     """What a backend reads of a micro-batch (structural: no upward import).
 
-    The Engine's ``engine.batching.MicroBatch`` fits: sequences ``indices`` of the batch with
+    The Engine's ``engine.data.batching.MicroBatch`` fits: sequences ``indices`` of the batch with
     their ``input_ids`` right-padded to the micro-batch's own longest sequence, ``[b, s]``.
     """
 

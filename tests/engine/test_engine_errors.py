@@ -9,7 +9,7 @@ import torch
 from tensordict import TensorDict
 
 from engine import Engine
-from engine.batching import from_token_lists, to_padded
+from engine.data.batching import from_token_lists, to_padded
 from engine.losses import sft_loss, value_regression_loss
 from heads.errors import (
     BatchError,

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import Engine
-from engine.batching import sequence_lengths
+from engine.data.batching import sequence_lengths
 from engine.registry import BACKENDS, DEVICES, HEADS
 from strategies.backends.megatron.mesh import destroy_mesh
 from strategies.devices.npu import forget_applied_repatches

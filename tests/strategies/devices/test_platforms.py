@@ -12,7 +12,7 @@ import torch
 
 from engine import Engine
 from engine.config import EngineConfig
-from engine.engine import resolve_device
+from engine.registry import resolve_device
 from heads.errors import ConfigError, DeviceUnavailableError
 from strategies.devices.base import Availability
 from strategies.devices.cpu import CpuPlatform

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def run(
@@ -101,7 +101,7 @@ def test_matrix_lists_every_cell_and_why_npu_cannot_run_here() -> None:
 
 
 def test_matrix_picks_up_registered_parts(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.matrix import cells
+    from engine.cli.matrix import cells
     from engine.registry import HEADS
     from tests.engine.test_registry import RewardHead
 

@@ -22,48 +22,39 @@ ranks are shared with all ranks, so the advantage computation is the same everyw
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import signal
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import attrs
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict
 
-from engine.config import EngineConfig, structure
-from engine.progress import Column, MetricsFile, ProgressReporter, plot_metrics
-from engine.rl import gae_advantages, whiten
-from heads.errors import CheckpointError, ConfigError, EngineStateError
-from heads.validation import float_field, int_field, non_negative, of_type, one_of, positive
-
-ROLES = ("actor", "critic", "reference")
-HEADS = {"actor": "lm", "critic": "value", "reference": "lm"}
-
-#: Engine settings of every role unless the config file says otherwise.
-ENGINE_DEFAULTS: dict[str, Any] = {
-    "model": "tiny",
-    "micro_batch_size": 64,
-    "scheduler": {"decay_style": "constant"},
-}
-ROLE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "actor": {"optimizer": {"lr": 1e-3}, "head": {"compute_entropy": True}},
-    "critic": {"optimizer": {"lr": 3e-3}},
-    "reference": {},
-}
-
-RUN_FILE, METRICS_FILE, PLOT_FILE, CHECKPOINTS = (
-    "run.json",
-    "metrics.jsonl",
-    "metrics.png",
-    "checkpoints",
+from engine.cli.demo.config import (
+    CHECKPOINTS,
+    HEADS,
+    METRICS_FILE,
+    PLOT_FILE,
+    ROLES,
+    RUN_FILE,
+    DemoConfig,
+    PPOConfig,
 )
+from engine.cli.demo.rollout import (
+    build_generator,
+    make_prompts,
+    parity_reward,
+    push_weights,
+    rollout_batch,
+    sample,
+)
+from engine.cli.progress import Column, MetricsFile, ProgressReporter, plot_metrics
+from engine.losses.advantages import gae_advantages, whiten
+from heads.errors import CheckpointError, ConfigError
 
 COLUMNS: list[Column] = [
     ("reward", "reward", ".3f"),
@@ -73,237 +64,6 @@ COLUMNS: list[Column] = [
     ("entropy", "entropy", ".3f"),
     ("tokens_per_s", "tokens/s", ".0f"),
 ]
-
-
-@attrs.frozen(kw_only=True)
-class TaskConfig:
-    """The rollout batch: ``prompts`` sequences of ``prompt_length + response_length`` tokens."""
-
-    prompts: int = int_field(64)
-    prompt_length: int = int_field(8)
-    response_length: int = int_field(8)
-
-
-@attrs.frozen(kw_only=True)
-class PPOConfig:
-    epochs: int = int_field(2)
-    mini_batches: int = int_field(2)
-    gamma: float = float_field(1.0)
-    lam: float = float_field(0.95)
-    clip_ratio: float = float_field(0.2, positive)
-    value_clip: float = float_field(0.5, positive)
-    kl_coeff: float = float_field(0.01)
-    kl_type: str = attrs.field(default="low_var_kl", validator=one_of("k1", "k2", "low_var_kl"))
-    entropy_coeff: float = float_field(0.0)
-
-    def __attrs_post_init__(self) -> None:
-        for name in ("gamma", "lam"):
-            if getattr(self, name) > 1:
-                raise ConfigError(f"PPOConfig.{name} must be in [0, 1], got {getattr(self, name)}")
-        if self.clip_ratio >= 1:
-            raise ConfigError(f"PPOConfig.clip_ratio must be < 1, got {self.clip_ratio}")
-
-
-@attrs.frozen(kw_only=True)
-class DemoConfig:
-    """Everything ``demo`` runs with; a YAML file gives any of it, command-line flags win.
-
-    ``engine`` holds ``EngineConfig`` settings for all three roles; ``actor``, ``critic`` and
-    ``reference`` override them per role (``reference`` is always forward-only).
-    """
-
-    steps: int = int_field(120)
-    seed: int = int_field(0, non_negative)
-    device: str = attrs.field(default="auto", validator=of_type(str))
-    backend: str = attrs.field(default="megatron", validator=of_type(str))
-    output_dir: str = attrs.field(default="demo-output", validator=of_type(str))
-    save_every: int = int_field(25)
-    keep_checkpoints: int = int_field(2)
-    task: TaskConfig = attrs.field(factory=TaskConfig)
-    ppo: PPOConfig = attrs.field(factory=PPOConfig)
-    engine: dict[str, Any] = attrs.field(factory=dict)
-    actor: dict[str, Any] = attrs.field(factory=dict)
-    critic: dict[str, Any] = attrs.field(factory=dict)
-    reference: dict[str, Any] = attrs.field(factory=dict)
-
-    def __attrs_post_init__(self) -> None:
-        configs = {role: self.engine_config(role) for role in ROLES}
-        model = configs["actor"].model
-        if model.max_sequence_length < self.task.prompt_length + self.task.response_length:
-            raise ConfigError(
-                f"task.prompt_length + task.response_length "
-                f"({self.task.prompt_length + self.task.response_length}) exceeds the model's "
-                f"max_sequence_length ({model.max_sequence_length})"
-            )
-        for role in ("critic", "reference"):
-            if _shape(configs[role].model) != _shape(model):
-                raise ConfigError(
-                    f"the {role}'s model must have the actor's shape (the demo starts all three "
-                    f"from the same weights); section {role!r} changes it"
-                )
-
-    def engine_config(self, role: str) -> EngineConfig:
-        """The role's ``EngineConfig``: defaults <- ``engine`` <- the role's section."""
-        data = _merge(ENGINE_DEFAULTS, {"seed": self.seed}, ROLE_DEFAULTS[role])
-        data = _merge(data, self.engine, getattr(self, role))
-        data["total_steps"] = self.steps * self.ppo.epochs * self.ppo.mini_batches
-        if role == "reference":
-            data["forward_only"] = True
-        try:
-            return EngineConfig.from_dict(data)
-        except ConfigError as error:
-            raise ConfigError(
-                f"engine settings of the {role} (config sections 'engine' and {role!r}): {error}"
-            ) from None
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> DemoConfig:
-        config: DemoConfig = structure(dict(data), cls)
-        return config
-
-    def to_dict(self) -> dict[str, Any]:
-        return attrs.asdict(self)
-
-
-def _shape(model: Any) -> tuple[Any, ...]:
-    fields = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "hf_path")
-    return tuple(getattr(model, name) for name in fields)
-
-
-def _merge(*layers: Mapping[str, Any]) -> dict[str, Any]:
-    """Deep-merge mappings, later layers winning (nested mappings merge key by key)."""
-    merged: dict[str, Any] = {}
-    for layer in layers:
-        for key, value in layer.items():
-            if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-                merged[key] = _merge(merged[key], value)
-            else:
-                merged[key] = dict(value) if isinstance(value, Mapping) else value
-    return merged
-
-
-def resolve_config(
-    file: str | None, overrides: Mapping[str, Any], resume: bool, output_dir: str | None
-) -> DemoConfig:
-    """Defaults <- the run's saved settings (``--resume``) <- the config file <- flags."""
-    import yaml
-
-    layers: list[Mapping[str, Any]] = []
-    if resume:
-        saved = Path(output_dir or DemoConfig().output_dir) / RUN_FILE
-        if saved.exists():
-            layers.append(json.loads(saved.read_text()))
-    if file:
-        try:
-            data = yaml.safe_load(Path(file).read_text()) or {}
-        except OSError as error:
-            raise ConfigError(f"cannot read config file {file}: {error.strerror}") from None
-        except yaml.YAMLError as error:
-            raise ConfigError(f"config file {file} is not valid YAML: {error}") from None
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"config file {file} must hold a mapping, got {type(data).__name__}")
-        layers.append(data)
-    layers.append(overrides)
-    return DemoConfig.from_dict(_merge(*layers))
-
-
-# -- the task -------------------------------------------------------------------------------------
-def make_prompts(task: TaskConfig, vocab_size: int, seed: int, iteration: int) -> torch.Tensor:
-    """The iteration's prompts, each ending in an instruction token 0 or 1 (the same on every
-    rank and on a resumed run)."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + iteration)
-    prompts = torch.randint(0, vocab_size, (task.prompts, task.prompt_length), generator=generator)
-    prompts[:, -1] %= 2
-    return prompts
-
-
-def parity_reward(prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
-    """Per sequence: the fraction of response tokens with the parity of the prompt's last token."""
-    return (responses % 2 == prompts[:, -1:] % 2).float().mean(dim=1)
-
-
-# -- the generator (rollout engine) ---------------------------------------------------------------
-def build_generator(model: Any, device: torch.device) -> torch.nn.Module:
-    """A Hugging Face causal LM with the engine model's architecture (weights come later)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
-
-    if model.hf_path is not None:
-        hf_config = AutoConfig.from_pretrained(model.hf_path)
-    else:
-        if model.add_qkv_bias or model.qk_layernorm or model.rope_scaling_factor:
-            raise ConfigError(
-                "the demo's generator builds a plain Llama from the model settings; for qkv "
-                "bias, qk-norm or RoPE scaling give model.hf_path (a checkpoint directory)"
-            )
-        hf_config = LlamaConfig(
-            vocab_size=model.vocab_size,
-            hidden_size=model.hidden_size,
-            intermediate_size=model.resolved_ffn_hidden_size,
-            num_hidden_layers=model.num_layers,
-            num_attention_heads=model.num_attention_heads,
-            num_key_value_heads=model.num_query_groups or model.num_attention_heads,
-            head_dim=model.head_dim or model.hidden_size // model.num_attention_heads,
-            max_position_embeddings=model.max_sequence_length,
-            rms_norm_eps=model.norm_epsilon,
-            tie_word_embeddings=model.tie_embeddings,
-            attention_bias=False,
-            **_rope_settings(LlamaConfig, float(model.rotary_base)),
-        )
-    generator = AutoModelForCausalLM.from_config(hf_config)
-    return generator.to(device=device, dtype=torch.float32).eval()
-
-
-def _rope_settings(config_class: type, base: float) -> dict[str, Any]:
-    # transformers 5 takes ``rope_parameters``; 4.x took ``rope_theta``.
-    if "rope_parameters" in inspect.signature(config_class).parameters:
-        return {"rope_parameters": {"rope_type": "default", "rope_theta": base}}
-    return {"rope_theta": base}
-
-
-def push_weights(actor: Any, generator: torch.nn.Module) -> int:
-    """Copy the actor's weights into the generator, tensor by tensor; returns how many.
-
-    Every rank holds a full generator: under model parallelism the ranks' tensors (each pipeline
-    stage yields its own layers) are exchanged first.
-    """
-    params = dict(generator.named_parameters())
-    pairs: Iterator[tuple[str, torch.Tensor]] = actor.get_per_tensor_param()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        local = [(name, tensor.cpu()) for name, tensor in pairs]
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, local)
-        pairs = iter(dict(pair for rank in everyone for pair in rank).items())
-    received = set()
-    with torch.no_grad():
-        for name, tensor in pairs:
-            if name not in params:
-                raise EngineStateError(f"the actor exported {name!r}, which the generator lacks")
-            params[name].copy_(tensor)
-            received.add(name)
-    missing = sorted(set(params) - received)
-    if missing:
-        raise EngineStateError(f"the actor exported no weights for {', '.join(missing[:5])}")
-    return len(received)
-
-
-@torch.no_grad()
-def sample(
-    generator: torch.nn.Module, prompts: torch.Tensor, new_tokens: int, rng: torch.Generator
-) -> torch.Tensor:
-    """Sample ``new_tokens`` per prompt at temperature 1 (the actor's distribution)."""
-    # transformers 5 calls the KV cache ``cache``; 4.x called it ``past_key_values``.
-    cache = (
-        "cache" if "cache" in inspect.signature(generator.forward).parameters else "past_key_values"
-    )
-    output = generator(input_ids=prompts, use_cache=True)
-    chosen = []
-    for index in range(new_tokens):
-        probs = torch.softmax(output.logits[:, -1].float(), dim=-1)
-        token = torch.multinomial(probs, 1, generator=rng)
-        chosen.append(token)
-        if index + 1 < new_tokens:
-            output = generator(input_ids=token, use_cache=True, **{cache: output[cache]})
-    return torch.cat(chosen, dim=1)
 
 
 # -- the loop -------------------------------------------------------------------------------------
@@ -500,24 +260,6 @@ def _iteration(
         **phases,
     )
     return record
-
-
-def rollout_batch(prompts: torch.Tensor, responses: torch.Tensor, scores: torch.Tensor) -> Any:
-    """Padded ``[B, P + R]`` batch; the score is the reward of each sequence's last token."""
-    input_ids = torch.cat([prompts, responses], dim=1)
-    response_mask = torch.zeros_like(input_ids, dtype=torch.float32)
-    response_mask[:, prompts.shape[1] :] = 1.0
-    rewards = torch.zeros_like(response_mask)
-    rewards[:, -1] = scores
-    return TensorDict(
-        {
-            "input_ids": input_ids,
-            "attention_mask": torch.ones_like(input_ids),
-            "response_mask": response_mask,
-            "token_rewards": rewards,
-        },
-        batch_size=[input_ids.shape[0]],
-    )
 
 
 def add_advantages(batch: Any, ppo: PPOConfig) -> None:

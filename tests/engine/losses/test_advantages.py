@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.rl import gae_advantages, whiten
+from engine.losses.advantages import gae_advantages, whiten
 from heads.errors import BatchError
 
 

@@ -136,7 +136,7 @@ def validate_batch(batch: object, required: Iterable[str] = ()) -> TensorDict:
     if not isinstance(batch, TensorDict):
         raise BatchError(
             f"a batch must be a tensordict.TensorDict, got {type(batch).__name__}; build one with "
-            "engine.batching.from_token_lists(...) or TensorDict({...}, batch_size=[B])"
+            "engine.data.batching.from_token_lists(...) or TensorDict({...}, batch_size=[B])"
         )
     if batch.batch_dims != 1 or batch.batch_size[0] == 0:
         raise BatchError(

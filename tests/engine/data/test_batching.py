@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import Engine
-from engine.batching import (
+from engine.data.batching import (
     from_token_lists,
     restore_outputs,
     sequence_lengths,

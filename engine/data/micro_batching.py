@@ -11,7 +11,7 @@ of micro-batches (pipeline schedules and DDP's gradient all-reduce count them), 
 Two ways of counting a micro-batch's load (``padded``):
 
 * ``padded=True``: rows x longest row -- what a right-padded micro-batch
-  (:func:`engine.batching.split_into`) really allocates and computes.
+  (:func:`engine.data.batching.split_into`) really allocates and computes.
 * ``padded=False``: the sum of real tokens -- for backends that pack sequences without padding.
 
 Algorithms and guarantees (``n`` sequences, ``k`` micro-batches):
@@ -30,7 +30,7 @@ Algorithms and guarantees (``n`` sequences, ``k`` micro-batches):
   1/512) and the optimal in-order (consecutive) split, so the plan is never worse than
   chunking the batch in order into the same number of micro-batches.
 
-The engine turns a plan into micro-batches with ``engine.batching.split_into(batch,
+The engine turns a plan into micro-batches with ``engine.data.batching.split_into(batch,
 plan.groups)``; ``restore_outputs`` puts their outputs back in batch order.
 
 Everything is deterministic: ties are broken by sequence index, never by hashing or timing.
@@ -115,7 +115,7 @@ class MicroBatchPlan:
 
 def plan_fixed(lengths: Sequence[int] | torch.Tensor, micro_batch_size: int) -> MicroBatchPlan:
     """Consecutive micro-batches of ``micro_batch_size`` sequences (the last may be shorter),
-    in batch order -- the same groups as :func:`engine.batching.split_fixed`."""
+    in batch order -- the same groups as :func:`engine.data.batching.split_fixed`."""
     sizes = _lengths(lengths)
     size = _positive_int(micro_batch_size, "micro_batch_size")
     groups = [

@@ -17,19 +17,17 @@ import pytest
 import torch
 
 from engine.cli import main
-from engine.demo import (
-    ROLES,
-    DemoConfig,
+from engine.cli.demo.config import ROLES, DemoConfig, resolve_config
+from engine.cli.demo.rollout import (
     build_generator,
     make_prompts,
     parity_reward,
     push_weights,
-    resolve_config,
     rollout_batch,
     sample,
 )
 from heads.errors import ConfigError
-from tests.engine.test_cli import ROOT, run
+from tests.engine.cli.test_cli import ROOT, run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 #: A short run: small batches, a checkpoint every second iteration.

@@ -1,6 +1,6 @@
 """RL losses as pure tensor functions: global normalisation, formulas, masking, configuration.
 
-No engine is built: micro-batches come from ``engine.batching`` and the ``LossContext`` global
+No engine is built: micro-batches come from ``engine.data.batching`` and the ``LossContext`` global
 counts are summed by hand the way the engine does (``scored_tokens``, ``sequences`` and every
 per-token ``*mask`` field, over all data-parallel ranks).
 """
@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from engine.batching import from_token_lists, jagged_lengths, split_fixed
+from engine.data.batching import from_token_lists, jagged_lengths, split_fixed
 from engine.losses import (
     AGG_MODES,
     KL_TYPES,
@@ -33,10 +33,8 @@ from engine.losses import (
     entropy_bonus,
     kl_loss,
     kl_penalty,
-    policy_loss,
     required_fields,
     sft_loss,
-    value_loss,
     value_regression_loss,
 )
 from heads.errors import BatchError, ConfigError
@@ -174,11 +172,11 @@ LOSSES: dict[str, Callable[[str], LossFn]] = {
         loss_agg_mode=mode, horizon=HORIZON, entropy_coeff=0.01, kl_coeff=0.1, kl_type="k3"
     ),
     "critic": lambda mode: CriticLoss(loss_agg_mode=mode, horizon=HORIZON, cliprange_value=0.2),
-    "policy_loss": lambda mode: functools.partial(
-        policy_loss, loss_agg_mode=mode, horizon=HORIZON, clip_ratio_high=0.28, clip_ratio_c=None
+    "policy_loss": lambda mode: ActorLoss(
+        loss_agg_mode=mode, horizon=HORIZON, clip_ratio_high=0.28, clip_ratio_c=None
     ),
-    "value_loss": lambda mode: functools.partial(
-        value_loss, loss_agg_mode=mode, horizon=HORIZON, cliprange_value=None
+    "value_loss": lambda mode: CriticLoss(
+        loss_agg_mode=mode, horizon=HORIZON, cliprange_value=None
     ),
     "entropy_bonus": lambda mode: functools.partial(
         entropy_bonus, loss_agg_mode=mode, horizon=HORIZON
@@ -320,7 +318,7 @@ def test_actor_loss_is_ppo_dual_clip_minus_entropy_plus_kl_token_mean() -> None:
 
 def test_policy_loss_without_dual_clip_is_the_plain_clipped_surrogate() -> None:
     batch, outputs, ctx = whole_batch(make_rollout([6, 8], seed=5, mask_prob=1.0))
-    loss, metrics = policy_loss(outputs, batch, ctx, clip_ratio_c=None, clip_ratio_low=0.1)
+    loss, metrics = ActorLoss(clip_ratio_c=None, clip_ratio_low=0.1)(outputs, batch, ctx)
     m = batch[RESPONSE_MASK].double()
     adv, old = batch["advantages"].double(), batch["old_log_probs"].double()
     ratio = torch.exp(outputs["log_probs"].detach() - old)
@@ -359,7 +357,7 @@ def test_critic_loss_is_half_the_clipped_squared_error_token_mean() -> None:
 def test_value_loss_without_clipping_is_half_the_squared_error_and_needs_no_old_values() -> None:
     batch, outputs, ctx = whole_batch(make_rollout([5, 9, 4], seed=12))
     del batch["values"]
-    loss, _ = value_loss(outputs, batch, ctx, cliprange_value=None, loss_agg_mode="token-sum")
+    loss, _ = CriticLoss(cliprange_value=None, loss_agg_mode="token-sum")(outputs, batch, ctx)
     m = batch[RESPONSE_MASK].double()
     r = batch["returns"].double()
     torch.testing.assert_close(loss, 0.5 * (((outputs["values"].detach() - r) ** 2) * m).sum())
@@ -514,12 +512,12 @@ def test_seq_mean_token_sum_norm_needs_a_horizon(cls: type) -> None:
     assert cls(loss_agg_mode="seq-mean-token-sum-norm", horizon=512).horizon == 512
 
 
-def test_bad_options_of_the_plain_functions_raise_config_error_naming_the_option() -> None:
+def test_bad_options_raise_config_error_naming_the_option() -> None:
     batch, outputs, ctx = whole_batch(make_rollout([4, 6], seed=1))
     with pytest.raises(ConfigError, match="clip_ratio_c"):
-        functools.partial(policy_loss, clip_ratio_c=0.9)(outputs, batch, ctx)
+        ActorLoss(clip_ratio_c=0.9)
     with pytest.raises(ConfigError, match="cliprange_value"):
-        value_loss(outputs, batch, ctx, cliprange_value=-1.0)
+        CriticLoss(cliprange_value=-1.0)
     with pytest.raises(ConfigError, match="mode"):
         aggregate(outputs["values"], batch[RESPONSE_MASK], "token_mean", ctx)
     with pytest.raises(ConfigError, match="horizon"):
@@ -539,16 +537,13 @@ def test_required_fields_follow_the_configuration_and_partials() -> None:
         "turn_mask",
     )
     assert required_fields(CriticLoss()) == ("returns", "values")
-    assert required_fields(functools.partial(policy_loss, clip_ratio_high=0.28)) == (
-        "old_log_probs",
-        "advantages",
-    )
+    assert required_fields(functools.partial(sft_loss)) == ()
     assert required_fields(functools.partial(ActorLoss(kl_coeff=0.1))) == (
         "old_log_probs",
         "advantages",
         "ref_log_probs",
     )
-    assert required_fields(value_loss) == ("values", "returns")
+    assert required_fields(value_regression_loss) == ("returns",)
     assert required_fields(kl_loss) == ("ref_log_probs",)
 
 
@@ -556,7 +551,7 @@ def test_a_users_own_loss_function_keeps_working_alongside_the_library() -> None
     def my_loss(
         outputs: Mapping[str, torch.Tensor], batch: TensorDict, ctx: LossContext
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        pg, pg_metrics = policy_loss(outputs, batch, ctx)
+        pg, pg_metrics = ActorLoss()(outputs, batch, ctx)
         vf, _ = entropy_bonus(outputs, batch, ctx)
         return pg + 0.5 * vf, {"mine": 1.0, **pg_metrics}
 

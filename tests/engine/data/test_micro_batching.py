@@ -22,7 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.micro_batching import (
+from engine.data.micro_batching import (
     MicroBatchPlan,
     agree_on_count,
     plan_fixed,
@@ -32,7 +32,7 @@ from engine.micro_batching import (
 from heads.errors import BatchError, ConfigError
 from tests.multiprocess import communicate_all, rendezvous_store, worker_env
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 # -------------------------------------------------------------------------------------- helpers
 
@@ -248,7 +248,7 @@ def test_plan_fixed_is_consecutive_chunks(lengths: list[int], size: int) -> None
 
 
 def test_plan_fixed_matches_split_fixed() -> None:
-    from engine.batching import from_token_lists, split_fixed
+    from engine.data.batching import from_token_lists, split_fixed
 
     lengths = [3, 1, 4, 1, 5, 9, 2]
     batch = from_token_lists([[1] * n for n in lengths])
@@ -336,7 +336,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from heads.errors import BatchError
 
-spec = importlib.util.spec_from_file_location("micro_batching", "engine/micro_batching.py")
+spec = importlib.util.spec_from_file_location("micro_batching", "engine/data/micro_batching.py")
 planner = importlib.util.module_from_spec(spec)
 sys.modules["micro_batching"] = planner
 spec.loader.exec_module(planner)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from engine.progress import MetricsFile, ProgressReporter, plot_metrics
+from engine.cli.progress import MetricsFile, ProgressReporter, plot_metrics
 
 COLUMNS = [("loss", "loss", ".3f"), ("tokens_per_s", "tokens/s", ".0f")]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -1,20 +1,19 @@
-"""Command line: ``python -m engine demo | train | matrix`` (see ``--help`` of each)."""
+"""``python -m engine train``: one engine trained on synthetic data or a JSON-lines file."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import sys
 import time
-import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 
+from engine.cli.options import parallel_overrides
 from heads.errors import BatchError, ConfigError, EngineError
 
 TASKS = {"lm": "sft_loss", "value": "value_regression_loss"}
@@ -29,7 +28,7 @@ def synthetic_batch(
     next token is predictable. Value head: the target at each token is the fraction of even
     tokens before it.
     """
-    from engine.batching import from_token_lists
+    from engine.data.batching import from_token_lists
 
     lengths = torch.randint(
         max(2, max_length // 4), max_length + 1, (batch_size,), generator=generator
@@ -49,81 +48,6 @@ def synthetic_batch(
     return from_token_lists(token_lists, returns=returns, loss_mask=masks)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    matrix = commands.add_parser(
-        "matrix", help="list every head x backend x device cell and whether it runs here"
-    )
-    matrix.add_argument("--json", action="store_true", help="machine-readable output")
-    demo = commands.add_parser(
-        "demo",
-        help="PPO with an actor, a critic and a reference model on a rule-rewarded task",
-        description="PPO on the parity task (see engine/demo.py); writes metrics.jsonl, "
-        "metrics.png and checkpoints to --output-dir. Ctrl-C saves and exits; --resume goes on.",
-    )
-    demo.add_argument("--config", help="YAML file with demo and engine settings (flags win)")
-    demo.add_argument("--device", help="cpu, cuda, npu or auto (default auto)")
-    demo.add_argument("--backend", help="backend name (default megatron)")
-    demo.add_argument("--steps", type=_positive_int, help="PPO iterations (default 120)")
-    demo.add_argument("--seed", type=_non_negative_int, help="random seed (default 0)")
-    demo.add_argument(
-        "--output-dir", help="where metrics, plot and checkpoints go (default demo-output)"
-    )
-    demo.add_argument(
-        "--resume", action="store_true", help="continue the run in --output-dir from its checkpoint"
-    )
-    _parallel_flags(demo)
-    train = commands.add_parser("train", help="train a model on synthetic data")
-    train.add_argument("--head", default="lm", help="head name (lm, value, or a plugin's)")
-    train.add_argument("--backend", default="megatron", help="backend name")
-    train.add_argument("--device", default="auto", help="cpu, cuda, npu or auto")
-    train.add_argument("--config", help="YAML file with EngineConfig settings")
-    train.add_argument("--model", help="model preset (tiny, small); overrides the config file")
-    train.add_argument("--steps", type=_positive_int, default=20)
-    train.add_argument("--batch-size", type=_positive_int, default=16, help="sequences per step")
-    train.add_argument("--max-length", type=_positive_int, default=64, help="longest sequence")
-    train.add_argument("--micro-batch-size", type=_positive_int)
-    train.add_argument(
-        "--data", help="JSON lines: input_ids (+ returns for --head value, optional loss_mask)"
-    )
-    train.add_argument("--output-dir", help="write metrics.jsonl and metrics.png here")
-    train.add_argument("--lr", type=float, help="peak learning rate")
-    train.add_argument("--seed", type=int, help="random seed")
-    _parallel_flags(train)
-    return parser
-
-
-def _parallel_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--tensor-parallel-size", type=_positive_int, help="under torchrun: tensor parallel size"
-    )
-    parser.add_argument(
-        "--pipeline-parallel-size",
-        type=_positive_int,
-        help="under torchrun: pipeline parallel size (data parallel takes the remaining ranks)",
-    )
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
-    return value
-
-
-def _parallel_overrides(args: argparse.Namespace) -> dict[str, int]:
-    flags = ("tensor_parallel_size", "pipeline_parallel_size")
-    return {flag: getattr(args, flag) for flag in flags if getattr(args, flag) is not None}
-
-
 def engine_config(args: argparse.Namespace) -> Any:
     """The config file (if any) with command-line values on top."""
     from engine.config import EngineConfig
@@ -138,7 +62,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         changes["seed"] = args.seed
     data = config.to_dict()
     data.update(changes)
-    data["parallel"] = {**data["parallel"], **_parallel_overrides(args)}
+    data["parallel"] = {**data["parallel"], **parallel_overrides(args)}
     if args.lr is not None:
         data["optimizer"] = {**data["optimizer"], "lr": args.lr}
     elif not args.config:
@@ -192,7 +116,7 @@ def data_batches(
     records: list[dict[str, list[Any]]], batch_size: int, generator: torch.Generator
 ) -> Iterator[TensorDict]:
     """Endless batches of ``batch_size`` records, reshuffled every pass over the file."""
-    from engine.batching import from_token_lists
+    from engine.data.batching import from_token_lists
 
     while True:
         order = torch.randperm(len(records), generator=generator).tolist()
@@ -210,7 +134,7 @@ def _default_mask(record: dict[str, list[Any]]) -> list[float]:
 
 def train(args: argparse.Namespace) -> int:
     from engine import Engine, losses
-    from engine.progress import MetricsFile, ProgressReporter, plot_metrics
+    from engine.cli.progress import MetricsFile, ProgressReporter, plot_metrics
 
     config = engine_config(args)
     engine = Engine.build(head=args.head, backend=args.backend, device=args.device, config=config)
@@ -279,74 +203,3 @@ def train(args: argparse.Namespace) -> int:
             title=f"train --head {engine.head.name}",
         )
     return 0
-
-
-def demo(args: argparse.Namespace) -> int:
-    from engine import demo as ppo_demo
-
-    overrides: dict[str, Any] = {
-        key: getattr(args, key)
-        for key in ("device", "backend", "steps", "seed", "output_dir")
-        if getattr(args, key) is not None
-    }
-    parallel = _parallel_overrides(args)
-    if parallel:
-        overrides["engine"] = {"parallel": parallel}
-    config = ppo_demo.resolve_config(args.config, overrides, args.resume, args.output_dir)
-    try:
-        summary = ppo_demo.run(config, resume=args.resume)
-    except ppo_demo.Interrupted as stopped:
-        print(
-            f"interrupted after iteration {stopped.iteration} (saved); continue with: "
-            f"python -m engine demo --resume --output-dir {config.output_dir}",
-            file=sys.stderr,
-        )
-        return 130
-    if summary.get("iterations") and _is_lead_rank():
-        print(
-            f"mean reward: first 10 iterations {summary['first_reward']:.3f}, "
-            f"last 10 {summary['last_reward']:.3f}",
-            flush=True,
-        )
-    return 0
-
-
-def _is_lead_rank() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-def show_matrix(as_json: bool) -> int:
-    from engine.matrix import cells, versions
-
-    rows, installed = cells(), versions()
-    if as_json:
-        print(json.dumps({"cells": rows, "versions": installed}, indent=2))
-        return 0
-    for row in rows:
-        status = "runs here" if row["runs_here"] else "unavailable"
-        cell = f"{row['head']} x {row['backend']} x {row['device']}"
-        print(f"{cell:32s} {status}")
-        for reason in row["reasons"]:
-            print(f"    {reason}")
-    print("versions: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in installed.items()))
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    # megatron-core warns about GPU-only libraries (Apex, TransformerEngine) it falls back from.
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    try:
-        if args.command == "train":
-            return train(args)
-        if args.command == "demo":
-            return demo(args)
-        if args.command == "matrix":
-            return show_matrix(args.json)
-    except EngineError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    return 1

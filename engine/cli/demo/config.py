@@ -1,0 +1,159 @@
+"""The demo's settings: task, PPO and per-role engine settings, layered from defaults, a saved
+run, a YAML file and command-line flags."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from engine.config import EngineConfig, read_yaml_mapping, structure
+from heads.errors import ConfigError
+from heads.validation import float_field, int_field, non_negative, of_type, one_of, positive
+
+ROLES = ("actor", "critic", "reference")
+HEADS = {"actor": "lm", "critic": "value", "reference": "lm"}
+
+#: Engine settings of every role unless the config file says otherwise.
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "model": "tiny",
+    "micro_batch_size": 64,
+    "scheduler": {"decay_style": "constant"},
+}
+ROLE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "actor": {"optimizer": {"lr": 1e-3}, "head": {"compute_entropy": True}},
+    "critic": {"optimizer": {"lr": 3e-3}},
+    "reference": {},
+}
+
+RUN_FILE, METRICS_FILE, PLOT_FILE, CHECKPOINTS = (
+    "run.json",
+    "metrics.jsonl",
+    "metrics.png",
+    "checkpoints",
+)
+
+
+@attrs.frozen(kw_only=True)
+class TaskConfig:
+    """The rollout batch: ``prompts`` sequences of ``prompt_length + response_length`` tokens."""
+
+    prompts: int = int_field(64)
+    prompt_length: int = int_field(8)
+    response_length: int = int_field(8)
+
+
+@attrs.frozen(kw_only=True)
+class PPOConfig:
+    epochs: int = int_field(2)
+    mini_batches: int = int_field(2)
+    gamma: float = float_field(1.0)
+    lam: float = float_field(0.95)
+    clip_ratio: float = float_field(0.2, positive)
+    value_clip: float = float_field(0.5, positive)
+    kl_coeff: float = float_field(0.01)
+    kl_type: str = attrs.field(default="low_var_kl", validator=one_of("k1", "k2", "low_var_kl"))
+    entropy_coeff: float = float_field(0.0)
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("gamma", "lam"):
+            if getattr(self, name) > 1:
+                raise ConfigError(f"PPOConfig.{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.clip_ratio >= 1:
+            raise ConfigError(f"PPOConfig.clip_ratio must be < 1, got {self.clip_ratio}")
+
+
+@attrs.frozen(kw_only=True)
+class DemoConfig:
+    """Everything ``demo`` runs with; a YAML file gives any of it, command-line flags win.
+
+    ``engine`` holds ``EngineConfig`` settings for all three roles; ``actor``, ``critic`` and
+    ``reference`` override them per role (``reference`` is always forward-only).
+    """
+
+    steps: int = int_field(120)
+    seed: int = int_field(0, non_negative)
+    device: str = attrs.field(default="auto", validator=of_type(str))
+    backend: str = attrs.field(default="megatron", validator=of_type(str))
+    output_dir: str = attrs.field(default="demo-output", validator=of_type(str))
+    save_every: int = int_field(25)
+    keep_checkpoints: int = int_field(2)
+    task: TaskConfig = attrs.field(factory=TaskConfig)
+    ppo: PPOConfig = attrs.field(factory=PPOConfig)
+    engine: dict[str, Any] = attrs.field(factory=dict)
+    actor: dict[str, Any] = attrs.field(factory=dict)
+    critic: dict[str, Any] = attrs.field(factory=dict)
+    reference: dict[str, Any] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        configs = {role: self.engine_config(role) for role in ROLES}
+        model = configs["actor"].model
+        if model.max_sequence_length < self.task.prompt_length + self.task.response_length:
+            raise ConfigError(
+                f"task.prompt_length + task.response_length "
+                f"({self.task.prompt_length + self.task.response_length}) exceeds the model's "
+                f"max_sequence_length ({model.max_sequence_length})"
+            )
+        for role in ("critic", "reference"):
+            if _shape(configs[role].model) != _shape(model):
+                raise ConfigError(
+                    f"the {role}'s model must have the actor's shape (the demo starts all three "
+                    f"from the same weights); section {role!r} changes it"
+                )
+
+    def engine_config(self, role: str) -> EngineConfig:
+        """The role's ``EngineConfig``: defaults <- ``engine`` <- the role's section."""
+        data = _merge(ENGINE_DEFAULTS, {"seed": self.seed}, ROLE_DEFAULTS[role])
+        data = _merge(data, self.engine, getattr(self, role))
+        data["total_steps"] = self.steps * self.ppo.epochs * self.ppo.mini_batches
+        if role == "reference":
+            data["forward_only"] = True
+        try:
+            return EngineConfig.from_dict(data)
+        except ConfigError as error:
+            raise ConfigError(
+                f"engine settings of the {role} (config sections 'engine' and {role!r}): {error}"
+            ) from None
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DemoConfig:
+        config: DemoConfig = structure(dict(data), cls)
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+def _shape(model: Any) -> tuple[Any, ...]:
+    fields = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "hf_path")
+    return tuple(getattr(model, name) for name in fields)
+
+
+def _merge(*layers: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep-merge mappings, later layers winning (nested mappings merge key by key)."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+                merged[key] = _merge(merged[key], value)
+            else:
+                merged[key] = dict(value) if isinstance(value, Mapping) else value
+    return merged
+
+
+def resolve_config(
+    file: str | None, overrides: Mapping[str, Any], resume: bool, output_dir: str | None
+) -> DemoConfig:
+    """Defaults <- the run's saved settings (``--resume``) <- the config file <- flags."""
+    layers: list[Mapping[str, Any]] = []
+    if resume:
+        saved = Path(output_dir or DemoConfig().output_dir) / RUN_FILE
+        if saved.exists():
+            layers.append(json.loads(saved.read_text()))
+    if file:
+        layers.append(read_yaml_mapping(file))
+    layers.append(overrides)
+    return DemoConfig.from_dict(_merge(*layers))

@@ -1,0 +1,132 @@
+"""The demo's rollouts: the parity task's prompts and reward, and a Hugging Face generator that
+receives the actor's weights through ``Engine.get_per_tensor_param()``."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from engine.cli.demo.config import TaskConfig
+from heads.errors import ConfigError, EngineStateError
+
+
+# -- the task -------------------------------------------------------------------------------------
+def make_prompts(task: TaskConfig, vocab_size: int, seed: int, iteration: int) -> torch.Tensor:
+    """The iteration's prompts, each ending in an instruction token 0 or 1 (the same on every
+    rank and on a resumed run)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + iteration)
+    prompts = torch.randint(0, vocab_size, (task.prompts, task.prompt_length), generator=generator)
+    prompts[:, -1] %= 2
+    return prompts
+
+
+def parity_reward(prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+    """Per sequence: the fraction of response tokens with the parity of the prompt's last token."""
+    return (responses % 2 == prompts[:, -1:] % 2).float().mean(dim=1)
+
+
+# -- the generator (rollout engine) ---------------------------------------------------------------
+def build_generator(model: Any, device: torch.device) -> torch.nn.Module:
+    """A Hugging Face causal LM with the engine model's architecture (weights come later)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+    if model.hf_path is not None:
+        hf_config = AutoConfig.from_pretrained(model.hf_path)
+    else:
+        if model.add_qkv_bias or model.qk_layernorm or model.rope_scaling_factor:
+            raise ConfigError(
+                "the demo's generator builds a plain Llama from the model settings; for qkv "
+                "bias, qk-norm or RoPE scaling give model.hf_path (a checkpoint directory)"
+            )
+        hf_config = LlamaConfig(
+            vocab_size=model.vocab_size,
+            hidden_size=model.hidden_size,
+            intermediate_size=model.resolved_ffn_hidden_size,
+            num_hidden_layers=model.num_layers,
+            num_attention_heads=model.num_attention_heads,
+            num_key_value_heads=model.num_query_groups or model.num_attention_heads,
+            head_dim=model.head_dim or model.hidden_size // model.num_attention_heads,
+            max_position_embeddings=model.max_sequence_length,
+            rms_norm_eps=model.norm_epsilon,
+            tie_word_embeddings=model.tie_embeddings,
+            attention_bias=False,
+            **_rope_settings(LlamaConfig, float(model.rotary_base)),
+        )
+    generator = AutoModelForCausalLM.from_config(hf_config)
+    return generator.to(device=device, dtype=torch.float32).eval()
+
+
+def _rope_settings(config_class: type, base: float) -> dict[str, Any]:
+    # transformers 5 takes ``rope_parameters``; 4.x took ``rope_theta``.
+    if "rope_parameters" in inspect.signature(config_class).parameters:
+        return {"rope_parameters": {"rope_type": "default", "rope_theta": base}}
+    return {"rope_theta": base}
+
+
+def push_weights(actor: Any, generator: torch.nn.Module) -> int:
+    """Copy the actor's weights into the generator, tensor by tensor; returns how many.
+
+    Every rank holds a full generator: under model parallelism the ranks' tensors (each pipeline
+    stage yields its own layers) are exchanged first.
+    """
+    params = dict(generator.named_parameters())
+    pairs: Iterator[tuple[str, torch.Tensor]] = actor.get_per_tensor_param()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        local = [(name, tensor.cpu()) for name, tensor in pairs]
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, local)
+        pairs = iter(dict(pair for rank in everyone for pair in rank).items())
+    received = set()
+    with torch.no_grad():
+        for name, tensor in pairs:
+            if name not in params:
+                raise EngineStateError(f"the actor exported {name!r}, which the generator lacks")
+            params[name].copy_(tensor)
+            received.add(name)
+    missing = sorted(set(params) - received)
+    if missing:
+        raise EngineStateError(f"the actor exported no weights for {', '.join(missing[:5])}")
+    return len(received)
+
+
+@torch.no_grad()
+def sample(
+    generator: torch.nn.Module, prompts: torch.Tensor, new_tokens: int, rng: torch.Generator
+) -> torch.Tensor:
+    """Sample ``new_tokens`` per prompt at temperature 1 (the actor's distribution)."""
+    # transformers 5 calls the KV cache ``cache``; 4.x called it ``past_key_values``.
+    cache = (
+        "cache" if "cache" in inspect.signature(generator.forward).parameters else "past_key_values"
+    )
+    output = generator(input_ids=prompts, use_cache=True)
+    chosen = []
+    for index in range(new_tokens):
+        probs = torch.softmax(output.logits[:, -1].float(), dim=-1)
+        token = torch.multinomial(probs, 1, generator=rng)
+        chosen.append(token)
+        if index + 1 < new_tokens:
+            output = generator(input_ids=token, use_cache=True, **{cache: output[cache]})
+    return torch.cat(chosen, dim=1)
+
+
+def rollout_batch(prompts: torch.Tensor, responses: torch.Tensor, scores: torch.Tensor) -> Any:
+    """Padded ``[B, P + R]`` batch; the score is the reward of each sequence's last token."""
+    input_ids = torch.cat([prompts, responses], dim=1)
+    response_mask = torch.zeros_like(input_ids, dtype=torch.float32)
+    response_mask[:, prompts.shape[1] :] = 1.0
+    rewards = torch.zeros_like(response_mask)
+    rewards[:, -1] = scores
+    return TensorDict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": torch.ones_like(input_ids),
+            "response_mask": response_mask,
+            "token_rewards": rewards,
+        },
+        batch_size=[input_ids.shape[0]],
+    )

@@ -1,0 +1,131 @@
+"""Command line: ``python -m engine demo | train | matrix`` (see ``--help`` of each)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from engine.cli.options import non_negative_int, parallel_flags, parallel_overrides, positive_int
+from engine.cli.train import train
+from heads.errors import EngineError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    matrix = commands.add_parser(
+        "matrix", help="list every head x backend x device cell and whether it runs here"
+    )
+    matrix.add_argument("--json", action="store_true", help="machine-readable output")
+    demo = commands.add_parser(
+        "demo",
+        help="PPO with an actor, a critic and a reference model on a rule-rewarded task",
+        description="PPO on the parity task (see engine/demo.py); writes metrics.jsonl, "
+        "metrics.png and checkpoints to --output-dir. Ctrl-C saves and exits; --resume goes on.",
+    )
+    demo.add_argument("--config", help="YAML file with demo and engine settings (flags win)")
+    demo.add_argument("--device", help="cpu, cuda, npu or auto (default auto)")
+    demo.add_argument("--backend", help="backend name (default megatron)")
+    demo.add_argument("--steps", type=positive_int, help="PPO iterations (default 120)")
+    demo.add_argument("--seed", type=non_negative_int, help="random seed (default 0)")
+    demo.add_argument(
+        "--output-dir", help="where metrics, plot and checkpoints go (default demo-output)"
+    )
+    demo.add_argument(
+        "--resume", action="store_true", help="continue the run in --output-dir from its checkpoint"
+    )
+    parallel_flags(demo)
+    train = commands.add_parser("train", help="train a model on synthetic data")
+    train.add_argument("--head", default="lm", help="head name (lm, value, or a plugin's)")
+    train.add_argument("--backend", default="megatron", help="backend name")
+    train.add_argument("--device", default="auto", help="cpu, cuda, npu or auto")
+    train.add_argument("--config", help="YAML file with EngineConfig settings")
+    train.add_argument("--model", help="model preset (tiny, small); overrides the config file")
+    train.add_argument("--steps", type=positive_int, default=20)
+    train.add_argument("--batch-size", type=positive_int, default=16, help="sequences per step")
+    train.add_argument("--max-length", type=positive_int, default=64, help="longest sequence")
+    train.add_argument("--micro-batch-size", type=positive_int)
+    train.add_argument(
+        "--data", help="JSON lines: input_ids (+ returns for --head value, optional loss_mask)"
+    )
+    train.add_argument("--output-dir", help="write metrics.jsonl and metrics.png here")
+    train.add_argument("--lr", type=float, help="peak learning rate")
+    train.add_argument("--seed", type=int, help="random seed")
+    parallel_flags(train)
+    return parser
+
+
+def demo(args: argparse.Namespace) -> int:
+    from engine.cli import demo as ppo_demo
+
+    overrides: dict[str, Any] = {
+        key: getattr(args, key)
+        for key in ("device", "backend", "steps", "seed", "output_dir")
+        if getattr(args, key) is not None
+    }
+    parallel = parallel_overrides(args)
+    if parallel:
+        overrides["engine"] = {"parallel": parallel}
+    config = ppo_demo.resolve_config(args.config, overrides, args.resume, args.output_dir)
+    try:
+        summary = ppo_demo.run(config, resume=args.resume)
+    except ppo_demo.Interrupted as stopped:
+        print(
+            f"interrupted after iteration {stopped.iteration} (saved); continue with: "
+            f"python -m engine demo --resume --output-dir {config.output_dir}",
+            file=sys.stderr,
+        )
+        return 130
+    if summary.get("iterations") and _is_lead_rank():
+        print(
+            f"mean reward: first 10 iterations {summary['first_reward']:.3f}, "
+            f"last 10 {summary['last_reward']:.3f}",
+            flush=True,
+        )
+    return 0
+
+
+def _is_lead_rank() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def show_matrix(as_json: bool) -> int:
+    from engine.cli.matrix import cells, versions
+
+    rows, installed = cells(), versions()
+    if as_json:
+        print(json.dumps({"cells": rows, "versions": installed}, indent=2))
+        return 0
+    for row in rows:
+        status = "runs here" if row["runs_here"] else "unavailable"
+        cell = f"{row['head']} x {row['backend']} x {row['device']}"
+        print(f"{cell:32s} {status}")
+        for reason in row["reasons"]:
+            print(f"    {reason}")
+    print("versions: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in installed.items()))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # megatron-core warns about GPU-only libraries (Apex, TransformerEngine) it falls back from.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    try:
+        if args.command == "train":
+            return train(args)
+        if args.command == "demo":
+            return demo(args)
+        if args.command == "matrix":
+            return show_matrix(args.json)
+    except EngineError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 1

@@ -1,0 +1,295 @@
+"""PPO losses: the clipped policy loss (with entropy bonus and KL penalty) and the clipped
+value loss, as configurable objects, plus the entropy bonus and KL penalty alone."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+
+from engine.losses.aggregation import (
+    AGG_MODES,
+    aggregate,
+    local_context,
+    masked_mean,
+    select_mask,
+    zero_masked,
+)
+from engine.losses.contract import LossContext, LossResult, needs_fields
+from engine.losses.kl import KL_TYPES, MAX_LOG_RATIO, kl_penalty
+from heads.errors import BatchError, ConfigError
+from heads.validation import non_negative, of_type, one_of, positive
+
+
+def _finite(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not math.isfinite(value):
+        raise ConfigError(
+            f"{type(instance).__name__}.{attribute.name} must be a finite number, got {value!r}"
+        )
+
+
+def _below_one(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if value >= 1:
+        raise ConfigError(
+            f"{type(instance).__name__}.{attribute.name} must be < 1 (the lower clip bound is "
+            f"1 - {attribute.name}), got {value!r}"
+        )
+
+
+def _above_one(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if value <= 1:
+        raise ConfigError(
+            f"{type(instance).__name__}.{attribute.name} must be > 1 (dual-clip bound) or None "
+            f"to disable dual clipping, got {value!r}"
+        )
+
+
+def _number(default: float | None, *checks: Any, optional: bool = False) -> Any:
+    validators = [of_type((int, float)), _finite, *checks]
+    validator = attrs.validators.optional(validators) if optional else validators
+    return attrs.field(default=default, validator=validator)
+
+
+def _mode_field() -> Any:
+    return attrs.field(default="token-mean", validator=one_of(*AGG_MODES))
+
+
+def _horizon_field() -> Any:
+    return attrs.field(default=None, validator=attrs.validators.optional([of_type(int), positive]))
+
+
+def _mask_key_field() -> Any:
+    return attrs.field(default=None, validator=attrs.validators.optional(of_type(str)))
+
+
+def _check_horizon(instance: Any) -> None:
+    if instance.loss_agg_mode == "seq-mean-token-sum-norm" and instance.horizon is None:
+        raise ConfigError(
+            f"{type(instance).__name__}.horizon must be set (a fixed positive token count, e.g. "
+            "the maximum response length) when loss_agg_mode is 'seq-mean-token-sum-norm'"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class ActorLoss:
+    """PPO clipped policy loss, minus an entropy bonus, plus a KL penalty (LM head).
+
+    Per token, with ``r = exp(logp - logp_old)`` (log-ratio clamped to ``[-20, 20]``) and
+    advantage ``A``: ``l = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``;
+    for ``A < 0`` and ``clip_ratio_c`` set, ``l = min(l, -A clip_ratio_c)`` (dual clip).
+    The loss is ``agg(l) - entropy_coeff * agg(entropy) + kl_coeff * agg(kl)``, every ``agg``
+    being :func:`aggregate` with ``loss_agg_mode`` over the mask (``mask_key``, else
+    ``loss_mask``, else ``response_mask``).
+
+    Needs batch fields ``old_log_probs``, ``advantages`` (and ``ref_log_probs`` when
+    ``kl_coeff > 0``), the ``log_probs`` output and, when ``entropy_coeff > 0``, the ``entropy``
+    output (LM head ``compute_entropy=True``). Metrics (local to the micro-batch): ``pg_loss``,
+    ``pg_clipfrac``, ``ppo_kl``, ``pg_clipfrac_lower``, ``entropy`` (when the head outputs it),
+    ``kl`` (when the batch has ``ref_log_probs``).
+    """
+
+    clip_ratio_low: float = _number(0.2, non_negative, _below_one)
+    clip_ratio_high: float = _number(0.2, non_negative)
+    #: Dual-clip bound ``c > 1`` for negative advantages; None disables dual clipping.
+    clip_ratio_c: float | None = _number(3.0, _above_one, optional=True)
+    loss_agg_mode: str = _mode_field()
+    #: Fixed token count for ``seq-mean-token-sum-norm`` (required by that mode only).
+    horizon: int | None = _horizon_field()
+    entropy_coeff: float = _number(0.0, non_negative)
+    kl_coeff: float = _number(0.0, non_negative)
+    kl_type: str = attrs.field(default="low_var_kl", validator=one_of(*KL_TYPES))
+    #: The mask field to train on; None: ``loss_mask`` if present, else ``response_mask``.
+    mask_key: str | None = _mask_key_field()
+
+    def __attrs_post_init__(self) -> None:
+        _check_horizon(self)
+
+    @property
+    def required_fields(self) -> tuple[str, ...]:
+        names = ["old_log_probs", "advantages"]
+        if self.kl_coeff > 0:
+            names.append("ref_log_probs")
+        if self.mask_key is not None:
+            names.append(self.mask_key)
+        return tuple(names)
+
+    def __call__(
+        self, outputs: Mapping[str, torch.Tensor], batch: Any, ctx: LossContext
+    ) -> LossResult:
+        mask, key = select_mask(batch, self.mask_key)
+        local = local_context(ctx, mask, key)
+
+        def agg(values: torch.Tensor, context: LossContext) -> torch.Tensor:
+            return aggregate(
+                values, mask, self.loss_agg_mode, context, mask_key=key, horizon=self.horizon
+            )
+
+        log_probs = zero_masked(outputs["log_probs"], mask)
+        dtype = log_probs.dtype
+        old = zero_masked(batch["old_log_probs"].to(dtype), mask)
+        advantages = zero_masked(batch["advantages"].to(dtype), mask)
+
+        log_ratio = torch.clamp(log_probs - old, -MAX_LOG_RATIO, MAX_LOG_RATIO)
+        ratio = torch.exp(log_ratio)
+        unclipped = -advantages * ratio
+        clipped = -advantages * torch.clamp(
+            ratio, 1.0 - self.clip_ratio_low, 1.0 + self.clip_ratio_high
+        )
+        per_token = torch.maximum(unclipped, clipped)
+        clip_hit = clipped > unclipped
+        if self.clip_ratio_c is not None:
+            lower_bound = -advantages * self.clip_ratio_c
+            negative = advantages < 0
+            lower_hit = negative & (per_token > lower_bound)
+            per_token = torch.where(negative, torch.minimum(per_token, lower_bound), per_token)
+        else:
+            lower_hit = torch.zeros_like(clip_hit)
+
+        loss = agg(per_token, ctx)
+        metrics = {
+            "pg_loss": float(agg(per_token.detach(), local)),
+            "pg_clipfrac": float(masked_mean(clip_hit.to(dtype), mask)),
+            "ppo_kl": float(masked_mean(-log_ratio.detach(), mask)),
+            "pg_clipfrac_lower": float(masked_mean(lower_hit.to(dtype), mask)),
+        }
+
+        entropy = outputs.get("entropy")
+        if self.entropy_coeff > 0 and entropy is None:
+            raise ConfigError(
+                f"ActorLoss.entropy_coeff={self.entropy_coeff} needs the head's 'entropy' output; "
+                "build the LM head with compute_entropy=True"
+            )
+        if entropy is not None:
+            entropy = zero_masked(entropy, mask)
+            metrics["entropy"] = float(agg(entropy.detach(), local))
+            if self.entropy_coeff > 0:
+                loss = loss - self.entropy_coeff * agg(entropy, ctx)
+
+        if "ref_log_probs" in batch.keys():
+            ref = zero_masked(batch["ref_log_probs"].to(dtype), mask)
+            kl = kl_penalty(log_probs, ref, self.kl_type)
+            metrics["kl"] = float(agg(kl.detach(), local))
+            if self.kl_coeff > 0:
+                loss = loss + self.kl_coeff * agg(kl, ctx)
+        elif self.kl_coeff > 0:
+            raise BatchError(
+                f"ActorLoss.kl_coeff={self.kl_coeff} needs the batch field 'ref_log_probs'"
+            )
+        return loss, metrics
+
+
+@attrs.frozen(kw_only=True)
+class CriticLoss:
+    """Clipped value loss (value head): with predictions ``v``, old values ``v_old`` (batch field
+    ``values``) and returns ``R``, ``0.5 * agg(max((v - R)^2, (clip(v, v_old - c, v_old + c) -
+    R)^2))`` with ``c = cliprange_value``; ``cliprange_value=None`` gives the unclipped
+    ``0.5 * agg((v - R)^2)`` (and then ``values`` is not needed). Metrics (local): ``vf_loss``,
+    ``vf_clipfrac``, ``vpred_mean``.
+    """
+
+    cliprange_value: float | None = _number(0.5, positive, optional=True)
+    loss_agg_mode: str = _mode_field()
+    horizon: int | None = _horizon_field()
+    mask_key: str | None = _mask_key_field()
+
+    def __attrs_post_init__(self) -> None:
+        _check_horizon(self)
+
+    @property
+    def required_fields(self) -> tuple[str, ...]:
+        names = ["returns"]
+        if self.cliprange_value is not None:
+            names.append("values")
+        if self.mask_key is not None:
+            names.append(self.mask_key)
+        return tuple(names)
+
+    def __call__(
+        self, outputs: Mapping[str, torch.Tensor], batch: Any, ctx: LossContext
+    ) -> LossResult:
+        mask, key = select_mask(batch, self.mask_key)
+        predictions = zero_masked(outputs["values"], mask)
+        dtype = predictions.dtype
+        returns = zero_masked(batch["returns"].to(dtype), mask)
+        per_token = (predictions - returns).square()
+        clip_hit = torch.zeros_like(per_token, dtype=torch.bool)
+        if self.cliprange_value is not None:
+            old = zero_masked(batch["values"].to(dtype), mask)
+            clipped_prediction = torch.clamp(
+                predictions, old - self.cliprange_value, old + self.cliprange_value
+            )
+            clipped = (clipped_prediction - returns).square()
+            clip_hit = clipped > per_token
+            per_token = torch.maximum(per_token, clipped)
+
+        def agg(values: torch.Tensor, context: LossContext) -> torch.Tensor:
+            return aggregate(
+                values, mask, self.loss_agg_mode, context, mask_key=key, horizon=self.horizon
+            )
+
+        loss = 0.5 * agg(per_token, ctx)
+        metrics = {
+            "vf_loss": float(0.5 * agg(per_token.detach(), local_context(ctx, mask, key))),
+            "vf_clipfrac": float(masked_mean(clip_hit.to(dtype), mask)),
+            "vpred_mean": float(masked_mean(predictions.detach(), mask)),
+        }
+        return loss, metrics
+
+
+@needs_fields()
+def entropy_bonus(
+    outputs: Mapping[str, torch.Tensor],
+    batch: Any,
+    ctx: LossContext,
+    *,
+    loss_agg_mode: str = "token-mean",
+    horizon: float | None = None,
+    mask_key: str | None = None,
+) -> LossResult:
+    """``-agg(entropy)`` (add ``coeff`` times it to a loss to reward entropy); metric
+    ``entropy`` (local). Needs the LM head's ``entropy`` output."""
+    if "entropy" not in outputs:
+        raise ConfigError("entropy_bonus needs the head's 'entropy' output (compute_entropy=True)")
+    mask, key = select_mask(batch, mask_key)
+    entropy = zero_masked(outputs["entropy"], mask)
+    loss = -aggregate(entropy, mask, loss_agg_mode, ctx, mask_key=key, horizon=horizon)
+    local = aggregate(
+        entropy.detach(),
+        mask,
+        loss_agg_mode,
+        local_context(ctx, mask, key),
+        mask_key=key,
+        horizon=horizon,
+    )
+    return loss, {"entropy": float(local)}
+
+
+@needs_fields("ref_log_probs")
+def kl_loss(
+    outputs: Mapping[str, torch.Tensor],
+    batch: Any,
+    ctx: LossContext,
+    *,
+    kl_type: str = "low_var_kl",
+    loss_agg_mode: str = "token-mean",
+    horizon: float | None = None,
+    mask_key: str | None = None,
+) -> LossResult:
+    """``agg(kl_penalty(log_probs, ref_log_probs, kl_type))``; metric ``kl`` (local)."""
+    mask, key = select_mask(batch, mask_key)
+    log_probs = zero_masked(outputs["log_probs"], mask)
+    ref = zero_masked(batch["ref_log_probs"].to(log_probs.dtype), mask)
+    kl = kl_penalty(log_probs, ref, kl_type)
+    loss = aggregate(kl, mask, loss_agg_mode, ctx, mask_key=key, horizon=horizon)
+    local = aggregate(
+        kl.detach(),
+        mask,
+        loss_agg_mode,
+        local_context(ctx, mask, key),
+        mask_key=key,
+        horizon=horizon,
+    )
+    return loss, {"kl": float(local)}
