@@ -7,8 +7,9 @@ engine config, head, model shape, step, parallel layout, every file's size and s
 renames the directory into place. A directory without a readable manifest is not a
 checkpoint, so a save killed at any point leaves the previous checkpoint as the latest.
 Loading verifies the manifest (version, head, model shape, sizes and checksums) before any
-state changes. What is in the files is the backend's business (``save_state`` /
-``load_state``).
+state changes. What is in the files is the backend's business (its ``Checkpointing``
+ability); this module receives that ability and a description of the engine (head, backend,
+model, layout, config), never the Engine itself.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ import re
 import secrets
 import shutil
 import signal
-from typing import TYPE_CHECKING, Any
-
-import torch.distributed as dist
+from collections.abc import Mapping
+from typing import Any
 
 from heads.errors import CheckpointError, ConfigError
-
-if TYPE_CHECKING:
-    from engine.engine import Engine
+from strategies.backends.base import Checkpointing
+from strategies.config import ModelConfig
+from strategies.distributed import barrier, from_rank_zero, rank
+from strategies.publish import fsync_path, publish_directory
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -43,43 +44,52 @@ _MODEL_SHAPE_FIELDS = (
 
 
 def save_checkpoint(
-    engine: Engine, root: str, global_step: int, max_ckpt_to_keep: int | None
+    state: Checkpointing,
+    engine: Mapping[str, Any],
+    root: str,
+    global_step: int,
+    max_ckpt_to_keep: int | None,
 ) -> str:
-    """Write ``root/global_step_{global_step}`` (collective); returns its path."""
+    """Write ``state`` to ``root/global_step_{global_step}`` (collective); ``engine`` describes
+    the engine (``head``, ``backend``, ``model``, ``parallel``, ``config``). Returns the path."""
     if max_ckpt_to_keep is not None and max_ckpt_to_keep < 1:
         raise ConfigError(f"max_ckpt_to_keep must be >= 1 or None; got {max_ckpt_to_keep}")
     root = os.path.abspath(os.fspath(root))
     target = os.path.join(root, f"{STEP_PREFIX}{global_step}")
     staging = ""
-    if _rank() == 0:
+    if rank() == 0:
         os.makedirs(root, exist_ok=True)
         staging = os.path.join(root, f".tmp-{STEP_PREFIX}{global_step}-{secrets.token_hex(4)}")
         os.makedirs(staging)
-    staging = _from_rank_zero(staging)
-    _state_backend(engine).save_state(staging)
+    staging = from_rank_zero(staging)
+    state.save_state(staging)
     _stage("after_state")
-    _barrier()
+    barrier()
     error = None
-    if _rank() == 0:
+    if rank() == 0:
         try:
             _stage("before_manifest")
             _write_manifest(staging, _describe(engine, global_step))
             _stage("before_rename")
-            _publish(staging, target)
+            publish_directory(staging, target)
             if max_ckpt_to_keep is not None:
                 for _, old in complete_checkpoints(root)[:-max_ckpt_to_keep]:
                     shutil.rmtree(old, ignore_errors=True)
-        except OSError as failure:
+        except (OSError, CheckpointError) as failure:
             error = f"cannot write the checkpoint {target}: {failure}"
-    _raise_if(_from_rank_zero(error))
+    error = from_rank_zero(error)
+    if error is not None:
+        raise CheckpointError(error)
     return target
 
 
-def load_checkpoint(engine: Engine, path: str) -> str:
-    """Verify, then restore the checkpoint at ``path`` (a root: its newest complete checkpoint;
-    or one ``global_step_*`` directory). Collective; returns the directory loaded."""
+def load_checkpoint(state: Checkpointing, engine: Mapping[str, Any], path: str) -> tuple[str, int]:
+    """Verify, then restore into ``state`` the checkpoint at ``path`` (a root: its newest
+    complete checkpoint; or one ``global_step_*`` directory) saved by an engine like
+    ``engine`` (see :func:`save_checkpoint`). Collective; returns the directory loaded and its
+    global step."""
     found: tuple[str, dict[str, Any]] | str | None = None
-    if _rank() == 0:
+    if rank() == 0:
         try:
             directory = resolve_checkpoint(os.fspath(path))
             manifest = read_manifest(directory)
@@ -88,14 +98,12 @@ def load_checkpoint(engine: Engine, path: str) -> str:
             found = (directory, manifest)
         except CheckpointError as error:
             found = str(error)
-    found = _from_rank_zero(found)
+    found = from_rank_zero(found)
     if isinstance(found, str) or found is None:
         raise CheckpointError(found)
     directory, manifest = found
-    same_layout = manifest["parallel"] == _layout(engine)
-    _state_backend(engine).load_state(directory, same_layout=same_layout)
-    engine.global_step = int(manifest["global_step"])
-    return directory
+    state.load_state(directory, same_layout=manifest["parallel"] == engine["parallel"])
+    return directory, int(manifest["global_step"])
 
 
 def complete_checkpoints(root: str) -> list[tuple[int, str]]:
@@ -169,21 +177,20 @@ def verify_files(directory: str, manifest: dict[str, Any]) -> None:
             raise CheckpointError(f"checkpoint file {path} is corrupted (sha256 mismatch)")
 
 
-def _describe(engine: Engine, global_step: int) -> dict[str, Any]:
+def _describe(engine: Mapping[str, Any], global_step: int) -> dict[str, Any]:
     return {
         "format_version": FORMAT_VERSION,
         "global_step": global_step,
-        "head": engine.head.name,
-        "backend": engine.backend.name,
-        "model_shape": model_shape(engine),
-        "parallel": _layout(engine),
-        "config": engine.config.to_dict(),
+        "head": engine["head"],
+        "backend": engine["backend"],
+        "model_shape": model_shape(engine["model"]),
+        "parallel": engine["parallel"],
+        "config": engine["config"],
     }
 
 
-def model_shape(engine: Engine) -> dict[str, Any]:
+def model_shape(model: ModelConfig) -> dict[str, Any]:
     """What must match for the weights to fit (layout-independent)."""
-    model = engine.config.model
     shape = {name: getattr(model, name) for name in _MODEL_SHAPE_FIELDS}
     shape.update(
         num_query_groups=model.num_query_groups or model.num_attention_heads,
@@ -192,13 +199,12 @@ def model_shape(engine: Engine) -> dict[str, Any]:
     return shape
 
 
-def _layout(engine: Engine) -> dict[str, Any]:
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    parallel: dict[str, Any] = engine.config.to_dict()["parallel"]
-    return {**parallel, "world_size": world}
-
-
 def _check_compatible(directory: str, manifest: dict[str, Any], ours: dict[str, Any]) -> None:
+    if manifest.get("backend", ours["backend"]) != ours["backend"]:
+        raise CheckpointError(
+            f"checkpoint {directory} was saved by the {manifest.get('backend')!r} backend; this "
+            f"engine runs the {ours['backend']!r} backend, which cannot read it"
+        )
     if manifest.get("head") != ours["head"]:
         raise CheckpointError(
             f"checkpoint {directory} was saved by a {manifest.get('head')!r} head engine; this "
@@ -235,18 +241,6 @@ def _write_manifest(directory: str, description: dict[str, Any]) -> None:
     fsync_path(directory)
 
 
-def _publish(staging: str, target: str) -> None:
-    """Rename into place; an existing checkpoint of the same step is replaced."""
-    aside = None
-    if os.path.exists(target):
-        aside = f"{staging}-replaced"
-        os.rename(target, aside)
-    os.rename(staging, target)
-    fsync_path(os.path.dirname(target))
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
-
-
 def _sha256(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -255,44 +249,6 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def fsync_path(path: str | os.PathLike[str]) -> None:
-    """Flush a file or directory to stable storage."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
 def _stage(name: str) -> None:
     if os.environ.get(KILL_AT_ENV) == name:
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _state_backend(engine: Engine) -> Any:
-    if not hasattr(engine.backend, "save_state"):
-        raise ConfigError(f"the {engine.backend.name} backend cannot save checkpoints")
-    return engine.backend
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def _from_rank_zero(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    holder = [value]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]
-
-
-def _raise_if(error: str | None) -> None:
-    if error is not None:
-        raise CheckpointError(error)

@@ -13,6 +13,7 @@ import yaml
 from engine.registry import STRICT_CONVERTER, describe_structure_error
 from heads.errors import ConfigError
 from heads.validation import bool_field, int_field, non_negative, of_type, one_of, positive
+from strategies.backends.base import OFFLOAD_PARTS
 from strategies.config import (
     ModelConfig,
     OptimizerConfig,
@@ -25,7 +26,7 @@ from strategies.config import (
 def _named_model(name: str) -> ModelConfig:
     """A preset name, or a local Hugging Face checkpoint directory (config and weights)."""
     if os.path.isdir(name):
-        from strategies.backends.megatron.hf.config import model_config_from_hf
+        from strategies.hf.config import model_config_from_hf
 
         return model_config_from_hf(name)
     return model_preset(name)
@@ -66,7 +67,7 @@ class OffloadConfig:
     grad: bool = bool_field(False)
 
     def parts(self) -> tuple[str, ...]:
-        return tuple(part for part in ("model", "optimizer", "grad") if getattr(self, part))
+        return tuple(part for part in OFFLOAD_PARTS if getattr(self, part))
 
 
 @attrs.frozen(kw_only=True)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import attrs
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
@@ -38,17 +39,18 @@ from engine.losses.contract import (
     required_fields,
 )
 from engine.registry import BACKENDS, DEVICES, HEADS, check_part, resolve_device
-from heads.base import Head, HeadContext
-from heads.errors import (
-    BatchError,
-    ConfigError,
-    EngineStateError,
+from heads.base import PER_SEQUENCE, Head, HeadContext, check_results
+from heads.errors import BatchError, ConfigError, EngineStateError
+from strategies.backends.base import (
+    OFFLOAD_PARTS,
+    Backend,
+    Checkpointing,
+    HuggingFaceExport,
+    Offloading,
+    require,
 )
-from strategies.backends.base import Backend
 from strategies.devices.base import DevicePlatform
-
-#: Parts of an engine that can be offloaded (``Engine.to``).
-PARTS = ("model", "optimizer", "grad")
+from strategies.distributed import world_size
 
 
 class Engine:
@@ -110,7 +112,7 @@ class Engine:
                 f"with the {self.backend.name} backend (optional features the "
                 f"{self.platform.name} platform offers: {offered})"
             )
-        if self.config.forward_only is False and not self.head.output_keys:
+        if not self.config.forward_only and not self.head.outputs:
             raise ConfigError(f"head {self.head.name!r} declares no outputs")
         self.backend.validate(self.config, int(os.environ.get("WORLD_SIZE", "1")))
 
@@ -128,10 +130,6 @@ class Engine:
             self.backend.build_optimizer(self.config)
         self._initialized = True
         return self
-
-    @property
-    def initialized(self) -> bool:
-        return self._initialized
 
     # -- modes ---------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -165,12 +163,12 @@ class Engine:
         """``to("cpu")`` moves the chosen parts to host memory (their device storage is freed);
         ``to("device")`` (or the platform's device type, e.g. ``"cuda"``) brings them back."""
         self._require_initialized("to")
-        parts = [name for name, wanted in (("model", model), ("optimizer", optimizer),
-                                           ("grad", grad)) if wanted]  # fmt: skip
+        wanted = {"model": model, "optimizer": optimizer, "grad": grad}
+        parts = [name for name in OFFLOAD_PARTS if wanted[name]]
         if device == "cpu":
-            self.backend.offload(parts)
+            require(self.backend, Offloading).offload(parts)
         elif device in ("device", self.platform.device_type):
-            self.backend.reload(parts)
+            require(self.backend, Offloading).reload(parts)
         else:
             raise ConfigError(
                 f"to() takes 'cpu' (offload) or 'device' / {self.platform.device_type!r} "
@@ -181,7 +179,7 @@ class Engine:
     def _offload_configured(self) -> None:
         parts = self.config.offload.parts()
         if parts:
-            self.backend.offload(parts)
+            require(self.backend, Offloading).offload(parts)
 
     # -- steps ---------------------------------------------------------------------------------
     def forward_backward_batch(
@@ -193,11 +191,13 @@ class Engine:
         return_outputs: bool = True,
     ) -> dict[str, Any]:
         """Micro-batch ``batch``, run forward (and backward), return on output ranks
-        ``{"model_output": jagged per-token outputs in input order (None when
-        ``return_outputs=False``), "loss": [per micro-batch], "metrics": {name: [per
-        micro-batch]}}``; other ranks get empty results."""
+        ``{"model_output": the head's outputs in input order, per-token ones jagged and
+        per-sequence ones ``[B]`` (None when ``return_outputs=False``), "loss": [per
+        micro-batch], "metrics": {name: [per micro-batch]}}``; other ranks get empty results."""
         self._require_initialized("forward_backward_batch")
-        self._require_resident("forward_backward_batch", ("model",) if forward_only else PARTS)
+        self._require_resident(
+            "forward_backward_batch", ("model",) if forward_only else OFFLOAD_PARTS
+        )
         if not forward_only:
             self._require_trainable("forward_backward_batch")
             if loss_function is None:
@@ -219,7 +219,9 @@ class Engine:
         ) -> tuple[torch.Tensor, dict[str, Any]]:
             micro_batch: MicroBatch = micro_batches[index]
             data = micro_batch.data.to(device)
+            head_ctx = attrs.evolve(head_ctx, sequence_lengths=micro_batch.lengths)
             outputs = self.head.postprocess(raw, data["input_ids"], head_ctx)
+            check_results(self.head, outputs, data["input_ids"])
             if return_outputs:
                 produced[index] = {key: value.detach() for key, value in outputs.items()}
             if loss_function is None:
@@ -238,10 +240,13 @@ class Engine:
         grad_context = torch.no_grad() if forward_only else contextlib.nullcontext()
         with grad_context:
             self.backend.forward_backward(micro_batches, consume, forward_only)
-        if not self.backend.is_mp_src_rank_with_outputs():
+        if not self.backend.holds_outputs():
             return {"model_output": None, "loss": [], "metrics": {}}
+        per_sequence = [key for key, kind in self.head.outputs.items() if kind == PER_SEQUENCE]
         return {
-            "model_output": restore_outputs(produced, micro_batches, rows.batch_size[0])
+            "model_output": restore_outputs(
+                produced, micro_batches, rows.batch_size[0], per_sequence
+            )
             if return_outputs
             else None,
             "loss": losses,
@@ -266,7 +271,7 @@ class Engine:
         """Zero grads -> forward/backward -> optimizer step (-> LR step unless ``step_lr=False``).
 
         Returns ``grad_norm`` (global), the ``lr`` the step used, this rank's ``num_tokens`` and
-        ``tokens_per_s``; on output ranks (``is_mp_src_rank_with_outputs``) also the global
+        ``tokens_per_s``; on output ranks (``holds_outputs``) also the global
         batch ``loss`` (micro-batch shares summed over micro-batches and data-parallel ranks)
         and the loss function's metrics (this rank's mean over micro-batches).
         """
@@ -284,7 +289,7 @@ class Engine:
         summary: dict[str, float] = {
             name: sum(values) / len(values) for name, values in result["metrics"].items() if values
         }
-        if self.backend.is_mp_src_rank_with_outputs():
+        if self.backend.holds_outputs():
             summary["loss"] = self._data_parallel_sum(sum(result["loss"]))
         summary.update(
             grad_norm=grad_norm,
@@ -295,8 +300,8 @@ class Engine:
         return summary
 
     def infer_batch(self, batch: TensorDict, loss_function: LossFn | None = None) -> TensorDict:
-        """Forward only, no gradients: the head's per-token outputs, jagged, in input order
-        (None on ranks that hold no outputs)."""
+        """Forward only, no gradients: the head's outputs in input order, per-token ones jagged,
+        per-sequence ones ``[B]`` (None on ranks that hold no outputs)."""
         result = self.forward_backward_batch(batch, loss_function, forward_only=True)
         output: TensorDict = result["model_output"]
         return output
@@ -308,7 +313,7 @@ class Engine:
     def optimizer_step(self) -> float:
         """Clip and apply the gradients; returns the global gradient norm (before clipping)."""
         self._require_trainable("optimizer_step")
-        self._require_resident("optimizer_step", PARTS)
+        self._require_resident("optimizer_step", OFFLOAD_PARTS)
         grad_norm = self.backend.optimizer_step()
         self.global_step += 1
         return grad_norm
@@ -331,9 +336,14 @@ class Engine:
         self._require_initialized("get_data_parallel_group")
         return self.backend.data_parallel_group()
 
-    def is_mp_src_rank_with_outputs(self) -> bool:
-        self._require_initialized("is_mp_src_rank_with_outputs")
-        return self.backend.is_mp_src_rank_with_outputs()
+    def holds_outputs(self) -> bool:
+        """Whether this rank receives outputs and loss metrics (with model parallelism: tensor
+        rank 0 of the last pipeline stage, context rank 0)."""
+        self._require_initialized("holds_outputs")
+        return self.backend.holds_outputs()
+
+    #: The name RL trainers know (verl's engine API).
+    is_mp_src_rank_with_outputs = holds_outputs
 
     # -- weights -------------------------------------------------------------------------------
     def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -342,10 +352,7 @@ class Engine:
         each stage yields its own layers."""
         self._require_initialized("get_per_tensor_param")
         self._require_resident("get_per_tensor_param", ("model",))
-        iterator: Iterator[tuple[str, torch.Tensor]] = self._hf_backend("export_hf").export_hf(
-            self.config
-        )
-        return iterator
+        return require(self.backend, HuggingFaceExport).export_hf(self.config)
 
     def save_hf(self, directory: str | os.PathLike[str]) -> None:
         """Write a causal-LM Hugging Face checkpoint (safetensors + config.json) to
@@ -357,7 +364,7 @@ class Engine:
                 f"save_hf writes a causal language model; head {self.head.name!r} is not one "
                 "(use get_per_tensor_param for its weights)"
             )
-        self._hf_backend("save_hf").save_hf(self.config, os.fspath(directory))
+        require(self.backend, HuggingFaceExport).save_hf(self.config, os.fspath(directory))
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(
@@ -372,9 +379,12 @@ class Engine:
         from engine import checkpointing
 
         self._require_initialized("save_checkpoint")
-        self._require_resident("save_checkpoint", PARTS)
+        state = require(self.backend, Checkpointing)
+        self._require_resident("save_checkpoint", OFFLOAD_PARTS)
         step = self.global_step if global_step is None else global_step
-        return checkpointing.save_checkpoint(self, os.fspath(path), step, max_ckpt_to_keep)
+        return checkpointing.save_checkpoint(
+            state, self._checkpoint_description(), os.fspath(path), step, max_ckpt_to_keep
+        )
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> str:
         """Restore a checkpoint: ``path`` is a root (its newest complete checkpoint) or one
@@ -384,13 +394,22 @@ class Engine:
         from engine import checkpointing
 
         self._require_initialized("load_checkpoint")
-        self._require_resident("load_checkpoint", PARTS)
-        return checkpointing.load_checkpoint(self, os.fspath(path))
+        state = require(self.backend, Checkpointing)
+        self._require_resident("load_checkpoint", OFFLOAD_PARTS)
+        directory, self.global_step = checkpointing.load_checkpoint(
+            state, self._checkpoint_description(), os.fspath(path)
+        )
+        return directory
 
-    def _hf_backend(self, method: str) -> Any:
-        if not hasattr(self.backend, method):
-            raise ConfigError(f"the {self.backend.name} backend cannot export Hugging Face weights")
-        return self.backend
+    def _checkpoint_description(self) -> dict[str, Any]:
+        """What a checkpoint records of this engine, and what a load must match."""
+        return {
+            "head": self.head.name,
+            "backend": self.backend.name,
+            "model": self.config.model,
+            "parallel": {**self.config.to_dict()["parallel"], "world_size": world_size()},
+            "config": self.config.to_dict(),
+        }
 
     # -- internals -----------------------------------------------------------------------------
     def _require_initialized(self, what: str) -> None:
@@ -398,6 +417,8 @@ class Engine:
             raise EngineStateError(f"{what}() needs an initialised engine: call initialize() first")
 
     def _require_resident(self, what: str, parts: tuple[str, ...]) -> None:
+        if not isinstance(self.backend, Offloading):
+            return
         away = sorted(self.backend.offloaded() & set(parts))
         if away:
             raise EngineStateError(

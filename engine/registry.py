@@ -73,10 +73,6 @@ class Registry(Generic[T]):
         self._scan_plugins()
         return sorted({*self._factories, *self._lazy})
 
-    def source(self, name: str) -> str:
-        self._scan_plugins()
-        return self._sources.get(name, "unknown")
-
     def get(self, name: str) -> Callable[..., T]:
         """The factory registered as ``name``; unknown names are answered with the known ones."""
         self._scan_plugins()
@@ -171,7 +167,13 @@ def _entry_point_loader(entry: EntryPoint) -> Callable[[], Callable[..., Any]]:
 
 
 HEADS: Registry[Any] = Registry(
-    "head", "composable_engine.heads", {"lm": "heads.lm:LMHead", "value": "heads.value:ValueHead"}
+    "head",
+    "composable_engine.heads",
+    {
+        "lm": "heads.lm:LMHead",
+        "value": "heads.value:ValueHead",
+        "reward": "heads.reward:RewardHead",
+    },
 )
 BACKENDS: Registry[Any] = Registry(
     "backend",

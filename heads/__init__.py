@@ -1,5 +1,24 @@
-"""Model heads: what a model outputs and how raw outputs become per-token results."""
+"""Model heads: what a model outputs and how raw outputs become per-token or per-sequence
+results."""
 
-from heads.base import Head, HeadContext, OutputSpec
+from heads.base import (
+    PER_SEQUENCE,
+    PER_TOKEN,
+    Granularity,
+    Head,
+    HeadContext,
+    OutputSpec,
+    at_last_token,
+    shift_to_scored_token,
+)
 
-__all__ = ["Head", "HeadContext", "OutputSpec"]
+__all__ = [
+    "PER_SEQUENCE",
+    "PER_TOKEN",
+    "Granularity",
+    "Head",
+    "HeadContext",
+    "OutputSpec",
+    "at_last_token",
+    "shift_to_scored_token",
+]

@@ -7,7 +7,7 @@ from typing import ClassVar
 import attrs
 import torch
 
-from heads.base import HeadContext, OutputSpec, shift_to_scored_token
+from heads.base import PER_TOKEN, Granularity, HeadContext, OutputSpec, shift_to_scored_token
 from heads.validation import bool_field, of_type
 from heads.vocab_parallel import log_probs_and_entropy
 
@@ -26,8 +26,9 @@ class LMHead:
     compute_entropy: bool = bool_field(False)
 
     @property
-    def output_keys(self) -> tuple[str, ...]:
-        return ("log_probs", "entropy") if self.compute_entropy else ("log_probs",)
+    def outputs(self) -> dict[str, Granularity]:
+        keys = ("log_probs", "entropy") if self.compute_entropy else ("log_probs",)
+        return dict.fromkeys(keys, PER_TOKEN)
 
     def output_spec(self) -> OutputSpec:
         return OutputSpec(kind="vocab", allow_tied_embeddings=True)

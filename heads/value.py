@@ -7,7 +7,7 @@ from typing import ClassVar
 import attrs
 import torch
 
-from heads.base import HeadContext, OutputSpec, shift_to_scored_token
+from heads.base import PER_TOKEN, Granularity, HeadContext, OutputSpec, shift_to_scored_token
 
 
 @attrs.frozen(kw_only=True)
@@ -21,8 +21,8 @@ class ValueHead:
     name: ClassVar[str] = "value"
 
     @property
-    def output_keys(self) -> tuple[str, ...]:
-        return ("values",)
+    def outputs(self) -> dict[str, Granularity]:
+        return {"values": PER_TOKEN}
 
     def output_spec(self) -> OutputSpec:
         return OutputSpec(kind="replicated", features=1)

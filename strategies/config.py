@@ -60,8 +60,6 @@ class ModelConfig:
         converter=_path_or_none,
         validator=attrs.validators.optional(of_type(str)),
     )
-    #: Extra megatron ``TransformerConfig`` fields (also handed to MindSpeed's repatch on NPU).
-    transformer_overrides: dict[str, Any] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         groups = self.num_query_groups
@@ -145,7 +143,6 @@ class OptimizerConfig:
     adam_beta2: float = float_field(0.999)
     adam_eps: float = float_field(1e-8, positive)
     clip_grad: float = float_field(1.0)
-    use_distributed_optimizer: bool = bool_field(False)
 
     def __attrs_post_init__(self) -> None:
         for name in ("adam_beta1", "adam_beta2"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -17,13 +18,14 @@ torch.set_num_threads(1)
 def fresh_mesh() -> Iterator[None]:
     """No megatron mesh and no applied MindSpeed repatch before or after the test."""
     from strategies.backends.megatron.mesh import destroy_mesh
-    from strategies.devices.npu import forget_applied_repatches
+    from tests.simulation import forget_applied_repatches
 
     destroy_mesh()
     forget_applied_repatches()
     yield
     destroy_mesh()
     forget_applied_repatches()
+    gc.collect()  # destroyed process groups stop their gloo threads once collected
 
 
 @pytest.fixture

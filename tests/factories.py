@@ -10,7 +10,7 @@ from tensordict import TensorDict
 
 from engine.data.batching import from_token_lists
 from engine.losses.aggregation import scored_mask, token_mean
-from engine.losses.contract import LossContext
+from engine.losses.contract import SEQUENCES, LossContext
 
 
 def random_batch(lengths: Sequence[int], vocab_size: int, seed: int = 0) -> TensorDict:
@@ -25,12 +25,17 @@ def random_batch(lengths: Sequence[int], vocab_size: int, seed: int = 0) -> Tens
 def raise_outputs_loss(
     outputs: Mapping[str, torch.Tensor], batch: Any, ctx: LossContext
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Minus the global token mean of the summed outputs: any head can lower it with a small
-    enough step (it is linear in the outputs), so training must reduce it."""
+    """Minus the global mean of the summed outputs (token mean for per-token outputs, sequence
+    mean for per-sequence ones): any head can lower it with a small enough step (it is linear
+    in the outputs), so training must reduce it."""
     mask, key = scored_mask(batch)
-    total = sum(output.float() for output in outputs.values())
-    assert isinstance(total, torch.Tensor)
-    loss = -token_mean(total, mask, ctx.global_count(key))
+    per_token = [output.float() for output in outputs.values() if output.dim() == 2]
+    per_sequence = [output.float() for output in outputs.values() if output.dim() == 1]
+    loss = torch.zeros(())
+    if per_token:
+        loss = loss - token_mean(torch.stack(per_token).sum(0), mask, ctx.global_count(key))
+    for scores in per_sequence:
+        loss = loss - scores.sum() / ctx.global_count(SEQUENCES)
     return loss, {"raise_outputs": float(loss.detach())}
 
 

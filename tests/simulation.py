@@ -41,9 +41,6 @@ class RecordingRuntime:
     def set_device(self, device: Any) -> None:
         self.log.append(("set_device", device))
 
-    def synchronize(self) -> None:
-        self.log.append(("synchronize", None))
-
 
 class RecordingMindSpeedAdaptor:
     """Stands in for ``mindspeed.megatron_adaptor``: ``repatch`` calls recorded."""
@@ -53,6 +50,13 @@ class RecordingMindSpeedAdaptor:
 
     def repatch(self, overrides: dict[str, Any]) -> None:
         self.log.append(("repatch", dict(overrides)))
+
+
+def forget_applied_repatches() -> None:
+    """Forget which MindSpeed overrides the NPU platform applied (as in a fresh process)."""
+    from strategies.devices import npu
+
+    npu._applied_repatches.clear()
 
 
 def make_platform(name: str, log: EventLog) -> tuple[DevicePlatform, bool]:

@@ -23,7 +23,7 @@ def train_and_infer_on(device: str, head: str) -> list[float]:
     with engine.train_mode():
         losses = [engine.train_batch(batch, raise_outputs_loss)["loss"] for _ in range(4)]
     assert engine.device is not None and engine.device.type == device
-    assert set(engine.infer_batch(batch).keys()) == set(engine.head.output_keys)
+    assert set(engine.infer_batch(batch).keys()) == set(engine.head.outputs)
     return losses
 
 

@@ -95,11 +95,12 @@ def _is_lead_rank() -> bool:
 
 
 def show_matrix(as_json: bool) -> int:
-    from engine.cli.matrix import cells, versions
+    from engine.cli.matrix import backend_abilities, cells, versions
 
-    rows, installed = cells(), versions()
+    rows, installed, backends = cells(), versions(), backend_abilities()
     if as_json:
-        print(json.dumps({"cells": rows, "versions": installed}, indent=2))
+        report = {"cells": rows, "backend_abilities": backends, "versions": installed}
+        print(json.dumps(report, indent=2))
         return 0
     for row in rows:
         status = "runs here" if row["runs_here"] else "unavailable"
@@ -107,6 +108,9 @@ def show_matrix(as_json: bool) -> int:
         print(f"{cell:32s} {status}")
         for reason in row["reasons"]:
             print(f"    {reason}")
+    for name, offered in backends.items():
+        listed = ", ".join(offered) if offered is not None else "cannot be built here"
+        print(f"backend {name} abilities: {listed or 'none'}")
     print("versions: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in installed.items()))
     return 0
 

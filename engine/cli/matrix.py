@@ -7,6 +7,7 @@ import importlib.metadata
 from typing import Any
 
 from engine.registry import BACKENDS, DEVICES, HEADS
+from strategies.backends.base import Backend, abilities
 
 PACKAGES = ("torch", "megatron-core", "tensordict", "transformers", "torch-npu", "mindspeed")
 
@@ -20,7 +21,7 @@ def _part_problem(registry: Any, name: str) -> str | None:
     if registry is DEVICES:
         state = part.availability()
         return None if state.ok else state.reason
-    if registry is BACKENDS and hasattr(part, "validate"):
+    if registry is BACKENDS and isinstance(part, Backend):
         from engine.config import EngineConfig
 
         try:
@@ -56,6 +57,17 @@ def cells() -> list[dict[str, Any]]:
                     }
                 )
     return rows
+
+
+def backend_abilities() -> dict[str, list[str] | None]:
+    """Each registered backend's optional abilities (None: it cannot be built here)."""
+    found: dict[str, list[str] | None] = {}
+    for name in BACKENDS.names():
+        try:
+            found[name] = abilities(BACKENDS.create(name))
+        except Exception:
+            found[name] = None
+    return found
 
 
 def _labelled(kind: str, name: str, problem: str) -> str:

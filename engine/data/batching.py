@@ -127,8 +127,9 @@ class MicroBatch:
         return self.data[ATTENTION_MASK]
 
     @property
-    def num_tokens(self) -> int:
-        return int(self.attention_mask.sum())
+    def lengths(self) -> torch.Tensor:
+        """Real tokens of each row."""
+        return self.attention_mask.sum(-1)
 
 
 def validate_batch(batch: object, required: Iterable[str] = ()) -> TensorDict:
@@ -190,20 +191,32 @@ def split_into(batch: TensorDict, groups: Sequence[Sequence[int]]) -> list[Micro
 
 
 def restore_outputs(
-    outputs: Sequence[dict[str, torch.Tensor]], micro_batches: Sequence[MicroBatch], total: int
+    outputs: Sequence[dict[str, torch.Tensor]],
+    micro_batches: Sequence[MicroBatch],
+    total: int,
+    per_sequence: Iterable[str] = (),
 ) -> TensorDict:
-    """Per-micro-batch padded outputs -> one jagged TensorDict in the original sequence order."""
-    order = torch.cat([mb.indices for mb in micro_batches]).tolist()
-    keys = outputs[0].keys() if outputs else ()
-    rows: dict[str, list[torch.Tensor]] = {key: [torch.empty(0)] * total for key in keys}
-    for produced, mb in zip(outputs, micro_batches, strict=True):
-        lengths = mb.attention_mask.sum(-1).tolist()
-        for key in keys:
-            for row, index, length in zip(produced[key], mb.indices.tolist(), lengths, strict=True):
-                rows[key][index] = row[:length]
-    if sorted(order) != list(range(total)):
+    """Per-micro-batch outputs -> one TensorDict in the original sequence order: per-token
+    outputs (right-padded ``[b, s]``) come back jagged, the ``per_sequence`` ones (``[b]``) as
+    one ``[total]`` tensor."""
+    order = torch.cat([mb.indices for mb in micro_batches])
+    if sorted(order.tolist()) != list(range(total)):
         raise BatchError("micro-batches must cover every sequence exactly once")
-    return TensorDict({key: jagged(value) for key, value in rows.items()}, batch_size=[total])
+    keys = list(outputs[0].keys()) if outputs else []
+    sequence_keys = set(per_sequence)
+    columns: dict[str, torch.Tensor] = {}
+    for key in keys:
+        if key in sequence_keys:
+            gathered = torch.cat([produced[key] for produced in outputs])
+            columns[key] = torch.empty_like(gathered).index_copy_(0, order, gathered)
+            continue
+        rows: list[torch.Tensor] = [torch.empty(0)] * total
+        for produced, mb in zip(outputs, micro_batches, strict=True):
+            lengths = mb.lengths.tolist()
+            for row, index, length in zip(produced[key], mb.indices.tolist(), lengths, strict=True):
+                rows[index] = row[:length]
+        columns[key] = jagged(rows)
+    return TensorDict(columns, batch_size=[total])
 
 
 def _field(batch: TensorDict, name: str) -> torch.Tensor:

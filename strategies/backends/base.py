@@ -1,4 +1,12 @@
-"""The Backend protocol: how a model is parallelised, built and stepped.
+"""The Backend protocol: how a model is parallelised, built and stepped; and the optional
+abilities a backend may declare beside it.
+
+``Backend`` is what every backend must do. An optional ability (checkpoints, Hugging Face
+export, offload) is a small Protocol here, checked with ``isinstance`` (:func:`require`): a
+backend has it by implementing its methods, and asking for one a backend lacks is a
+``ConfigError`` naming both. A backend also declares its ``kind`` (e.g. ``"megatron"``), which
+subclasses and wrappers inherit: device platforms choose what they contribute by kind, never by
+the registry name.
 
 A backend knows heads only through ``heads.base.Head`` (the output spec it builds the last
 layer from) and platforms only through what the Engine hands it (the torch device). The Engine
@@ -7,12 +15,13 @@ fixes the call order: ``validate`` -> ``init_mesh`` -> ``build_model`` -> ``buil
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import torch
 
 from heads.base import Head, HeadContext
+from heads.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -42,14 +51,19 @@ MicroBatchConsumer = Callable[[int, torch.Tensor, HeadContext], tuple[torch.Tens
 class Backend(Protocol):
     """A training backend. Built-in: ``strategies.backends.megatron.MegatronBackend``."""
 
+    #: Registry name of the built-in (a subclass registered under another name keeps it).
     name: ClassVar[str]
+    #: What the backend is, for the parts that adapt to it (device platforms' mesh-init
+    #: steps): inherited by subclasses, declared by wrappers.
+    kind: ClassVar[str]
 
     def required_capabilities(self, config: PartsConfig) -> frozenset[str]:
         """Platform capabilities this config needs (e.g. ``sequence_parallel``)."""
         ...
 
     def validate(self, config: PartsConfig, world_size: int) -> None:
-        """Reject a config this backend cannot run, before any process group is touched."""
+        """Reject a config this backend cannot run, naming the field, before any process
+        group is touched."""
         ...
 
     def init_mesh(self, parallel: ParallelConfig) -> None: ...
@@ -76,8 +90,52 @@ class Backend(Protocol):
         ...
 
     def current_lr(self) -> float: ...
+    def data_parallel_rank(self) -> int: ...
+    def data_parallel_size(self) -> int: ...
+    def data_parallel_group(self) -> dist.ProcessGroup | None: ...
+    def holds_outputs(self) -> bool:
+        """Whether this rank receives the model's outputs (the others get none); with model
+        parallelism, one rank per data-parallel replica."""
+        ...
+
+    def modules(self) -> list[torch.nn.Module]:
+        """The model chunks this rank holds (the unwrapped modules)."""
+        ...
+
+
+@runtime_checkable
+class Checkpointing(Protocol):
+    """Ability: save and restore the model, optimizer, LR schedule and RNG states."""
+
+    def save_state(self, directory: str) -> None:
+        """Write this rank's part of the state into ``directory`` (collective)."""
+        ...
+
+    def load_state(self, directory: str, *, same_layout: bool) -> None:
+        """Restore ``save_state``'s directory, resharded to this layout (collective); RNG
+        states only when ``same_layout``."""
+        ...
+
+
+@runtime_checkable
+class HuggingFaceExport(Protocol):
+    """Ability: the weights under Hugging Face names (e.g. for a rollout engine)."""
+
+    def export_hf(self, config: PartsConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's weights as (Hugging Face name, full tensor), one at a time."""
+        ...
+
+    def save_hf(self, config: PartsConfig, directory: str) -> None:
+        """Write a Hugging Face checkpoint of a causal LM (collective)."""
+        ...
+
+
+@runtime_checkable
+class Offloading(Protocol):
+    """Ability: move the model, optimizer state or gradients to host memory and back."""
+
     def offload(self, parts: Iterable[str]) -> None:
-        """Move ``parts`` (``model``, ``optimizer``, ``grad``) to host memory."""
+        """Move ``parts`` (of :data:`OFFLOAD_PARTS`) to host memory."""
         ...
 
     def reload(self, parts: Iterable[str]) -> None:
@@ -85,10 +143,34 @@ class Backend(Protocol):
         ...
 
     def offloaded(self) -> frozenset[str]: ...
-    def data_parallel_rank(self) -> int: ...
-    def data_parallel_size(self) -> int: ...
-    def data_parallel_group(self) -> dist.ProcessGroup | None: ...
-    def is_mp_src_rank_with_outputs(self) -> bool: ...
-    def modules(self) -> list[torch.nn.Module]:
-        """The model chunks this rank holds (the unwrapped modules)."""
-        ...
+
+
+#: What ``Offloading`` moves: the names ``Engine.to`` and ``OffloadConfig`` use.
+OFFLOAD_PARTS = ("model", "optimizer", "grad")
+
+#: Every optional ability, by the name errors and ``python -m engine matrix`` show.
+ABILITIES: dict[str, type] = {
+    "checkpoints": Checkpointing,
+    "huggingface_export": HuggingFaceExport,
+    "offload": Offloading,
+}
+
+
+def abilities(backend: object) -> list[str]:
+    """The names of the optional abilities ``backend`` has."""
+    return [name for name, protocol in ABILITIES.items() if isinstance(backend, protocol)]
+
+
+A = TypeVar("A")
+
+
+def require(backend: Backend, ability: type[A]) -> A:
+    """``backend`` as ``ability`` (a Protocol of :data:`ABILITIES`); ConfigError if it lacks it."""
+    if isinstance(backend, ability):
+        return backend
+    name = next(key for key, protocol in ABILITIES.items() if protocol is ability)
+    offered = ", ".join(abilities(backend)) or "none"
+    raise ConfigError(
+        f"the {backend.name} backend lacks the {name!r} ability ({ability.__name__}); "
+        f"its abilities: {offered}"
+    )

@@ -31,18 +31,19 @@ class DeviceRuntime(Protocol):
     def is_available(self) -> bool: ...
     def device_count(self) -> int: ...
     def set_device(self, device: Any) -> None: ...
-    def synchronize(self) -> None: ...
 
 
-class NamedBackend(Protocol):
-    """What a platform reads of a backend: its registry name (backends are not imported here)."""
+class BackendKind(Protocol):
+    """What a platform reads of a backend: its declared ``kind`` (e.g. ``"megatron"``), which a
+    subclass registered under another name inherits (backends are not imported here)."""
 
     @property
-    def name(self) -> str: ...
+    def kind(self) -> str: ...
 
 
-#: A platform's contribution to one backend's mesh init: called with the engine config.
-MeshInitStep = Callable[["PartsConfig"], None]
+#: A platform's contribution to the mesh init of backends of one kind: called with the backend
+#: and the engine config, strictly before the backend's ``init_mesh``.
+MeshInitStep = Callable[[Any, "PartsConfig"], None]
 
 
 @attrs.frozen
@@ -122,18 +123,16 @@ class DevicePlatform(abc.ABC):
     def select_device(self) -> None:
         self.device_runtime().set_device(self.local_rank)
 
-    def synchronize(self) -> None:
-        self.device_runtime().synchronize()
-
     # -- contributions to backends -------------------------------------------------------------
-    def mesh_init_steps(self, backend_name: str) -> tuple[MeshInitStep, ...]:
-        """What this platform contributes to ``backend_name``'s mesh init (default: nothing)."""
+    def mesh_init_steps(self, backend_kind: str) -> tuple[MeshInitStep, ...]:
+        """What this platform contributes to the mesh init of ``backend_kind`` backends
+        (default: nothing)."""
         return ()
 
-    def before_mesh_init(self, backend: NamedBackend, config: PartsConfig) -> None:
-        """Run this platform's contributions for ``backend``, strictly before its mesh init."""
-        for step in self.mesh_init_steps(backend.name):
-            step(config)
+    def before_mesh_init(self, backend: BackendKind, config: PartsConfig) -> None:
+        """Run this platform's contributions for ``backend``'s kind, before its mesh init."""
+        for step in self.mesh_init_steps(backend.kind):
+            step(backend, config)
 
 
 def init_default_process_group(backend: str) -> None:

@@ -14,10 +14,15 @@ if TYPE_CHECKING:
     from strategies.config import PartsConfig
 
 
-def _enable_megatron_on_cpu(config: PartsConfig) -> None:
+def _enable_megatron_on_cpu(backend: object, config: PartsConfig) -> None:
     from strategies.devices.megatron_cpu import enable_megatron_cpu_compat
 
     enable_megatron_cpu_compat()
+
+
+#: What the CPU contributes, by backend kind: megatron-core needs its CPU compatibility layer
+#: (it assumes CUDA in many places).
+MESH_INIT_STEPS: dict[str, tuple[MeshInitStep, ...]] = {"megatron": (_enable_megatron_on_cpu,)}
 
 
 @attrs.define(kw_only=True)
@@ -42,5 +47,5 @@ class CpuPlatform(DevicePlatform):
         return torch.device("cpu")
 
     @override
-    def mesh_init_steps(self, backend_name: str) -> tuple[MeshInitStep, ...]:
-        return (_enable_megatron_on_cpu,) if backend_name == "megatron" else ()
+    def mesh_init_steps(self, backend_kind: str) -> tuple[MeshInitStep, ...]:
+        return MESH_INIT_STEPS.get(backend_kind, ())

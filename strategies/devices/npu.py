@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import attrs
 from typing_extensions import override
@@ -34,6 +34,14 @@ _applied_repatches: dict[int, tuple[Any, set[str]]] = {}
 
 def _overrides_key(overrides: Mapping[str, Any]) -> str:
     return repr(sorted(overrides.items()))
+
+
+@runtime_checkable
+class TransformerOverrides(Protocol):
+    """A backend whose megatron transformer settings MindSpeed must see too."""
+
+    @property
+    def transformer_overrides(self) -> Mapping[str, Any]: ...
 
 
 @attrs.define(kw_only=True)
@@ -69,21 +77,24 @@ class NpuPlatform(DevicePlatform):
         return f"npu: torch_npu loaded but sees no NPU ({self.visible_devices_env}); check npu-smi"
 
     @override
-    def mesh_init_steps(self, backend_name: str) -> tuple[MeshInitStep, ...]:
-        return (self.repatch_mindspeed,) if backend_name == "megatron" else ()
+    def mesh_init_steps(self, backend_kind: str) -> tuple[MeshInitStep, ...]:
+        """MindSpeed's repatch, for megatron-kind backends (whatever their registry name)."""
+        return (self.repatch_mindspeed,) if backend_kind == "megatron" else ()
 
-    def repatch_overrides(self, config: PartsConfig) -> dict[str, Any]:
-        """What MindSpeed re-applies its patches with, for this engine config."""
+    def repatch_overrides(self, backend: object, config: PartsConfig) -> dict[str, Any]:
+        """What MindSpeed re-applies its patches with: flash attention, context parallelism and
+        the backend's own transformer overrides."""
         overrides: dict[str, Any] = {"use_flash_attn": self.use_flash_attn}
         if config.parallel.context_parallel_size > 1:
             overrides["context_parallel_size"] = config.parallel.context_parallel_size
-        overrides.update(config.model.transformer_overrides)
+        if isinstance(backend, TransformerOverrides):
+            overrides.update(backend.transformer_overrides)
         return overrides
 
-    def repatch_mindspeed(self, config: PartsConfig) -> None:
+    def repatch_mindspeed(self, backend: object, config: PartsConfig) -> None:
         """Call ``mindspeed.megatron_adaptor.repatch`` unless done with these overrides already."""
         adaptor = self.load_mindspeed_adaptor()
-        overrides = self.repatch_overrides(config)
+        overrides = self.repatch_overrides(backend, config)
         _, applied = _applied_repatches.setdefault(id(adaptor), (adaptor, set()))
         key = _overrides_key(overrides)
         if key in applied:
@@ -105,8 +116,3 @@ class NpuPlatform(DevicePlatform):
             finally:
                 sys.argv = argv
         return self.mindspeed_adaptor
-
-
-def forget_applied_repatches() -> None:
-    """Forget which overrides were applied (tests that simulate a fresh process)."""
-    _applied_repatches.clear()

@@ -28,12 +28,13 @@ LENGTHS = [5, 7, 9, 4]
 LOSSES = {"lm": sft_loss, "value": value_regression_loss}
 
 
-def _config(**optimizer: Any) -> dict[str, Any]:
+def _config(**backend: Any) -> dict[str, Any]:
     return {
         "model": tiny_model(),
         "micro_batch_size": 2,
         "seed": 5,
-        "optimizer": {"lr": 1e-3, "clip_grad": 1.0, **optimizer},
+        "optimizer": {"lr": 1e-3, "clip_grad": 1.0},
+        "backend": backend,
     }
 
 

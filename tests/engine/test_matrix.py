@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from engine import Engine
 from engine.data.batching import sequence_lengths
 from engine.registry import BACKENDS, DEVICES, HEADS
+from heads.base import PER_SEQUENCE
 from strategies.backends.megatron.mesh import destroy_mesh
-from strategies.devices.npu import forget_applied_repatches
 from tests.factories import raise_outputs_loss, random_batch, tiny_model
-from tests.simulation import EventLog, make_platform
+from tests.simulation import EventLog, forget_applied_repatches, make_platform
 
 CELLS = [
     (head, backend, device)
@@ -47,8 +47,8 @@ def cell_settings(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
-def expected_repatch_overrides(config: Any) -> dict[str, Any]:
-    return {"use_flash_attn": True, **config.model.transformer_overrides}
+def expected_repatch_overrides(engine: Engine) -> dict[str, Any]:
+    return {"use_flash_attn": True, **engine.backend.transformer_overrides}
 
 
 @pytest.mark.parametrize(("head", "backend", "device"), CELLS, ids=["-".join(c) for c in CELLS])
@@ -91,7 +91,7 @@ def test_every_cell_builds_trains_to_lower_loss_and_infers_aligned_outputs(
     if simulated:
         repatches = [args for name, args in log if name == "repatch"]
         if device == "npu":
-            assert repatches == [expected_repatch_overrides(engine.config)]
+            assert repatches == [expected_repatch_overrides(engine)]
             assert log.names().index("repatch") < log.names().index("initialize_model_parallel")
         else:
             assert repatches == []
@@ -104,11 +104,15 @@ def test_every_cell_builds_trains_to_lower_loss_and_infers_aligned_outputs(
     assert losses[-1] < losses[0]
 
     outputs = engine.infer_batch(batch)
-    assert set(outputs.keys()) == set(engine.head.output_keys)
-    for key in engine.head.output_keys:
+    assert set(outputs.keys()) == set(engine.head.outputs)
+    for key, granularity in engine.head.outputs.items():
         values = outputs[key]
-        assert torch.equal(values.offsets().diff(), sequence_lengths(batch))
         assert values.dtype == torch.float32
+        if granularity == PER_SEQUENCE:
+            assert values.shape == (batch.batch_size[0],)
+            assert torch.isfinite(values).all()
+            continue
+        assert torch.equal(values.offsets().diff(), sequence_lengths(batch))
         assert torch.isfinite(values.values()).all()
         assert all(float(row[0]) == 0.0 for row in values.unbind())
     destroy_mesh()

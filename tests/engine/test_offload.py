@@ -45,12 +45,12 @@ def device_bytes(engine: Engine) -> dict[str, int]:
 def test_offloading_everything_frees_the_device_and_training_continues_bit_exactly(
     fresh_mesh: None, head: str, distributed: bool
 ) -> None:
-    optimizer = {"lr": 1e-3, "use_distributed_optimizer": distributed}
-    plain = _engine(head, optimizer=optimizer)
+    backend = {"use_distributed_optimizer": distributed}
+    plain = _engine(head, backend=backend)
     expected = [plain.train_batch(batch, LOSSES[head])["loss"] for batch in BATCHES]
     destroy_mesh()
 
-    engine = _engine(head, optimizer=optimizer)
+    engine = _engine(head, backend=backend)
     losses = [engine.train_batch(batch, LOSSES[head])["loss"] for batch in BATCHES[:2]]
     before = device_bytes(engine)
     assert all(size > 0 for size in before.values())

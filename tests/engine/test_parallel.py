@@ -104,7 +104,8 @@ def single_process() -> dict[str, Any]:
 
 
 DISTRIBUTED_OPTIMIZER = {
-    "optimizer": {"lr": 1e-3, "clip_grad": 1.0, "use_distributed_optimizer": True}
+    "optimizer": {"lr": 1e-3, "clip_grad": 1.0},
+    "backend": {"use_distributed_optimizer": True},
 }
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.registry import HEADS, PluginLoadError, Registry, register_head
-from heads.base import HeadContext, OutputSpec
+from heads.base import PER_TOKEN, Granularity, HeadContext, OutputSpec, shift_to_scored_token
 from heads.errors import ConfigError, UnknownStrategyError
 
 
@@ -24,8 +24,8 @@ class RewardHead:
     scale: float = 1.0
 
     @property
-    def output_keys(self) -> tuple[str, ...]:
-        return ("scores",)
+    def outputs(self) -> dict[str, Granularity]:
+        return {"scores": PER_TOKEN}
 
     def output_spec(self) -> OutputSpec:
         return OutputSpec(kind="replicated", features=1)
@@ -33,7 +33,7 @@ class RewardHead:
     def postprocess(
         self, raw: torch.Tensor, input_ids: torch.Tensor, ctx: HeadContext
     ) -> dict[str, torch.Tensor]:
-        return {"scores": raw[..., 0].float() * self.scale}
+        return {"scores": shift_to_scored_token(raw[..., 0].float() * self.scale)}
 
 
 def test_importing_engine_imports_neither_megatron_nor_npu_packages() -> None:

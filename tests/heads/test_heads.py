@@ -65,7 +65,7 @@ def test_lm_head_without_entropy_returns_log_probs_only() -> None:
     results = LMHead().postprocess(
         torch.randn(2, 4, 7), torch.zeros(2, 4, dtype=torch.long), HeadContext()
     )
-    assert set(results) == {"log_probs"} == set(LMHead().output_keys)
+    assert set(results) == {"log_probs"} == set(LMHead().outputs)
 
 
 def test_lm_head_clamps_non_positive_temperature_instead_of_dividing_by_zero() -> None:

@@ -15,11 +15,12 @@ from typing_extensions import override
 
 from heads.base import Head, HeadContext
 from heads.errors import BatchError, ConfigError, EngineStateError
-from heads.validation import bool_field, one_of
+from heads.validation import bool_field, of_type, one_of
 from strategies.backends.base import MicroBatch, MicroBatchConsumer
 from strategies.backends.megatron import mesh, offload
 from strategies.backends.megatron.model import (
     build_gpt_model,
+    check_transformer_overrides,
     transformer_config,
     uses_transformer_engine,
 )
@@ -37,12 +38,17 @@ class MegatronBackend:
     """Megatron-core (GPTModel, local or TransformerEngine layer spec)."""
 
     name: ClassVar[str] = "megatron"
+    kind: ClassVar[str] = "megatron"
 
     #: ``auto``: TransformerEngine's layer spec where it is installed, else megatron's local one.
     layer_spec: str = attrs.field(
         default="auto", validator=one_of("auto", "local", "transformer_engine")
     )
     overlap_grad_reduce: bool = bool_field(False)
+    #: Shard the optimizer state over data-parallel ranks (megatron's distributed optimizer).
+    use_distributed_optimizer: bool = bool_field(False)
+    #: Extra megatron ``TransformerConfig`` fields (also handed to MindSpeed's repatch on NPU).
+    transformer_overrides: dict[str, Any] = attrs.field(factory=dict, validator=of_type(dict))
 
     _chunks: list[torch.nn.Module] = attrs.field(factory=list, init=False)
     _wrapped: list[torch.nn.Module] = attrs.field(factory=list, init=False)
@@ -92,6 +98,7 @@ class MegatronBackend:
                 "model; ModelConfig describes dense models only"
             )
         uses_transformer_engine(self.layer_spec, parallel)
+        check_transformer_overrides(self.transformer_overrides)
         if config.model.max_sequence_length <= 1:
             raise ConfigError("ModelConfig.max_sequence_length must be > 1")
 
@@ -120,6 +127,7 @@ class MegatronBackend:
                     pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
                     post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
                     vp_stage=stage,
+                    overrides=self.transformer_overrides,
                 ).to(device)
             )
         if config.model.hf_path is not None:
@@ -153,7 +161,7 @@ class MegatronBackend:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=self.overlap_grad_reduce,
-            use_distributed_optimizer=config.optimizer.use_distributed_optimizer,
+            use_distributed_optimizer=self.use_distributed_optimizer,
         )
         wrapped = [
             DistributedDataParallel(
@@ -175,7 +183,9 @@ class MegatronBackend:
         return list(wrapped)
 
     def build_optimizer(self, config: PartsConfig) -> None:
-        self._optimizer = build_optimizer(config, self._wrapped)
+        self._optimizer = build_optimizer(
+            config, self._wrapped, distributed=self.use_distributed_optimizer
+        )
         self._scheduler = build_scheduler(config, self._optimizer)
 
     # -- steps ---------------------------------------------------------------------------------
@@ -296,7 +306,7 @@ class MegatronBackend:
         group: dist.ProcessGroup = ps.get_data_parallel_group()
         return group
 
-    def is_mp_src_rank_with_outputs(self) -> bool:
+    def holds_outputs(self) -> bool:
         from megatron.core import parallel_state as ps
 
         return bool(
@@ -313,14 +323,16 @@ class MegatronBackend:
         from strategies.backends.megatron.checkpoint import save_state
 
         self._require_model()
-        save_state(self, directory)
+        save_state(self._chunks, self._optimizer, self._scheduler, directory)
 
     def load_state(self, directory: str, *, same_layout: bool) -> None:
         """Restore ``save_state``'s directory, resharded to this layout (collective)."""
         from strategies.backends.megatron.checkpoint import load_state
 
         self._require_model()
-        load_state(self, directory, same_layout=same_layout)
+        load_state(
+            self._chunks, self._optimizer, self._scheduler, directory, same_layout=same_layout
+        )
 
     def export_hf(self, config: PartsConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's weights as (Hugging Face name, full tensor) pairs (see ``hf.export``)."""
@@ -349,7 +361,7 @@ class MegatronBackend:
 
     @override
     def __repr__(self) -> str:
-        return f"MegatronBackend(layer_spec={self.layer_spec!r})"
+        return f"{type(self).__name__}(layer_spec={self.layer_spec!r})"
 
 
 def check_micro_batch_count(sizes: list[int], model_config: Any) -> None:

@@ -11,20 +11,21 @@ import json
 import multiprocessing as mp
 import os
 import random
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from strategies.backends.megatron.backend import MegatronBackend
+from strategies.distributed import barrier, rank
 
 MODEL_DIR = "dist"
 SCHEDULER_FILE = "scheduler.json"
 RNG_DIR = "rng"
 #: The distributed optimizer's only sharding type that round-trips with the torch AdamW
-#: fallback (megatron-core 0.16.1; see notes/megatron-on-cpu.md); ignored by the plain one.
+#: fallback in megatron-core 0.16.1 (the default ``fully_sharded_model_space`` fails at save,
+#: "flattened_range is not supported"; ``dp_reshardable`` fails at load with an in-place op on
+#: a leaf view); ignored by the plain optimizer.
 _OPTIMIZER_METADATA = {
     "distrib_optim_sharding_type": "fully_reshardable",
     "chained_optim_avoid_prefix": True,
@@ -44,28 +45,37 @@ def _use_forked_results_queue() -> None:
         filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
 
 
-def save_state(backend: MegatronBackend, directory: str) -> None:
-    """Write model (+ optimizer, scheduler) and this rank's RNG states under ``directory``."""
+def save_state(
+    chunks: Sequence[torch.nn.Module], optimizer: Any, scheduler: Any, directory: str
+) -> None:
+    """Write the model ``chunks`` (the unwrapped modules), ``optimizer`` and ``scheduler``
+    (None for a forward-only engine) and this rank's RNG states under ``directory``."""
     from megatron.core import dist_checkpointing
 
-    rank = dist.get_rank()
     model_dir = os.path.join(directory, MODEL_DIR)
-    if rank == 0:
+    if rank() == 0:
         os.makedirs(model_dir, exist_ok=True)
         os.makedirs(os.path.join(directory, RNG_DIR), exist_ok=True)
-    dist.barrier()
-    if backend._optimizer is not None:
-        _materialize_optimizer_state(backend._optimizer)
-    state = _sharded_state(backend, with_optimizer=backend._optimizer is not None, loading=False)
+    barrier()
+    if optimizer is not None:
+        _materialize_optimizer_state(optimizer)
+    state = _sharded_state(chunks, optimizer, loading=False)
     _use_forked_results_queue()
     dist_checkpointing.save(state, model_dir)
-    if rank == 0 and backend._scheduler is not None:
+    if rank() == 0 and scheduler is not None:
         with open(os.path.join(directory, SCHEDULER_FILE), "w") as handle:
-            json.dump(backend._scheduler.state_dict(), handle)
-    torch.save(_rng_states(), os.path.join(directory, RNG_DIR, f"rank_{rank}.pt"))
+            json.dump(scheduler.state_dict(), handle)
+    torch.save(_rng_states(), os.path.join(directory, RNG_DIR, f"rank_{rank()}.pt"))
 
 
-def load_state(backend: MegatronBackend, directory: str, *, same_layout: bool) -> None:
+def load_state(
+    chunks: Sequence[torch.nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    directory: str,
+    *,
+    same_layout: bool,
+) -> None:
     """Restore what ``save_state`` wrote. Model and optimizer reshard to this layout
     (``dist_checkpointing``); per-rank RNG streams are restored only at the same layout (at
     another one there is no rank to take them from)."""
@@ -73,40 +83,40 @@ def load_state(backend: MegatronBackend, directory: str, *, same_layout: bool) -
 
     scheduler_path = os.path.join(directory, SCHEDULER_FILE)
     # A forward-only engine's checkpoint has neither optimizer nor scheduler state.
-    with_optimizer = backend._optimizer is not None and os.path.exists(scheduler_path)
+    if not os.path.exists(scheduler_path):
+        optimizer = scheduler = None
     with torch.no_grad():
-        if with_optimizer:
-            _materialize_optimizer_state(backend._optimizer)
-        template = _sharded_state(backend, with_optimizer=with_optimizer, loading=True)
+        if optimizer is not None:
+            _materialize_optimizer_state(optimizer)
+        template = _sharded_state(chunks, optimizer, loading=True)
         loaded = dist_checkpointing.load(template, os.path.join(directory, MODEL_DIR))
-        for key, chunk in zip(_model_keys(backend), backend._chunks, strict=True):
+        for key, chunk in zip(_model_keys(chunks), chunks, strict=True):
             chunk.load_state_dict(loaded[key])
-        if with_optimizer:
-            _load_optimizer(backend._optimizer, loaded["optimizer"])
-    if with_optimizer and backend._scheduler is not None:
+        if optimizer is not None:
+            _load_optimizer(optimizer, loaded["optimizer"])
+    if scheduler is not None:
         with open(scheduler_path) as handle:
-            backend._scheduler.load_state_dict(json.load(handle))
-    rng_path = os.path.join(directory, RNG_DIR, f"rank_{dist.get_rank()}.pt")
+            scheduler.load_state_dict(json.load(handle))
+    rng_path = os.path.join(directory, RNG_DIR, f"rank_{rank()}.pt")
     if same_layout and os.path.exists(rng_path):
         _set_rng_states(torch.load(rng_path, weights_only=True))
 
 
-def _model_keys(backend: MegatronBackend) -> list[str]:
+def _model_keys(chunks: Sequence[torch.nn.Module]) -> list[str]:
     """megatron's convention: ``model``, or ``model0``, ``model1``... for virtual stages."""
-    chunks = backend._chunks
     return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
 
 
 def _sharded_state(
-    backend: MegatronBackend, *, with_optimizer: bool, loading: bool
+    chunks: Sequence[torch.nn.Module], optimizer: Any, *, loading: bool
 ) -> dict[str, Any]:
     # The inner chunks, not the DDP wrappers (whose keys carry a ``module.`` prefix).
     state: dict[str, Any] = {
         key: chunk.sharded_state_dict()  # type: ignore[operator]
-        for key, chunk in zip(_model_keys(backend), backend._chunks, strict=True)
+        for key, chunk in zip(_model_keys(chunks), chunks, strict=True)
     }
-    if with_optimizer:
-        state["optimizer"] = backend._optimizer.sharded_state_dict(
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(
             state, is_loading=loading, metadata=_OPTIMIZER_METADATA
         )
     return state

@@ -77,8 +77,27 @@ def check_world_size(parallel: ParallelConfig, world_size: int) -> None:
 
 
 def destroy_mesh() -> None:
-    """Tear the mesh down (tests, and processes that re-layout between phases)."""
+    """Tear the mesh down (tests, and processes that re-layout between phases), its process
+    groups included: megatron forgets most of them without destroying them, and each gloo
+    group keeps its threads and sockets for the life of the process."""
     from megatron.core import parallel_state as ps
 
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    if not ps.model_parallel_is_initialized():
+        return
+    groups = _megatron_groups(ps)
+    ps.destroy_model_parallel()
+    alive = dist.distributed_c10d._world.pg_map
+    for group in groups:
+        if group in alive and group is not dist.GroupMember.WORLD:
+            dist.destroy_process_group(group)
+
+
+def _megatron_groups(module: object) -> list[dist.ProcessGroup]:
+    """The process groups ``parallel_state`` holds in its globals (alone or in lists)."""
+    found: dict[int, dist.ProcessGroup] = {}
+    for value in vars(module).values():
+        candidates = value if isinstance(value, (list, tuple)) else [value]
+        for candidate in candidates:
+            if isinstance(candidate, dist.ProcessGroup):
+                found[id(candidate)] = candidate
+    return list(found.values())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -15,8 +16,9 @@ from strategies.backends.megatron.init import initialize_parameters
 from strategies.config import ParallelConfig, PartsConfig
 
 
-def transformer_config(config: PartsConfig) -> Any:
-    """Megatron's TransformerConfig for a Llama-family model (RoPE, RMSNorm, SwiGLU, GQA)."""
+def transformer_config(config: PartsConfig, overrides: Mapping[str, Any] | None = None) -> Any:
+    """Megatron's TransformerConfig for a Llama-family model (RoPE, RMSNorm, SwiGLU, GQA), with
+    the backend's ``transformer_overrides`` on top."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     model, parallel = config.model, config.parallel
@@ -66,11 +68,27 @@ def transformer_config(config: PartsConfig) -> Any:
         # attributes (``tensor_model_parallel``, ``partition_dim``) that grad norms rely on.
         "use_cpu_initialization": True,
     }
-    settings.update(model.transformer_overrides)
+    settings.update(overrides or {})
     try:
         return TransformerConfig(**settings)
     except (TypeError, ValueError, AssertionError) as error:
         raise ConfigError(f"megatron rejected the model config: {error}") from error
+
+
+def check_transformer_overrides(overrides: Mapping[str, Any]) -> None:
+    """Every key names a field of megatron's TransformerConfig (ConfigError listing the
+    unknown ones), before anything is built."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    known = {field.name for field in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ConfigError(
+            f"MegatronBackend.transformer_overrides: {', '.join(map(repr, unknown))} "
+            "is not a field of megatron's TransformerConfig"
+        )
 
 
 def uses_transformer_engine(kind: str, parallel: ParallelConfig) -> bool:
@@ -127,6 +145,7 @@ def build_gpt_model(
     pre_process: bool,
     post_process: bool,
     vp_stage: int | None = None,
+    overrides: Mapping[str, Any] | None = None,
 ) -> torch.nn.Module:
     """A GPTModel chunk whose output layer follows ``spec``."""
     from megatron.core.models.gpt import GPTModel
@@ -134,7 +153,7 @@ def build_gpt_model(
     model_config = config.model
     tie = spec.allow_tied_embeddings and model_config.tie_embeddings
     model = GPTModel(
-        config=transformer_config(config),
+        config=transformer_config(config, overrides),
         transformer_layer_spec=layer_spec(
             layer_spec_kind, config.parallel, model_config.qk_layernorm
         ),

@@ -28,10 +28,6 @@ class StorageStash:
             _bytes_of(storage).copy_(host)
         self.entries.clear()
 
-    @property
-    def nbytes(self) -> int:
-        return sum(host.numel() for _, host in self.entries)
-
 
 def stash(tensors: Iterable[torch.Tensor], keep: set[int] | None = None) -> StorageStash:
     """Copy the storages behind ``tensors`` to the host and empty them (``keep``: data

@@ -9,8 +9,11 @@ import torch
 from strategies.config import PartsConfig
 
 
-def build_optimizer(config: PartsConfig, chunks: list[torch.nn.Module]) -> Any:
-    """``get_megatron_optimizer`` for the DDP-wrapped model chunks."""
+def build_optimizer(
+    config: PartsConfig, chunks: list[torch.nn.Module], *, distributed: bool
+) -> Any:
+    """``get_megatron_optimizer`` for the DDP-wrapped model chunks (``distributed``: shard the
+    optimizer state over data-parallel ranks)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     opt = config.optimizer
@@ -24,7 +27,7 @@ def build_optimizer(config: PartsConfig, chunks: list[torch.nn.Module]) -> Any:
         adam_beta2=opt.adam_beta2,
         adam_eps=opt.adam_eps,
         clip_grad=opt.clip_grad,
-        use_distributed_optimizer=opt.use_distributed_optimizer,
+        use_distributed_optimizer=distributed,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
     )

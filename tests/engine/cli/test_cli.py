@@ -90,8 +90,15 @@ def test_matrix_lists_every_cell_and_why_npu_cannot_run_here() -> None:
     report = json.loads(result.stdout)
     cells = {(c["head"], c["backend"], c["device"]): c for c in report["cells"]}
     assert set(cells) == {
-        (head, "megatron", device) for head in ("lm", "value") for device in ("cpu", "cuda", "npu")
+        (head, "megatron", device)
+        for head in ("lm", "value", "reward")
+        for device in ("cpu", "cuda", "npu")
     }
+    assert report["backend_abilities"]["megatron"] == [
+        "checkpoints",
+        "huggingface_export",
+        "offload",
+    ]
     assert cells[("value", "megatron", "cpu")]["runs_here"]
     npu = cells[("value", "megatron", "npu")]
     assert not npu["runs_here"]
@@ -105,7 +112,7 @@ def test_matrix_picks_up_registered_parts(monkeypatch: pytest.MonkeyPatch) -> No
     from engine.registry import HEADS
     from tests.engine.test_registry import RewardHead
 
-    HEADS.register("reward-matrix", RewardHead)
+    HEADS.register("reward-matrix", RewardHead)  # a user's head (tests/engine/test_registry.py)
     try:
         names = {(c["head"], c["device"]) for c in cells() if c["runs_here"]}
         assert ("reward-matrix", "cpu") in names

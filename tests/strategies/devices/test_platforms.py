@@ -14,6 +14,7 @@ from engine import Engine
 from engine.config import EngineConfig
 from engine.registry import resolve_device
 from heads.errors import ConfigError, DeviceUnavailableError
+from strategies.backends.megatron.backend import MegatronBackend
 from strategies.devices.base import Availability
 from strategies.devices.cpu import CpuPlatform
 from strategies.devices.cuda import CudaPlatform
@@ -94,11 +95,10 @@ def test_npu_repatch_runs_once_per_process_for_the_same_overrides() -> None:
     platform = simulated_npu(log)
     config = EngineConfig()
     for _ in range(3):
-        platform.repatch_mindspeed(config)
+        platform.repatch_mindspeed(MegatronBackend(), config)
     assert log == [("repatch", {"use_flash_attn": True})]
 
-    changed = config.replace(model=config.model.__class__(transformer_overrides={"x": 1}))
-    platform.repatch_mindspeed(changed)
+    platform.repatch_mindspeed(MegatronBackend(transformer_overrides={"x": 1}), config)
     assert log[-1] == ("repatch", {"use_flash_attn": True, "x": 1})
     assert len(log) == 2
 
@@ -106,12 +106,10 @@ def test_npu_repatch_runs_once_per_process_for_the_same_overrides() -> None:
 def test_npu_repatch_overrides_carry_context_parallel_size_and_user_transformer_overrides() -> None:
     log = EventLog()
     config = EngineConfig.from_dict(
-        {
-            "parallel": {"context_parallel_size": 2},
-            "model": {**tiny_model(), "transformer_overrides": {"recompute_granularity": "full"}},
-        }
+        {"parallel": {"context_parallel_size": 2}, "model": tiny_model()}
     )
-    simulated_npu(log, use_flash_attn=False).repatch_mindspeed(config)
+    backend = MegatronBackend(transformer_overrides={"recompute_granularity": "full"})
+    simulated_npu(log, use_flash_attn=False).repatch_mindspeed(backend, config)
     assert log == [
         (
             "repatch",
@@ -158,7 +156,7 @@ def test_mindspeed_import_failure_is_a_device_error_naming_mindspeed(
     with pytest.raises(
         DeviceUnavailableError, match=r"needs MindSpeed.*mindspeed\.megatron_adaptor"
     ):
-        platform.repatch_mindspeed(EngineConfig())
+        platform.repatch_mindspeed(MegatronBackend(), EngineConfig())
 
 
 def test_mindspeed_import_does_not_see_the_programs_command_line(
@@ -181,7 +179,7 @@ def test_mindspeed_import_does_not_see_the_programs_command_line(
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(sys, "argv", ["prog", "--steps", "3"])
     platform = NpuPlatform(runtime=RecordingRuntime(EventLog()), tensor_device="cpu")
-    platform.repatch_mindspeed(EngineConfig())
+    platform.repatch_mindspeed(MegatronBackend(), EngineConfig())
     adaptor = platform.mindspeed_adaptor
     assert adaptor.seen_argv == ["prog"]
     assert adaptor.calls == [{"use_flash_attn": True}]

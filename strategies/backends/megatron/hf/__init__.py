@@ -1,5 +1,3 @@
-"""Hugging Face checkpoints (Llama family) <-> megatron GPTModel: config, weights, export.
-
-transformers and safetensors are imported inside functions only, so importing this package is
-cheap.
-"""
+"""Hugging Face weights <-> megatron GPTModel: the Llama-family state-dict adapter, streaming
+loads into each rank's shard, export and saving. Config parsing and the safetensors reader are
+backend-neutral (``strategies.hf``)."""

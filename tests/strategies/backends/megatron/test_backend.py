@@ -10,6 +10,7 @@ import torch
 
 from engine import Engine
 from engine.losses import sft_loss, value_regression_loss
+from heads.errors import ConfigError
 from strategies.backends.megatron.mesh import destroy_mesh
 from tests.factories import random_batch, tiny_model
 
@@ -27,9 +28,7 @@ def train_losses(config: dict[str, Any], head: str = "lm", steps: int = 4) -> li
 def test_the_distributed_optimizer_trains_like_the_plain_one(fresh_mesh: None, head: str) -> None:
     base = {"model": tiny_model(), "optimizer": {"lr": 1e-3}}
     plain = train_losses(base, head)
-    distributed = train_losses(
-        {**base, "optimizer": {"lr": 1e-3, "use_distributed_optimizer": True}}, head
-    )
+    distributed = train_losses({**base, "backend": {"use_distributed_optimizer": True}}, head)
     assert distributed == pytest.approx(plain, rel=1e-6, abs=1e-7)
 
 
@@ -106,3 +105,28 @@ def test_bfloat16_engines_train_and_return_float32_results(fresh_mesh: None) -> 
     destroy_mesh()
     engine = Engine.build(head="value", device="cpu", config=config).initialize()
     assert engine.infer_batch(random_batch([4], 64))["values"].dtype == torch.float32
+
+
+def test_megatron_only_settings_are_the_backends_own_options() -> None:
+    from engine.config import EngineConfig
+    from strategies.backends.megatron.backend import MegatronBackend
+
+    for field in ("use_distributed_optimizer", "transformer_overrides"):
+        with pytest.raises(ConfigError, match="extra fields found"):
+            EngineConfig.from_dict({"optimizer": {field: True}, "model": {field: True}})
+    engine = Engine.build(
+        head="lm",
+        device="cpu",
+        config={"backend": {"use_distributed_optimizer": True, "transformer_overrides": {}}},
+    )
+    assert isinstance(engine.backend, MegatronBackend)
+    assert engine.backend.use_distributed_optimizer
+
+
+def test_unknown_transformer_overrides_are_refused_before_any_build_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"transformer_overrides: 'no_such_knob' is not a field"):
+        Engine.build(
+            head="lm",
+            device="cpu",
+            config={"backend": {"transformer_overrides": {"no_such_knob": 1}}},
+        )

@@ -202,7 +202,7 @@ def test_a_value_head_from_an_lm_checkpoint_keeps_its_own_init(
         torch.equal(loaded[name], source[name]) for name in source if name != "lm_head.weight"
     )
     destroy_mesh()
-    from strategies.backends.megatron.hf.config import model_config_from_hf
+    from strategies.hf.config import model_config_from_hf
 
     fresh = attrs.evolve(model_config_from_hf(checkpoints[family]), hf_path=None)
     scratch = dict(build_engine("", head="value", model=fresh).get_per_tensor_param())
@@ -295,7 +295,7 @@ def test_a_missing_or_misshapen_tensor_is_named_with_both_shapes(
 def test_an_unsupported_config_is_refused_naming_the_field(
     checkpoints: dict[str, Path], tmp_path: Path, family: str, changes: Any, field: str
 ) -> None:
-    from strategies.backends.megatron.hf.config import model_config_from_hf
+    from strategies.hf.config import model_config_from_hf
 
     path = _copy(checkpoints, family, tmp_path)
     _edit_config(path, **changes)
