@@ -3,7 +3,8 @@
 A loss function is ``loss_fn(outputs, batch, ctx) -> (loss, metrics)`` (the contract in
 :mod:`engine.losses.contract`); building blocks in :mod:`~engine.losses.aggregation` and
 :mod:`~engine.losses.kl`; PPO losses in :mod:`~engine.losses.ppo`; supervised ones in
-:mod:`~engine.losses.supervised`; advantage estimators in :mod:`~engine.losses.advantages`.
+:mod:`~engine.losses.supervised`; reward-model ones in :mod:`~engine.losses.reward`; advantage
+estimators in :mod:`~engine.losses.advantages`.
 Configure the functions with ``functools.partial``; any callable with the same signature works.
 """
 
@@ -21,6 +22,7 @@ from engine.losses.contract import (
 )
 from engine.losses.kl import KL_TYPES, kl_penalty
 from engine.losses.ppo import ActorLoss, CriticLoss, entropy_bonus, kl_loss
+from engine.losses.reward import bradley_terry_loss, score_regression_loss
 from engine.losses.supervised import sft_loss, value_regression_loss
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "LossContext",
     "LossFn",
     "aggregate",
+    "bradley_terry_loss",
     "entropy_bonus",
     "gae_advantages",
     "kl_loss",
@@ -42,6 +45,7 @@ __all__ = [
     "masked_mean",
     "needs_fields",
     "required_fields",
+    "score_regression_loss",
     "sft_loss",
     "token_mean",
     "value_regression_loss",
