@@ -9,14 +9,8 @@ of micro-batches (pipeline schedules and DDP's gradient all-reduce count them), 
 :func:`plan_for_data_parallel` agrees on the largest count with one all-reduce and re-plans.
 
 A micro-batch's load is rows x longest row: what a right-padded micro-batch
-(:func:`engine.data.batching.split_into`) really allocates and computes.
-
-Algorithm and guarantees (``n`` sequences): an optimal partition can always be taken as
-consecutive runs of the sequences sorted by length, longest first (exchange argument: swapping
-a longer sequence into the group of the longest one never raises any group's rows x longest).
-Greedy filling of that order gives the *minimum* count, and a binary search over the largest
-allowed load with the same greedy gives the *minimum possible maximum load* for the chosen
-count. Both exact; O(n log n).
+(:func:`engine.data.batching.split_into`) really allocates and computes. Both the count and
+the balance are exact (:mod:`engine.data.partition` says how).
 
 The engine turns a plan into micro-batches with ``engine.data.batching.split_into(batch,
 plan.groups)``; ``restore_outputs`` puts their outputs back in batch order.
@@ -28,7 +22,6 @@ allocator reuses the largest blocks; inside a micro-batch the indices are ascend
 
 from __future__ import annotations
 
-import heapq
 import operator
 from collections.abc import Sequence
 from typing import SupportsIndex, cast
@@ -37,6 +30,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from engine.data.partition import balanced_partition
 from heads.errors import BatchError, ConfigError
 
 __all__ = [
@@ -46,8 +40,6 @@ __all__ = [
     "plan_for_data_parallel",
     "plan_token_budget",
 ]
-
-Group = list[int]
 
 
 @attrs.frozen(kw_only=True)
@@ -129,7 +121,7 @@ def plan_token_budget(
             "batch; a micro-batch cannot be empty, so the batch needs at least "
             f"{minimum} sequences"
         )
-    groups = _padded_partition(sizes, budget, minimum)
+    groups = balanced_partition(sizes, budget, minimum)
     return _plan(groups, sizes, budget=budget, heaviest_first=True)
 
 
@@ -264,7 +256,7 @@ def _check_fits(sizes: Sequence[int], budget: int) -> None:
 
 
 def _plan(
-    groups: list[Group],
+    groups: list[list[int]],
     sizes: Sequence[int],
     *,
     budget: int | None,
@@ -280,78 +272,6 @@ def _plan(
         padded_tokens=tuple(padded_tokens[g] for g in order),
         max_tokens_per_micro_batch=budget,
     )
-
-
-def _longest_first(sizes: Sequence[int]) -> list[int]:
-    """Sequence indices by length, longest first, ties by index (the determinism anchor)."""
-    return sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
-
-
-# ----------------------------------------------------------------------------------- padded
-
-
-def _padded_partition(sizes: Sequence[int], budget: int, minimum: int) -> list[Group]:
-    """Exact: fewest groups with rows x longest <= budget, then the least possible largest load
-    for ``max(fewest, minimum)`` groups, as consecutive runs of the longest-first order."""
-    order = _longest_first(sizes)
-    ordered = [sizes[i] for i in order]
-    count = max(_padded_run_count(ordered, budget, len(ordered)), minimum)
-    # The least largest load: binary search on the limit; the greedy run count only falls as
-    # the limit grows, and a limit of ``budget`` already fits in ``count`` runs.
-    low, high = ordered[0] - 1, budget  # ``low`` never fits (a run of one costs its length)
-    while high - low > 1:
-        middle = (low + high) // 2
-        if _padded_run_count(ordered, middle, count) <= count:
-            high = middle
-        else:
-            low = middle
-    runs = _halve_until(_padded_runs(ordered, high), count, ordered)
-    return [[order[position] for position in run] for run in runs]
-
-
-def _padded_run_count(ordered: Sequence[int], limit: int, enough: int) -> int:
-    """How many greedy runs :func:`_padded_runs` makes (stops counting past ``enough``)."""
-    runs, start, total = 0, 0, len(ordered)
-    while start < total and runs <= enough:
-        start = min(total, start + limit // ordered[start])
-        runs += 1
-    return runs
-
-
-def _padded_runs(ordered: Sequence[int], limit: int) -> list[Group]:
-    """Greedy maximal runs of a longest-first list with rows x first (longest) <= limit.
-
-    Optimal run count: dropping a run's first element never raises its cost."""
-    runs: list[Group] = []
-    start, total = 0, len(ordered)
-    while start < total:
-        stop = min(total, start + limit // ordered[start])
-        runs.append(list(range(start, stop)))
-        start = stop
-    return runs
-
-
-def _halve_until(runs: list[Group], count: int, ordered: Sequence[int]) -> list[Group]:
-    """Halve the heaviest run of two or more until there are ``count`` runs; halving never
-    raises a load, so the largest load and the budget still hold."""
-
-    def load(run: Group) -> int:
-        return len(run) * ordered[run[0]]
-
-    heap = [(-load(run), position) for position, run in enumerate(runs) if len(run) > 1]
-    heapq.heapify(heap)
-    while len(runs) < count:
-        if not heap:  # fewer sequences than runs: checked by the callers
-            raise BatchError(f"cannot make {count} non-empty micro-batches")
-        _, position = heapq.heappop(heap)
-        run = runs[position]
-        half = (len(run) + 1) // 2
-        runs[position] = run[:half]
-        runs.append(run[half:])
-        for where in (position, len(runs) - 1):
-            if len(runs[where]) > 1:
-                heapq.heappush(heap, (-load(runs[where]), where))
-    return runs
 
 
 # -------------------------------------------------------------------------------- collectives

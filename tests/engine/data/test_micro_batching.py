@@ -279,18 +279,24 @@ def test_without_a_group_counts_and_plans_stay_local() -> None:
 # The two ranks finish in about 3 s (mostly importing torch); the limit only stops a hang.
 RANK_TIMEOUT_S = 60
 
-# A lean rank: cases come as JSON in argv, plans go to stdout. It loads the planner by path,
-# skipping pytest, hypothesis and the engine package's imports (half the start-up time).
+# A lean rank: cases come as JSON in argv, plans go to stdout. It loads the planner and the
+# partition it imports by path, skipping pytest, hypothesis and the engine package's imports
+# (half the start-up time).
 RANK_PROGRAM = """
 import importlib.util, json, sys
 from datetime import timedelta
 import torch.distributed as dist
 from heads.errors import BatchError
 
-spec = importlib.util.spec_from_file_location("micro_batching", "engine/data/micro_batching.py")
-planner = importlib.util.module_from_spec(spec)
-sys.modules["micro_batching"] = planner
-spec.loader.exec_module(planner)
+def load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+load("engine.data.partition", "engine/data/partition.py")
+planner = load("micro_batching", "engine/data/micro_batching.py")
 agree_on_count = planner.agree_on_count
 plan_for_data_parallel = planner.plan_for_data_parallel
 plan_token_budget = planner.plan_token_budget
