@@ -1,4 +1,5 @@
-"""megatron-core CPU compatibility layer (megatron-core 0.16.1, CPU-only torch, gloo)."""
+"""megatron-core CPU compatibility layer (CPU-only torch, gloo; megatron-core in the range of
+:mod:`strategies.megatron_version`)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,7 @@ from typing import Any, TypeVar
 import torch
 from torch.overrides import TorchFunctionMode
 
-from heads.errors import VersionError
-
-SUPPORTED_MEGATRON_VERSIONS = frozenset({"0.16.1"})
+from strategies.megatron_version import check_megatron_version
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _CPU = torch.device("cpu")
@@ -220,15 +219,7 @@ def enable_megatron_cpu_compat() -> None:
     if _state["enabled"]:
         _install_torch_view()
         return
-    import megatron.core
-
-    version = getattr(megatron.core, "__version__", "?")
-    if version not in SUPPORTED_MEGATRON_VERSIONS:
-        raise VersionError(
-            f"megatron-core {version} is untested on CPU (the compatibility layer patches its "
-            f"internals); install one of {sorted(SUPPORTED_MEGATRON_VERSIONS)}, e.g. "
-            "`pip install -c constraints-cpu.txt megatron-core`"
-        )
+    check_megatron_version("the megatron-core CPU compatibility layer")
     names = (  # imported up front so that their `torch` global gets the view now
         "tensor_parallel", "tensor_parallel.random", "tensor_parallel.data",
         "transformer.utils", "fusions.fused_softmax", "pipeline_parallel.schedules",
