@@ -8,27 +8,9 @@ balances the token load across them. With data parallelism every rank must run t
 of micro-batches (pipeline schedules and DDP's gradient all-reduce count them), so
 :func:`plan_for_data_parallel` agrees on the largest count with one all-reduce and re-plans.
 
-Two ways of counting a micro-batch's load (``padded``):
-
-* ``padded=True``: rows x longest row -- what a right-padded micro-batch
-  (:func:`engine.data.batching.split_into`) really allocates and computes.
-* ``padded=False``: the sum of real tokens -- for backends that pack sequences without padding.
-
-Algorithms and guarantees (``n`` sequences, ``k`` micro-batches):
-
-* Padded: an optimal partition can always be taken as consecutive runs of the sequences sorted
-  by length, longest first (exchange argument: swapping a longer sequence into the group of
-  the longest one never raises any group's rows x longest). Greedy filling of that order gives
-  the *minimum* count, and a binary search over the largest allowed load with the same greedy
-  gives the *minimum possible maximum load* for the chosen count. Both exact; O(n log n).
-* Packed: bin packing, NP-hard, so heuristics with known bounds. The count comes from
-  first-fit-decreasing (FFD <= 11/9 OPT + 6/9, and at most ``2 * ceil(total / budget) - 1``
-  because any two FFD bins together exceed the budget), then lowered while
-  longest-processing-time-first (LPT) still fits in one micro-batch fewer. The balance for that
-  count is the best of three partitions that fit the budget: LPT (max load <= 4/3 of the
-  optimum), MULTIFIT (FFD inside a binary search on the capacity; <= 13/11 of the optimum plus
-  1/512) and the optimal in-order (consecutive) split, so the plan is never worse than
-  chunking the batch in order into the same number of micro-batches.
+A micro-batch's load is rows x longest row: what a right-padded micro-batch
+(:func:`engine.data.batching.split_into`) really allocates and computes. Both the count and
+the balance are exact (:mod:`engine.data.partition` says how).
 
 The engine turns a plan into micro-batches with ``engine.data.batching.split_into(batch,
 plan.groups)``; ``restore_outputs`` puts their outputs back in batch order.
@@ -40,17 +22,15 @@ allocator reuses the largest blocks; inside a micro-batch the indices are ascend
 
 from __future__ import annotations
 
-import heapq
-import math
 import operator
-from bisect import bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import SupportsIndex, cast
 
 import attrs
 import torch
 import torch.distributed as dist
 
+from engine.data.partition import balanced_partition
 from heads.errors import BatchError, ConfigError
 
 __all__ = [
@@ -60,8 +40,6 @@ __all__ = [
     "plan_for_data_parallel",
     "plan_token_budget",
 ]
-
-Group = list[int]
 
 
 @attrs.frozen(kw_only=True)
@@ -74,17 +52,14 @@ class MicroBatchPlan:
 
     #: Sequence indices of each micro-batch (ascending inside a group), in run order.
     groups: tuple[tuple[int, ...], ...]
-    #: Real tokens of each micro-batch.
-    tokens: tuple[int, ...]
-    #: Rows x longest row of each micro-batch: what a right-padded micro-batch holds.
+    #: Rows x longest row of each micro-batch: what a right-padded micro-batch holds, and the
+    #: load the token budget counts.
     padded_tokens: tuple[int, ...]
     #: The token budget the plan was made for (``None`` for a fixed-size plan).
     max_tokens_per_micro_batch: int | None = None
-    #: Whether the budget counts padded tokens (``True``) or real tokens (``False``, packing).
-    padded: bool = True
 
     def __attrs_post_init__(self) -> None:
-        if not (len(self.groups) == len(self.tokens) == len(self.padded_tokens)):
+        if len(self.groups) != len(self.padded_tokens):
             raise BatchError("a MicroBatchPlan needs one token count per group")
         if any(not group for group in self.groups):
             raise BatchError("a MicroBatchPlan cannot have an empty micro-batch")
@@ -101,13 +76,8 @@ class MicroBatchPlan:
         return sum(len(group) for group in self.groups)
 
     @property
-    def loads(self) -> tuple[int, ...]:
-        """Per micro-batch load as the budget counts it (padded or real tokens)."""
-        return self.padded_tokens if self.padded else self.tokens
-
-    @property
     def max_load(self) -> int:
-        return max(self.loads)
+        return max(self.padded_tokens)
 
 
 # ------------------------------------------------------------------------------ public planners
@@ -121,7 +91,7 @@ def plan_fixed(lengths: Sequence[int] | torch.Tensor, micro_batch_size: int) -> 
     groups = [
         list(range(start, min(start + size, len(sizes)))) for start in range(0, len(sizes), size)
     ]
-    return _plan(groups, sizes, budget=None, padded=True, heaviest_first=False)
+    return _plan(groups, sizes, budget=None, heaviest_first=False)
 
 
 def plan_token_budget(
@@ -129,13 +99,12 @@ def plan_token_budget(
     max_tokens_per_micro_batch: int,
     *,
     min_num_micro_batches: int = 1,
-    padded: bool = True,
 ) -> MicroBatchPlan:
-    """Fewest micro-batches whose load fits ``max_tokens_per_micro_batch``, load-balanced.
+    """Fewest micro-batches whose rows x longest row fits ``max_tokens_per_micro_batch``,
+    load-balanced.
 
     The count is ``max(fewest that fit, min_num_micro_batches)``; for that count the largest
-    micro-batch load is minimised (exactly when ``padded``, within 4/3 of the optimum when
-    packing; see the module docstring).
+    micro-batch load is the least possible (see the module docstring).
 
     Raises :class:`BatchError` when one sequence alone exceeds the budget -- it cannot fit any
     micro-batch, and running it anyway would break the memory limit the budget stands for, so
@@ -145,8 +114,6 @@ def plan_token_budget(
     sizes = _lengths(lengths)
     budget = _positive_int(max_tokens_per_micro_batch, "max_tokens_per_micro_batch")
     minimum = _positive_int(min_num_micro_batches, "min_num_micro_batches")
-    if not isinstance(padded, bool):
-        raise ConfigError(f"padded must be a bool, got {padded!r}")
     _check_fits(sizes, budget)
     if minimum > len(sizes):
         raise BatchError(
@@ -154,11 +121,8 @@ def plan_token_budget(
             "batch; a micro-batch cannot be empty, so the batch needs at least "
             f"{minimum} sequences"
         )
-    if padded:
-        groups = _padded_partition(sizes, budget, minimum)
-    else:
-        groups = _packed_partition(sizes, budget, minimum)
-    return _plan(groups, sizes, budget=budget, padded=padded, heaviest_first=True)
+    groups = balanced_partition(sizes, budget, minimum)
+    return _plan(groups, sizes, budget=budget, heaviest_first=True)
 
 
 def agree_on_count(
@@ -183,7 +147,6 @@ def plan_for_data_parallel(
     max_tokens_per_micro_batch: int,
     group: dist.ProcessGroup | None,
     *,
-    padded: bool = True,
     device: torch.device | str | None = None,
 ) -> MicroBatchPlan:
     """This rank's plan, with the same number of micro-batches on every rank of ``group``.
@@ -202,7 +165,7 @@ def plan_for_data_parallel(
     local: MicroBatchPlan | None = None
     try:
         sizes = _lengths(lengths)
-        local = plan_token_budget(sizes, max_tokens_per_micro_batch, padded=padded)
+        local = plan_token_budget(sizes, max_tokens_per_micro_batch)
     except (BatchError, ConfigError) as error:
         failure = error  # raised after the all-reduce, so no other rank is left waiting in it
     local_count = local.num_micro_batches if local is not None else 0
@@ -228,9 +191,7 @@ def plan_for_data_parallel(
         )
     if count == local.num_micro_batches:
         return local
-    return plan_token_budget(
-        sizes, max_tokens_per_micro_batch, min_num_micro_batches=count, padded=padded
-    )
+    return plan_token_budget(sizes, max_tokens_per_micro_batch, min_num_micro_batches=count)
 
 
 # ----------------------------------------------------------------------------------- validation
@@ -295,273 +256,22 @@ def _check_fits(sizes: Sequence[int], budget: int) -> None:
 
 
 def _plan(
-    groups: list[Group],
+    groups: list[list[int]],
     sizes: Sequence[int],
     *,
     budget: int | None,
-    padded: bool,
     heaviest_first: bool,
 ) -> MicroBatchPlan:
     ordered = [sorted(group) for group in groups]
-    tokens = [sum(sizes[i] for i in group) for group in ordered]
     padded_tokens = [len(group) * max(sizes[i] for i in group) for group in ordered]
     order = list(range(len(ordered)))
     if heaviest_first:
-        loads = padded_tokens if padded else tokens
-        order.sort(key=lambda g: (-loads[g], ordered[g][0]))
+        order.sort(key=lambda g: (-padded_tokens[g], ordered[g][0]))
     return MicroBatchPlan(
         groups=tuple(tuple(ordered[g]) for g in order),
-        tokens=tuple(tokens[g] for g in order),
         padded_tokens=tuple(padded_tokens[g] for g in order),
         max_tokens_per_micro_batch=budget,
-        padded=padded,
     )
-
-
-def _longest_first(sizes: Sequence[int]) -> list[int]:
-    """Sequence indices by length, longest first, ties by index (the determinism anchor)."""
-    return sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
-
-
-# ----------------------------------------------------------------------------------- padded
-
-
-def _padded_partition(sizes: Sequence[int], budget: int, minimum: int) -> list[Group]:
-    """Exact: fewest groups with rows x longest <= budget, then the least possible largest load
-    for ``max(fewest, minimum)`` groups, as consecutive runs of the longest-first order."""
-    order = _longest_first(sizes)
-    ordered = [sizes[i] for i in order]
-    count = max(_padded_run_count(ordered, budget, len(ordered)), minimum)
-    # The least largest load: binary search on the limit; the greedy run count only falls as
-    # the limit grows, and a limit of ``budget`` already fits in ``count`` runs.
-    low, high = ordered[0] - 1, budget  # ``low`` never fits (a run of one costs its length)
-    while high - low > 1:
-        middle = (low + high) // 2
-        if _padded_run_count(ordered, middle, count) <= count:
-            high = middle
-        else:
-            low = middle
-    runs = _padded_runs(ordered, high)
-
-    def split(run: Group) -> tuple[Group, Group]:
-        half = (len(run) + 1) // 2
-        return run[:half], run[half:]
-
-    runs = _split_until(runs, count, lambda run: len(run) * ordered[run[0]], split)
-    return [[order[position] for position in run] for run in runs]
-
-
-def _padded_run_count(ordered: Sequence[int], limit: int, enough: int) -> int:
-    """How many greedy runs :func:`_padded_runs` makes (stops counting past ``enough``)."""
-    runs, start, total = 0, 0, len(ordered)
-    while start < total and runs <= enough:
-        start = min(total, start + limit // ordered[start])
-        runs += 1
-    return runs
-
-
-def _padded_runs(ordered: Sequence[int], limit: int) -> list[Group]:
-    """Greedy maximal runs of a longest-first list with rows x first (longest) <= limit.
-
-    Optimal run count: dropping a run's first element never raises its cost."""
-    runs: list[Group] = []
-    start, total = 0, len(ordered)
-    while start < total:
-        stop = min(total, start + limit // ordered[start])
-        runs.append(list(range(start, stop)))
-        start = stop
-    return runs
-
-
-# ----------------------------------------------------------------------------------- packed
-
-
-def _packed_partition(sizes: Sequence[int], budget: int, minimum: int) -> list[Group]:
-    """Heuristic (see module docstring): FFD for the count, best of LPT / MULTIFIT / in-order
-    for the balance; every candidate kept fits the budget."""
-    order = _longest_first(sizes)
-    ffd = _first_fit_decreasing(order, sizes, budget, max_bins=len(sizes))
-    if ffd is None:  # unreachable: every sequence fits the budget, so n bins always suffice
-        raise AssertionError("first-fit-decreasing needed more bins than sequences")
-    count, candidates = len(ffd), [ffd]
-    # FFD can miss the fewest count; LPT sometimes packs one micro-batch fewer within budget.
-    total = sum(sizes)
-    while count - 1 >= math.ceil(total / budget):
-        fewer = _longest_processing_time(order, sizes, count - 1)
-        if _max_load(fewer, sizes) > budget:
-            break
-        count, candidates = count - 1, [fewer]
-    if minimum > count:
-        count, candidates = minimum, []
-    if not candidates or candidates[0] is ffd:
-        lpt = _longest_processing_time(order, sizes, count)
-        if _max_load(lpt, sizes) <= budget:
-            candidates.append(lpt)
-    best_load = min((_max_load(c, sizes) for c in candidates), default=budget + 1)
-    lower = max(sizes[order[0]], math.ceil(total / count))  # no partition does better
-    if best_load > lower:
-        # When nothing fits yet, count >= len(ffd): MULTIFIT at the budget always succeeds.
-        multifit = _multifit(order, sizes, count, min(budget, best_load - 1), lower)
-        if multifit is not None:
-            candidates.append(multifit)
-            best_load = _max_load(multifit, sizes)
-    if best_load > lower:
-        in_order = _in_order(sizes, count, best_load - 1, lower)
-        if in_order is not None:
-            candidates.append(in_order)
-    # The first of equally good candidates wins (a fixed preference: deterministic).
-    return min(candidates, key=lambda c: _max_load(c, sizes))
-
-
-def _max_load(groups: Sequence[Group], sizes: Sequence[int]) -> int:
-    return max(sum(sizes[i] for i in group) for group in groups)
-
-
-def _longest_processing_time(order: Sequence[int], sizes: Sequence[int], count: int) -> list[Group]:
-    """LPT: longest first, each into the least-loaded group (ties: lowest group). With at least
-    ``count`` sequences no group stays empty; max load <= (4/3 - 1/(3 count)) x optimum."""
-    groups: list[Group] = [[] for _ in range(count)]
-    heap = [(0, g) for g in range(count)]
-    for index in order:
-        load, g = heap[0]
-        groups[g].append(index)
-        heapq.heapreplace(heap, (load + sizes[index], g))
-    return groups
-
-
-def _first_fit_decreasing(
-    order: Sequence[int], sizes: Sequence[int], capacity: int, *, max_bins: int
-) -> list[Group] | None:
-    """FFD into bins of ``capacity`` (``None`` once more than ``max_bins`` are needed).
-
-    A max segment tree over the bins' free space finds the first bin that fits in O(log n)."""
-    leaves = 1
-    while leaves < max_bins + 1:
-        leaves *= 2
-    free = [capacity] * (2 * leaves)
-    bins: list[Group] = []
-    for index in order:
-        size = sizes[index]
-        if size > capacity:
-            return None
-        node = 1
-        while node < leaves:
-            node *= 2
-            if free[node] < size:
-                node += 1
-        slot = node - leaves
-        if slot >= max_bins:
-            return None
-        if slot == len(bins):
-            bins.append([])
-        bins[slot].append(index)
-        free[node] -= size
-        node //= 2
-        while node:
-            left = free[2 * node]
-            right = free[2 * node + 1]
-            value = left if left > right else right
-            if free[node] == value:
-                break
-            free[node] = value
-            node //= 2
-    return bins
-
-
-def _multifit(
-    order: Sequence[int], sizes: Sequence[int], count: int, high: int, lower: int
-) -> list[Group] | None:
-    """MULTIFIT: the smallest capacity (binary search down to 1/512) at which FFD needs at most
-    ``count`` bins, searched below ``high``; then split to exactly ``count`` groups."""
-    best = _first_fit_decreasing(order, sizes, high, max_bins=count)
-    if best is None:
-        return None
-    low = lower - 1  # below the average (or the longest) nothing fits
-    while high - low > max(1, high // 512):
-        middle = (low + high) // 2
-        packed = _first_fit_decreasing(order, sizes, middle, max_bins=count)
-        if packed is None:
-            low = middle
-        else:
-            high, best = middle, packed
-    return _split_packed(best, sizes, count)
-
-
-def _in_order(sizes: Sequence[int], count: int, high: int, lower: int) -> list[Group] | None:
-    """The optimal split of the batch, in its order, into ``count`` consecutive groups, if its
-    largest load is at most ``high`` (exact binary search; prefix sums make each probe
-    O(groups x log n)). It dominates naive in-order chunking with the same count."""
-    prefix = [0]
-    for size in sizes:
-        prefix.append(prefix[-1] + size)
-
-    def runs(limit: int) -> list[Group] | None:
-        found: list[Group] = []
-        start = 0
-        while start < len(sizes):
-            if len(found) == count:
-                return None
-            stop = bisect_right(prefix, prefix[start] + limit) - 1
-            if stop == start:
-                return None
-            found.append(list(range(start, stop)))
-            start = stop
-        return found
-
-    best = runs(high)
-    if best is None:
-        return None
-    low = lower - 1
-    while high - low > 1:
-        middle = (low + high) // 2
-        found = runs(middle)
-        if found is None:
-            low = middle
-        else:
-            high, best = middle, found
-
-    def split(run: Group) -> tuple[Group, Group]:
-        half = (prefix[run[0]] + prefix[run[-1] + 1]) // 2
-        cut = min(max(bisect_right(prefix, half) - 1, run[0] + 1), run[-1])
-        return run[: cut - run[0]], run[cut - run[0] :]
-
-    return _split_until(best, count, lambda run: prefix[run[-1] + 1] - prefix[run[0]], split)
-
-
-def _split_packed(groups: list[Group], sizes: Sequence[int], count: int) -> list[Group]:
-    def split(group: Group) -> tuple[Group, Group]:
-        first, second = _longest_processing_time(_longest_first_of(group, sizes), sizes, 2)
-        return first, second
-
-    return _split_until(groups, count, lambda group: sum(sizes[i] for i in group), split)
-
-
-def _longest_first_of(group: Group, sizes: Sequence[int]) -> list[int]:
-    return sorted(group, key=lambda i: (-sizes[i], i))
-
-
-def _split_until(
-    groups: list[Group],
-    count: int,
-    load: Callable[[Group], int],
-    split: Callable[[Group], tuple[Group, Group]],
-) -> list[Group]:
-    """Split the heaviest splittable group in two until there are ``count`` groups; splitting
-    never raises a load, so the largest load and the budget still hold."""
-    result = [group for group in groups if group]
-    heap = [(-load(group), position) for position, group in enumerate(result) if len(group) > 1]
-    heapq.heapify(heap)
-    while len(result) < count:
-        if not heap:  # fewer sequences than groups: checked by the callers
-            raise BatchError(f"cannot make {count} non-empty micro-batches")
-        _, position = heapq.heappop(heap)
-        first, second = split(result[position])
-        result[position] = first
-        result.append(second)
-        for where, group in ((position, first), (len(result) - 1, second)):
-            if len(group) > 1:
-                heapq.heappush(heap, (-load(group), where))
-    return result
 
 
 # -------------------------------------------------------------------------------- collectives

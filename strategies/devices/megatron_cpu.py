@@ -1,4 +1,5 @@
-"""megatron-core CPU compatibility layer (megatron-core 0.16.1, CPU-only torch, gloo)."""
+"""megatron-core CPU compatibility layer (CPU-only torch, gloo; megatron-core in the range of
+:mod:`strategies.megatron_version`)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,12 @@ import importlib
 import sys
 import types
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from heads.errors import VersionError
-
-SUPPORTED_MEGATRON_VERSIONS = frozenset({"0.16.1"})
+from strategies.megatron_version import check_megatron_version
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _CPU = torch.device("cpu")
@@ -89,29 +88,76 @@ def _suspended() -> Iterator[None]:
         torch._C._push_on_torch_function_stack(top)
 
 
-def _wrapped(fn: _F, kind: str) -> _F:
-    """kind "scoped": run fn under the mode; "unscoped": without it (model compute);
-    "schedule": a forward_backward function, mode on except inside the user's forward step
-    and the loss function it returns ("forward_step")."""
-    if getattr(fn, _MARK, None) == kind:
-        return fn  # already wrapped: enable() stays idempotent
+class _Wrapper(Protocol):
+    """A function wrapper that keeps the type of what it wraps."""
+
+    def __call__(self, fn: _F, /) -> _F: ...
+
+
+def _idempotent(wrap: _Wrapper) -> _Wrapper:
+    """Hand back a function ``wrap`` already wrapped, so that enable() can run again and a
+    forward step handed to nested schedules is wrapped once."""
+
+    def once(fn: _F) -> _F:
+        if getattr(fn, _MARK, None) is once:
+            return fn
+        wrapped = wrap(fn)
+        setattr(wrapped, _MARK, once)
+        return wrapped
+
+    functools.update_wrapper(once, wrap)
+    return once
+
+
+@_idempotent
+def run_scoped(fn: _F) -> _F:
+    """``fn`` under the mode: megatron code with hard-coded cuda devices and type strings."""
 
     @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if kind == "unscoped":
-            with _suspended():
-                return fn(*args, **kwargs)
-        if kind == "forward_step":  # the model and the loss function it returns run unscoped
-            with _suspended():
-                output, loss_func = fn(*args, **kwargs)
-            return output, _wrapped(loss_func, "unscoped")
-        if kind == "schedule" and kwargs.get("forward_step_func") is not None:
-            kwargs["forward_step_func"] = _wrapped(kwargs["forward_step_func"], "forward_step")
+    def scoped(*args: Any, **kwargs: Any) -> Any:
         with megatron_cpu_scope():
             return fn(*args, **kwargs)
 
-    setattr(wrapper, _MARK, kind)
-    return wrapper  # type: ignore[return-value]
+    return cast("_F", scoped)
+
+
+@_idempotent
+def run_unscoped(fn: _F) -> _F:
+    """``fn`` without the mode: model compute, which needs no mapping and would pay for it."""
+
+    @functools.wraps(fn)
+    def unscoped(*args: Any, **kwargs: Any) -> Any:
+        with _suspended():
+            return fn(*args, **kwargs)
+
+    return cast("_F", unscoped)
+
+
+@_idempotent
+def run_forward_step(fn: _F) -> _F:
+    """A schedule's forward step: it and the loss function it returns run without the mode."""
+
+    @functools.wraps(fn)
+    def forward_step(*args: Any, **kwargs: Any) -> Any:
+        with _suspended():
+            output, loss_func = fn(*args, **kwargs)
+        return output, run_unscoped(loss_func)
+
+    return cast("_F", forward_step)
+
+
+@_idempotent
+def run_schedule(fn: _F) -> _F:
+    """A forward_backward function: under the mode, except the forward step it is handed."""
+
+    @functools.wraps(fn)
+    def schedule(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("forward_step_func") is not None:
+            kwargs["forward_step_func"] = run_forward_step(kwargs["forward_step_func"])
+        with megatron_cpu_scope():
+            return fn(*args, **kwargs)
+
+    return cast("_F", schedule)
 
 
 class _CudaView(types.ModuleType):
@@ -200,7 +246,7 @@ def _wrap_methods(cls: type, names: tuple[str, ...]) -> None:
     """Scope the methods a class defines itself (inherited ones are wrapped on their owner)."""
     for name in names:
         if name in vars(cls):
-            setattr(cls, name, _wrapped(vars(cls)[name], "scoped"))
+            setattr(cls, name, run_scoped(vars(cls)[name]))
 
 
 _OPTIMIZER_METHODS = (
@@ -220,15 +266,7 @@ def enable_megatron_cpu_compat() -> None:
     if _state["enabled"]:
         _install_torch_view()
         return
-    import megatron.core
-
-    version = getattr(megatron.core, "__version__", "?")
-    if version not in SUPPORTED_MEGATRON_VERSIONS:
-        raise VersionError(
-            f"megatron-core {version} is untested on CPU (the compatibility layer patches its "
-            f"internals); install one of {sorted(SUPPORTED_MEGATRON_VERSIONS)}, e.g. "
-            "`pip install -c constraints-cpu.txt megatron-core`"
-        )
+    check_megatron_version("the megatron-core CPU compatibility layer")
     names = (  # imported up front so that their `torch` global gets the view now
         "tensor_parallel", "tensor_parallel.random", "tensor_parallel.data",
         "transformer.utils", "fusions.fused_softmax", "pipeline_parallel.schedules",
@@ -260,8 +298,8 @@ def enable_megatron_cpu_compat() -> None:
         "forward_backward_pipelining_without_interleaving",
         "forward_backward_pipelining_with_interleaving",
     ):
-        setattr(sched, name, _wrapped(getattr(sched, name), "schedule"))
-    sched.backward_step = _wrapped(sched.backward_step, "unscoped")
+        setattr(sched, name, run_schedule(getattr(sched, name)))
+    sched.backward_step = run_unscoped(sched.backward_step)
 
     opt, dopt = mod["optimizer.optimizer"], mod["optimizer.distrib_optimizer"]
     for cls in (
@@ -270,12 +308,12 @@ def enable_megatron_cpu_compat() -> None:
     ):  # fmt: skip
         _wrap_methods(cls, _OPTIMIZER_METHODS)
     opt_pkg = mod["optimizer"]
-    opt_pkg.get_megatron_optimizer = _wrapped(opt_pkg.get_megatron_optimizer, "scoped")
+    opt_pkg.get_megatron_optimizer = run_scoped(opt_pkg.get_megatron_optimizer)
     lm = mod["models.common.language_module.language_module"].LanguageModule
     _wrap_methods(lm, ("setup_embeddings_and_output_layer",))
     for name in ("tensor_parallel", "tensor_parallel.data"):
-        mod[name].broadcast_data = _wrapped(mod[name].broadcast_data, "scoped")
+        mod[name].broadcast_data = run_scoped(mod[name].broadcast_data)
     for name in ("dist_checkpointing", "dist_checkpointing.serialization"):
         for fn in ("save", "load"):
-            setattr(mod[name], fn, _wrapped(getattr(mod[name], fn), "scoped"))
+            setattr(mod[name], fn, run_scoped(getattr(mod[name], fn)))
     _state["enabled"] = True

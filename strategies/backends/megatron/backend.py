@@ -26,8 +26,8 @@ from strategies.backends.megatron.model import (
 )
 from strategies.backends.megatron.offload import StorageStash
 from strategies.backends.megatron.optimizer import build_optimizer, build_scheduler
-from strategies.backends.megatron.version import check_megatron_version
 from strategies.config import ParallelConfig, PartsConfig
+from strategies.megatron_version import check_megatron_version
 
 if TYPE_CHECKING:
     import torch.distributed as dist

@@ -103,7 +103,7 @@ def test_engine_outputs_do_not_depend_on_padding_side_micro_batch_size_or_token_
     ).initialize()
     if budget is not None:
         plan = engine.plan_micro_batches(batch)
-        assert all(load <= budget for load in plan.loads)
+        assert all(load <= budget for load in plan.padded_tokens)
         assert sorted(i for group in plan.groups for i in group) == list(range(len(lengths)))
     expected = one_by_one.infer_batch(batch)
     got = engine.infer_batch(to_padded(batch, side=side))

@@ -37,22 +37,19 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 # -------------------------------------------------------------------------------------- helpers
 
 
-def load(group: Sequence[int], lengths: Sequence[int], padded: bool) -> int:
-    if padded:
-        return len(group) * max(lengths[i] for i in group)
-    return sum(lengths[i] for i in group)
+def load(group: Sequence[int], lengths: Sequence[int]) -> int:
+    """Rows x longest row: what the group costs right-padded."""
+    return len(group) * max(lengths[i] for i in group)
 
 
-def assert_valid(plan: MicroBatchPlan, lengths: Sequence[int], budget: int, padded: bool) -> None:
+def assert_valid(plan: MicroBatchPlan, lengths: Sequence[int], budget: int) -> None:
     """Every sequence exactly once, no empty group, loads as stated and within the budget."""
     flat = [i for group in plan.groups for i in group]
     assert sorted(flat) == list(range(len(lengths)))
     assert all(plan.groups)
-    assert plan.tokens == tuple(load(g, lengths, False) for g in plan.groups)
-    assert plan.padded_tokens == tuple(load(g, lengths, True) for g in plan.groups)
-    assert plan.padded is padded
+    assert plan.padded_tokens == tuple(load(g, lengths) for g in plan.groups)
     assert plan.max_tokens_per_micro_batch == budget
-    assert max(load(g, lengths, padded) for g in plan.groups) <= budget
+    assert plan.max_load <= budget
 
 
 def in_order_chunks(n: int, count: int) -> list[list[int]]:
@@ -79,12 +76,12 @@ def set_partitions(n: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
     return tuple(found)
 
 
-def brute_force(lengths: Sequence[int], budget: int, padded: bool) -> tuple[int, dict[int, int]]:
+def brute_force(lengths: Sequence[int], budget: int) -> tuple[int, dict[int, int]]:
     """(fewest groups within budget, {count: least possible max load with that many groups})."""
     fewest = len(lengths)
     best: dict[int, int] = {}
     for partition in set_partitions(len(lengths)):
-        worst = max(load(g, lengths, padded) for g in partition)
+        worst = max(load(g, lengths) for g in partition)
         if worst <= budget:
             fewest = min(fewest, len(partition))
         best[len(partition)] = min(best.get(len(partition), worst), worst)
@@ -93,13 +90,12 @@ def brute_force(lengths: Sequence[int], budget: int, padded: bool) -> tuple[int,
 
 @st.composite
 def batches(draw: st.DrawFn, max_sequences: int = 48, max_length: int = 600) -> tuple:
-    """(lengths, budget >= longest, min_num_micro_batches <= n, padded)."""
+    """(lengths, budget >= longest, min_num_micro_batches <= n)."""
     lengths = draw(st.lists(st.integers(1, max_length), min_size=1, max_size=max_sequences))
-    padded = draw(st.booleans())
     longest = max(lengths)
     budget = draw(st.integers(longest, max(longest, 4 * longest, sum(lengths) + 1)))
     minimum = draw(st.integers(1, len(lengths)))
-    return lengths, budget, minimum, padded
+    return lengths, budget, minimum
 
 
 small_batches = batches(max_sequences=7, max_length=40)
@@ -111,38 +107,36 @@ PROPERTY = settings(max_examples=150, deadline=None)
 @PROPERTY
 @given(batches())
 def test_plan_covers_every_sequence_once_within_budget(case: tuple) -> None:
-    lengths, budget, minimum, padded = case
-    plan = plan_token_budget(lengths, budget, min_num_micro_batches=minimum, padded=padded)
-    assert_valid(plan, lengths, budget, padded)
+    lengths, budget, minimum = case
+    plan = plan_token_budget(lengths, budget, min_num_micro_batches=minimum)
+    assert_valid(plan, lengths, budget)
     assert minimum <= plan.num_micro_batches <= len(lengths)
 
 
 @PROPERTY
 @given(batches())
 def test_plan_is_deterministic_and_input_type_independent(case: tuple) -> None:
-    lengths, budget, minimum, padded = case
-    kwargs = {"min_num_micro_batches": minimum, "padded": padded}
-    plan = plan_token_budget(lengths, budget, **kwargs)
-    assert plan_token_budget(list(lengths), budget, **kwargs) == plan
-    assert plan_token_budget(tuple(lengths), budget, **kwargs) == plan
-    assert plan_token_budget(torch.tensor(lengths), budget, **kwargs) == plan
+    lengths, budget, minimum = case
+    plan = plan_token_budget(lengths, budget, min_num_micro_batches=minimum)
+    for same in (list(lengths), tuple(lengths), torch.tensor(lengths)):
+        assert plan_token_budget(same, budget, min_num_micro_batches=minimum) == plan
 
 
 @PROPERTY
 @given(batches())
 def test_min_num_micro_batches_only_raises_the_count(case: tuple) -> None:
-    lengths, budget, minimum, padded = case
-    natural = plan_token_budget(lengths, budget, padded=padded).num_micro_batches
-    forced = plan_token_budget(lengths, budget, min_num_micro_batches=minimum, padded=padded)
+    lengths, budget, minimum = case
+    natural = plan_token_budget(lengths, budget).num_micro_batches
+    forced = plan_token_budget(lengths, budget, min_num_micro_batches=minimum)
     assert forced.num_micro_batches == max(natural, minimum)
 
 
 @PROPERTY
 @given(batches())
 def test_micro_batches_run_heaviest_first(case: tuple) -> None:
-    lengths, budget, minimum, padded = case
-    plan = plan_token_budget(lengths, budget, min_num_micro_batches=minimum, padded=padded)
-    assert list(plan.loads) == sorted(plan.loads, reverse=True)
+    lengths, budget, minimum = case
+    plan = plan_token_budget(lengths, budget, min_num_micro_batches=minimum)
+    assert list(plan.padded_tokens) == sorted(plan.padded_tokens, reverse=True)
     assert all(list(group) == sorted(group) for group in plan.groups)
 
 
@@ -151,86 +145,48 @@ def test_micro_batches_run_heaviest_first(case: tuple) -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(small_batches)
-def test_padded_plan_has_fewest_micro_batches_and_least_max_load(case: tuple) -> None:
-    """Padded accounting is solved exactly (sorted consecutive runs + binary search)."""
-    lengths, budget, minimum, _ = case
-    fewest, best = brute_force(lengths, budget, padded=True)
-    plan = plan_token_budget(lengths, budget, min_num_micro_batches=minimum, padded=True)
+def test_plan_has_fewest_micro_batches_and_least_max_load(case: tuple) -> None:
+    """Solved exactly (sorted consecutive runs + binary search), as brute force confirms."""
+    lengths, budget, minimum = case
+    fewest, best = brute_force(lengths, budget)
+    plan = plan_token_budget(lengths, budget, min_num_micro_batches=minimum)
     assert plan.num_micro_batches == max(fewest, minimum)
     assert plan.max_load == best[plan.num_micro_batches]
 
 
-@settings(max_examples=200, deadline=None)
-@given(small_batches)
-def test_packed_plan_is_within_the_ffd_and_four_thirds_bounds(case: tuple) -> None:
-    """Packing is NP-hard; the count obeys FFD's bound (<= 11/9 OPT + 6/9, Dosa 2007) and the
-    max load for that count LPT's / MULTIFIT's (<= 4/3 of the optimum for that count)."""
-    lengths, budget, minimum, _ = case
-    fewest, best = brute_force(lengths, budget, padded=False)
-    plan = plan_token_budget(lengths, budget, min_num_micro_batches=minimum, padded=False)
-    assert max(fewest, minimum) <= plan.num_micro_batches
-    assert plan.num_micro_batches <= max(minimum, (11 * fewest + 6) // 9)
-    assert 3 * plan.max_load <= 4 * best[plan.num_micro_batches] + 2  # <= ceil(4/3 OPT)
-
-
 @PROPERTY
-@given(batches(max_sequences=200, max_length=2000))
-def test_packed_count_is_below_twice_the_token_lower_bound(case: tuple) -> None:
-    """Any two FFD bins together exceed the budget, so count <= 2 * ceil(total/budget) - 1."""
-    lengths, budget, _, _ = case
-    plan = plan_token_budget(lengths, budget, padded=False)
-    lower = math.ceil(sum(lengths) / budget)
-    assert lower <= plan.num_micro_batches <= 2 * lower - 1
-
-
-@PROPERTY
-@given(st.integers(1, 500), st.integers(1, 16), st.integers(1, 100), st.booleans())
-def test_equal_lengths_need_exactly_the_lower_bound(
-    length: int, per_batch: int, n: int, padded: bool
-) -> None:
+@given(st.integers(1, 500), st.integers(1, 16), st.integers(1, 100))
+def test_equal_lengths_need_exactly_the_lower_bound(length: int, per_batch: int, n: int) -> None:
     budget = per_batch * length
-    plan = plan_token_budget([length] * n, budget, padded=padded)
+    plan = plan_token_budget([length] * n, budget)
     assert plan.num_micro_batches == math.ceil(n * length / budget) == math.ceil(n / per_batch)
-
-
-@PROPERTY
-@given(st.integers(2, 5000), st.data())
-def test_complementary_lengths_pack_perfectly(budget: int, data: st.DataObject) -> None:
-    halves = data.draw(st.lists(st.integers(1, budget // 2), min_size=1, max_size=40))
-    lengths = [x for small in halves for x in (small, budget - small)]
-    order = data.draw(st.permutations(range(len(lengths))))
-    shuffled = [lengths[i] for i in order]
-    plan = plan_token_budget(shuffled, budget, padded=False)
-    assert plan.num_micro_batches == len(halves) == sum(lengths) // budget
 
 
 @PROPERTY
 @given(batches())
 def test_max_load_never_exceeds_in_order_chunking_with_the_same_count(case: tuple) -> None:
-    lengths, budget, minimum, padded = case
-    plan = plan_token_budget(lengths, budget, min_num_micro_batches=minimum, padded=padded)
+    lengths, budget, minimum = case
+    plan = plan_token_budget(lengths, budget, min_num_micro_batches=minimum)
     naive = in_order_chunks(len(lengths), plan.num_micro_batches)
-    assert plan.max_load <= max(load(chunk, lengths, padded) for chunk in naive)
+    assert plan.max_load <= max(load(chunk, lengths) for chunk in naive)
 
 
-@pytest.mark.parametrize("padded", [True, False])
-def test_skewed_batch_is_balanced_strictly_better_than_in_order_chunking(padded: bool) -> None:
+def test_skewed_batch_is_balanced_strictly_better_than_in_order_chunking() -> None:
     lengths = [1000, 1000, 10, 10, 10, 10]
-    plan = plan_token_budget(lengths, 4096, min_num_micro_batches=2, padded=padded)
-    naive = max(load(chunk, lengths, padded) for chunk in in_order_chunks(6, 2))
-    assert naive == (3000 if padded else 2010)
-    assert plan.max_load == (2000 if padded else 1020)
+    plan = plan_token_budget(lengths, 4096, min_num_micro_batches=2)
+    naive = max(load(chunk, lengths) for chunk in in_order_chunks(6, 2))
+    assert naive == 3000
+    assert plan.max_load == 2000
 
 
 def test_plans_4096_sequences_quickly() -> None:
     rng = random.Random(0)
     lengths = [rng.randint(16, 4096) for _ in range(4096)]
-    for padded in (True, False):
-        start = time.perf_counter()
-        plan = plan_token_budget(lengths, 16384, padded=padded)
-        elapsed = time.perf_counter() - start
-        assert_valid(plan, lengths, 16384, padded)
-        assert elapsed < 2.0  # about 5 ms padded and 15 ms packed on an idle CPU
+    start = time.perf_counter()
+    plan = plan_token_budget(lengths, 16384)
+    elapsed = time.perf_counter() - start
+    assert_valid(plan, lengths, 16384)
+    assert elapsed < 2.0  # about 5 ms on an idle CPU
 
 
 # --------------------------------------------------------------------------------- fixed size
@@ -242,8 +198,7 @@ def test_plan_fixed_is_consecutive_chunks(lengths: list[int], size: int) -> None
     plan = plan_fixed(lengths, size)
     starts = range(0, len(lengths), size)
     assert plan.groups == tuple(tuple(range(s, min(s + size, len(lengths)))) for s in starts)
-    assert plan.tokens == tuple(load(g, lengths, False) for g in plan.groups)
-    assert plan.padded_tokens == tuple(load(g, lengths, True) for g in plan.groups)
+    assert plan.padded_tokens == tuple(load(g, lengths) for g in plan.groups)
     assert plan.max_tokens_per_micro_batch is None
 
 
@@ -259,10 +214,9 @@ def test_plan_fixed_matches_split_fixed() -> None:
 # ------------------------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("padded", [True, False])
-def test_over_long_sequence_error_names_index_length_and_budget(padded: bool) -> None:
+def test_over_long_sequence_error_names_index_length_and_budget() -> None:
     with pytest.raises(BatchError) as raised:
-        plan_token_budget([10, 20, 30, 5000, 40, 6000], 4096, padded=padded)
+        plan_token_budget([10, 20, 30, 5000, 40, 6000], 4096)
     message = str(raised.value)
     assert "sequence 3 has 5000 tokens" in message
     assert "max_tokens_per_micro_batch=4096" in message
@@ -303,16 +257,13 @@ def test_bad_lengths_are_batch_errors(lengths: object, match: str) -> None:
         plan_token_budget(lengths, 100)  # type: ignore[arg-type]
 
 
-def test_padded_flag_must_be_a_bool() -> None:
-    with pytest.raises(ConfigError, match="padded must be a bool"):
-        plan_token_budget([1], 10, padded="yes")  # type: ignore[arg-type]
-
-
 def test_plan_rejects_groups_that_are_not_a_partition() -> None:
     with pytest.raises(BatchError, match="exactly once"):
-        MicroBatchPlan(groups=((0, 1), (1,)), tokens=(2, 1), padded_tokens=(2, 1))
+        MicroBatchPlan(groups=((0, 1), (1,)), padded_tokens=(2, 1))
     with pytest.raises(BatchError, match="empty"):
-        MicroBatchPlan(groups=((0,), ()), tokens=(1, 0), padded_tokens=(1, 0))
+        MicroBatchPlan(groups=((0,), ()), padded_tokens=(1, 0))
+    with pytest.raises(BatchError, match="one token count per group"):
+        MicroBatchPlan(groups=((0,), (1,)), padded_tokens=(1,))
 
 
 def test_without_a_group_counts_and_plans_stay_local() -> None:
@@ -328,18 +279,24 @@ def test_without_a_group_counts_and_plans_stay_local() -> None:
 # The two ranks finish in about 3 s (mostly importing torch); the limit only stops a hang.
 RANK_TIMEOUT_S = 60
 
-# A lean rank: cases come as JSON in argv, plans go to stdout. It loads the planner by path,
-# skipping pytest, hypothesis and the engine package's imports (half the start-up time).
+# A lean rank: cases come as JSON in argv, plans go to stdout. It loads the planner and the
+# partition it imports by path, skipping pytest, hypothesis and the engine package's imports
+# (half the start-up time).
 RANK_PROGRAM = """
 import importlib.util, json, sys
 from datetime import timedelta
 import torch.distributed as dist
 from heads.errors import BatchError
 
-spec = importlib.util.spec_from_file_location("micro_batching", "engine/data/micro_batching.py")
-planner = importlib.util.module_from_spec(spec)
-sys.modules["micro_batching"] = planner
-spec.loader.exec_module(planner)
+def load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+load("engine.data.partition", "engine/data/partition.py")
+planner = load("micro_batching", "engine/data/micro_batching.py")
 agree_on_count = planner.agree_on_count
 plan_for_data_parallel = planner.plan_for_data_parallel
 plan_token_budget = planner.plan_token_budget
@@ -352,10 +309,10 @@ dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeou
 try:
     group = dist.group.WORLD
     result = {"agreed": agree_on_count(3 + 4 * rank, group), "plans": []}
-    for lengths, budget, padded in cases:
-        local = plan_token_budget(lengths, budget, padded=padded).num_micro_batches
-        plan = plan_for_data_parallel(lengths, budget, group, padded=padded)
-        fields = ("groups", "tokens", "padded_tokens", "max_tokens_per_micro_batch", "padded")
+    for lengths, budget in cases:
+        local = plan_token_budget(lengths, budget).num_micro_batches
+        plan = plan_for_data_parallel(lengths, budget, group)
+        fields = ("groups", "padded_tokens", "max_tokens_per_micro_batch")
         result["plans"].append({"local": local, **{f: getattr(plan, f) for f in fields}})
     # Rank 1 needs 5 micro-batches, rank 0 has only 2 sequences: both must raise.
     try:
@@ -376,11 +333,11 @@ finally:
 """
 
 
-def rank_cases(rank: int) -> list[tuple[list[int], int, bool]]:
-    """Different lengths on each rank (so local counts differ), same budgets and modes."""
+def rank_cases(rank: int) -> list[tuple[list[int], int]]:
+    """Different lengths on each rank (so local counts differ), same budgets."""
     rng = random.Random(1000 + rank)
     cases = []
-    for case in range(24):
+    for _ in range(24):
         budget = rng.choice([256, 512, 1024])
         # Rank 0: many short sequences (few micro-batches); rank 1: fewer, longer ones (more
         # micro-batches, but never more than rank 0 has sequences).
@@ -388,7 +345,7 @@ def rank_cases(rank: int) -> list[tuple[list[int], int, bool]]:
             n, low, high = rng.randint(24, 40), 1, budget // 8
         else:
             n, low, high = rng.randint(8, 20), budget // 8, budget // 2
-        cases.append(([rng.randint(low, high) for _ in range(n)], budget, case % 2 == 0))
+        cases.append(([rng.randint(low, high) for _ in range(n)], budget))
     return cases
 
 
@@ -424,9 +381,9 @@ def test_data_parallel_ranks_agree_on_the_count_and_keep_their_budget() -> None:
     local_counts = [[plan.pop("local") for plan in r["plans"]] for r in results]
     assert local_counts[0] != local_counts[1]  # the ranks really had to agree
     for rank, result in enumerate(results):
-        for (lengths, budget, padded), fields in zip(cases[rank], result["plans"], strict=True):
+        for (lengths, budget), fields in zip(cases[rank], result["plans"], strict=True):
             plan = MicroBatchPlan(**{name: _tuples(value) for name, value in fields.items()})
-            assert_valid(plan, lengths, budget, padded)
+            assert_valid(plan, lengths, budget)
     for case, (first, second) in enumerate(zip(*(r["plans"] for r in results), strict=True)):
         agreed = max(local_counts[0][case], local_counts[1][case])
         assert len(first["groups"]) == len(second["groups"]) == agreed
