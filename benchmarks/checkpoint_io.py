@@ -48,6 +48,7 @@ import torch
 from benchmarks.measure import time_calls
 from engine import Engine, checkpointing
 from engine.losses import sft_loss
+from strategies.publish import fsync_path
 from tests.factories import random_batch
 
 VARIANTS = ("engine", "torch.save")
@@ -94,8 +95,8 @@ def torch_round(engine: Engine, root: Path, fsync: bool) -> dict[str, float]:
     }
     torch.save(state, path)
     if fsync:
-        checkpointing.fsync_path(path)
-        checkpointing.fsync_path(root)
+        fsync_path(path)
+        fsync_path(root)
     save_s = time.perf_counter() - start
     del state
     size = path.stat().st_size
