@@ -21,8 +21,12 @@ import re
 import secrets
 import shutil
 import signal
+import socket
+import warnings
 from collections.abc import Mapping
 from typing import Any
+
+import psutil
 
 from heads.errors import CheckpointError, ConfigError
 from strategies.backends.base import Checkpointing
@@ -34,6 +38,10 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 STEP_PREFIX = "global_step_"
 _STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d+)$")
+#: A save's temporary directory (and the aside name of a replaced checkpoint of the same step).
+_STAGING_DIR = re.compile(
+    rf"^\.tmp-{STEP_PREFIX}\d+-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{{8}}(-replaced)?$"
+)
 #: Test hook: the saving process SIGKILLs itself when it reaches the named stage
 #: (``after_state``, ``before_manifest``, ``before_rename``).
 KILL_AT_ENV = "COMPOSABLE_ENGINE_CHECKPOINT_KILL_AT"
@@ -59,7 +67,11 @@ def save_checkpoint(
     staging = ""
     if rank() == 0:
         os.makedirs(root, exist_ok=True)
-        staging = os.path.join(root, f".tmp-{STEP_PREFIX}{global_step}-{secrets.token_hex(4)}")
+        remove_abandoned_saves(root)
+        owner = f"{socket.gethostname()}-{os.getpid()}"
+        staging = os.path.join(
+            root, f".tmp-{STEP_PREFIX}{global_step}-{owner}-{secrets.token_hex(4)}"
+        )
         os.makedirs(staging)
     staging = from_rank_zero(staging)
     state.save_state(staging)
@@ -123,6 +135,21 @@ def complete_checkpoints(root: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def remove_abandoned_saves(root: str) -> list[str]:
+    """Delete the temporary directories of saves whose process is gone (killed mid-save): each
+    one's name carries the saving host and process id; a live process's save, or another
+    host's, is never touched. Returns the paths removed."""
+    host, removed = socket.gethostname(), []
+    for name in os.listdir(root):
+        match = _STAGING_DIR.match(name)
+        if match is None or match["host"] != host or psutil.pid_exists(int(match["pid"])):
+            continue
+        path = os.path.join(root, name)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 def resolve_checkpoint(path: str) -> str:
     """A checkpoint directory itself, or a root's newest complete checkpoint."""
     if not os.path.exists(path):
@@ -140,7 +167,16 @@ def resolve_checkpoint(path: str) -> str:
             f"no complete checkpoint under {path} (looked for {STEP_PREFIX}<N>/ directories "
             f"holding a valid {MANIFEST})"
         )
-    return complete[-1][1]
+    newest, chosen = complete[-1]
+    for name in sorted(os.listdir(path)):
+        match = _STEP_DIR.match(name)
+        if match is not None and int(match.group(1)) > newest:
+            warnings.warn(
+                f"skipping {os.path.join(path, name)}: it is not a complete checkpoint (no valid "
+                f"{MANIFEST}); loading the newest complete one, {chosen}",
+                stacklevel=2,
+            )
+    return chosen
 
 
 def read_manifest(directory: str) -> dict[str, Any]:

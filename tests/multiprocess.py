@@ -48,10 +48,16 @@ class RankFailure(AssertionError):
 
 
 def run_ranks(
-    function: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0
+    function: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    leave_children: bool = False,
 ) -> list[Any]:
     """Call ``function(*args)`` in ``world_size`` fresh processes set up as torchrun would; return
-    each rank's result. Raises RankFailure with every failing rank's error and output."""
+    each rank's result. Raises RankFailure with every failing rank's error and output.
+    ``leave_children``: do not kill what a rank left running when it ended (the caller checks
+    and cleans up)."""
     root = str(Path(__file__).resolve().parent.parent)
     module = function.__module__
     if module == "__main__":  # run as `python -m package.module`: import it by that name
@@ -102,7 +108,8 @@ def run_ranks(
                 continue
         for rank, (process, log) in enumerate(processes):
             process.wait()
-            _kill_group(process.pid)
+            if not leave_children:
+                _kill_group(process.pid)
             log.seek(0)
             output = log.read()[-4000:]
             log.close()

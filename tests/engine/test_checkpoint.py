@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -175,11 +177,16 @@ def test_a_checkpoint_of_another_head_or_model_shape_is_refused_naming_both(
 
 
 def save_then_die(root: str, stage: str) -> None:
-    """Save step 1 normally, train, then die at ``stage`` while saving step 2."""
+    """Save step 1 normally, train, then die at ``stage`` while saving step 2; the processes
+    the saves started are listed in ``root/children.json`` first."""
+    import psutil
+
     engine = _engine()
     _train(engine, "lm", range(1))
     engine.save_checkpoint(root)
     _train(engine, "lm", range(1, 2))
+    children = [child.pid for child in psutil.Process().children(recursive=True)]
+    Path(root, "children.json").write_text(json.dumps(children))
     os.environ[KILL_AT_ENV] = stage
     engine.save_checkpoint(root)
 
@@ -189,13 +196,27 @@ def save_then_die(root: str, stage: str) -> None:
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_as_latest(
     fresh_mesh: None, tmp_path: Path, stage: str
 ) -> None:
+    import psutil
+
     with pytest.raises(RankFailure, match="exited -9"):
-        run_ranks(save_then_die, 1, str(tmp_path), stage, timeout=180)
+        run_ranks(save_then_die, 1, str(tmp_path), stage, timeout=180, leave_children=True)
     assert [step for step, _ in complete_checkpoints(str(tmp_path))] == [1]
-    assert any(name.startswith(".tmp-global_step_2-") for name in os.listdir(tmp_path))
+    leftovers = [name for name in os.listdir(tmp_path) if name.startswith(".tmp-global_step_2-")]
+    assert leftovers
+    children = json.loads((tmp_path / "children.json").read_text())
+    assert children  # megatron's checkpoint writer left a helper process running
+    deadline = time.monotonic() + 20
+    while any(psutil.pid_exists(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = [pid for pid in children if psutil.pid_exists(pid)]
+    for pid in alive:
+        psutil.Process(pid).kill()
+    assert not alive, f"helper processes outlived the killed saver: {alive}"
     engine = _engine()
     assert engine.load_checkpoint(tmp_path) == str(tmp_path / "global_step_1")
     assert engine.global_step == 1
+    engine.save_checkpoint(tmp_path)  # the next save removes what the killed one left
+    assert not any(name in os.listdir(tmp_path) for name in leftovers)
 
 
 def train_save_and_infer(root: str, parallel: dict[str, Any]) -> dict[str, Any]:
@@ -268,3 +289,99 @@ def test_simulated_accelerator_cells_save_and_resume_exactly(
     resumed.load_checkpoint(tmp_path)
     assert _train(resumed, head, range(2, 4)) == expected
     _assert_same_weights(_weights(engine), _weights(resumed))
+
+
+def _full_state(engine: Engine) -> dict[str, Any]:
+    """Everything a checkpoint restores, as plain tensors and numbers."""
+    import random
+
+    import numpy as np
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    backend: Any = engine.backend
+    parts = getattr(backend._optimizer, "chained_optimizers", [backend._optimizer])
+    moments = {
+        f"{part}.{index}.{key}": value.clone()
+        for part, chained in enumerate(parts)
+        for index, state in enumerate(chained.optimizer.state.values())
+        for key, value in state.items()
+    }
+    assert moments
+    return {
+        "weights": _weights(engine),
+        "optimizer": moments,
+        "scheduler_steps": backend._scheduler.num_steps,
+        "lr": engine.backend.current_lr(),
+        "global_step": engine.global_step,
+        "torch_rng": torch.get_rng_state(),
+        "python_rng": random.getstate(),
+        "numpy_rng": np.random.get_state()[1].copy(),
+        "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()},
+    }
+
+
+@pytest.mark.timeout(180)
+def test_loading_into_an_engine_that_trained_gives_the_state_of_a_fresh_load(
+    fresh_mesh: None, tmp_path: Path
+) -> None:
+    warmup = {"scheduler": {"warmup_steps": 6, "decay_style": "cosine"}, "total_steps": 20}
+    trained = _engine(**warmup)
+    _train(trained, "lm", range(2))
+    trained.save_checkpoint(tmp_path)
+    _train(trained, "lm", range(2, 5))
+    trained.load_checkpoint(tmp_path)
+    after_training = _full_state(trained)
+    fresh = _engine(**warmup)
+    fresh.load_checkpoint(tmp_path)
+    after_fresh = _full_state(fresh)
+    assert after_training["scheduler_steps"] == after_fresh["scheduler_steps"] == 2
+    assert after_training["lr"] == after_fresh["lr"]
+    assert after_training["global_step"] == after_fresh["global_step"] == 2
+    assert after_training["python_rng"] == after_fresh["python_rng"]
+    for part in ("torch_rng", "numpy_rng"):
+        assert torch.equal(
+            torch.as_tensor(after_training[part]), torch.as_tensor(after_fresh[part])
+        )
+    for part in ("weights", "optimizer", "tracker"):
+        assert after_training[part].keys() == after_fresh[part].keys(), part
+        for name, value in after_training[part].items():
+            assert torch.equal(value, after_fresh[part][name]), f"{part} {name}"
+    assert _train(trained, "lm", range(5, 7)) == _train(fresh, "lm", range(5, 7))
+
+
+def test_loading_a_root_warns_about_a_newer_incomplete_checkpoint_it_skips(tmp_path: Path) -> None:
+    complete = tmp_path / "global_step_3"
+    complete.mkdir()
+    (complete / MANIFEST).write_text(json.dumps({"format_version": FORMAT_VERSION, "files": {}}))
+    (tmp_path / "global_step_5").mkdir()  # no manifest: a save that did not finish
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert resolve_checkpoint(str(tmp_path)) == str(complete)
+    messages = [str(w.message) for w in caught]
+    assert any("global_step_5" in m and "not a complete checkpoint" in m for m in messages)
+
+
+def test_only_saves_of_dead_processes_on_this_host_are_cleaned_up(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    from engine.checkpointing import remove_abandoned_saves
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    host = socket.gethostname()
+    names = {
+        "dead": f".tmp-global_step_4-{host}-{dead.stdout.strip()}-0123abcd",
+        "dead-aside": f".tmp-global_step_4-{host}-{dead.stdout.strip()}-0123abcd-replaced",
+        "alive": f".tmp-global_step_5-{host}-{os.getpid()}-0123abcd",
+        "other-host": f".tmp-global_step_6-elsewhere-{dead.stdout.strip()}-0123abcd",
+        "checkpoint": "global_step_3",
+    }
+    for name in names.values():
+        (tmp_path / name).mkdir()
+    removed = remove_abandoned_saves(str(tmp_path))
+    assert sorted(removed) == sorted(str(tmp_path / names[k]) for k in ("dead", "dead-aside"))
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        names[k] for k in ("alive", "other-host", "checkpoint")
+    )

@@ -7,10 +7,13 @@ Collective: every rank calls ``save_state`` / ``load_state`` with the same direc
 
 from __future__ import annotations
 
+import ctypes
 import json
 import multiprocessing as mp
 import os
 import random
+import signal
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +22,7 @@ import torch
 
 from strategies.distributed import barrier, rank
 
+_PR_SET_PDEATHSIG = 1
 MODEL_DIR = "dist"
 SCHEDULER_FILE = "scheduler.json"
 RNG_DIR = "rng"
@@ -33,16 +37,30 @@ _OPTIMIZER_METADATA = {
 
 
 def _use_forked_results_queue() -> None:
-    """Give megatron's checkpoint writer its results queue from a *forked* Manager.
+    """Give megatron's checkpoint writer its results queue from a *forked* Manager that dies
+    with this process.
 
     Megatron creates it from a spawn-context Manager, which re-imports the user's ``__main__``:
     a plain script without an ``if __name__ == "__main__":`` guard would run again in it. Its
-    writer processes are forked anyway, so a forked Manager changes nothing else.
+    writer processes are forked anyway, so a forked Manager changes nothing else. A Manager
+    outlives a SIGKILLed parent (adopted by PID 1) unless told to die with it.
     """
+    from multiprocessing.managers import SyncManager
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+        manager = SyncManager(ctx=mp.get_context("fork"))
+        manager.start(initializer=die_with_parent)
+        filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+
+
+def die_with_parent() -> None:
+    """In a child process: ask Linux to SIGKILL it when its parent dies (no-op elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def save_state(
@@ -96,7 +114,9 @@ def load_state(
             _load_optimizer(optimizer, loaded["optimizer"])
     if scheduler is not None:
         with open(scheduler_path) as handle:
-            scheduler.load_state_dict(json.load(handle))
+            saved = json.load(handle)
+        scheduler.num_steps = 0  # megatron's load_state_dict *adds* the saved step count
+        scheduler.load_state_dict(saved)
     rng_path = os.path.join(directory, RNG_DIR, f"rank_{rank()}.pt")
     if same_layout and os.path.exists(rng_path):
         _set_rng_states(torch.load(rng_path, weights_only=True))
