@@ -11,7 +11,7 @@ import attrs
 import yaml
 
 from engine.registry import STRICT_CONVERTER, describe_structure_error
-from heads.errors import ConfigError
+from heads.errors import ConfigError, EngineError
 from heads.validation import bool_field, int_field, non_negative, of_type, one_of, positive
 from strategies.backends.base import OFFLOAD_PARTS
 from strategies.config import (
@@ -147,10 +147,23 @@ def coerce_config(config: EngineConfig | Mapping[str, Any] | None) -> EngineConf
 
 
 def structure(data: Any, kind: type[Any]) -> Any:
+    """``data`` as a ``kind``; ConfigError naming the fields, except that an error of another
+    kind raised while reading a field (a CheckpointError of a model directory) keeps its type."""
     try:
         return STRICT_CONVERTER.structure(data, kind)
     except Exception as error:
+        for leaf in _leaves(error):
+            if isinstance(leaf, EngineError) and not isinstance(leaf, ConfigError):
+                raise leaf from None
         raise ConfigError(f"invalid {kind.__name__}: {describe_structure_error(error)}") from error
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    """The underlying errors of a cattrs validation error (the error itself otherwise)."""
+    nested = getattr(error, "exceptions", None)
+    if not nested:
+        return [error]
+    return [leaf for inner in nested for leaf in _leaves(inner)]
 
 
 def _plain_container(data: Any) -> Any:

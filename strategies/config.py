@@ -60,6 +60,11 @@ class ModelConfig:
         converter=_path_or_none,
         validator=attrs.validators.optional(of_type(str)),
     )
+    #: The dtype of the Hugging Face checkpoint's weights; exported weights are cast to it.
+    checkpoint_dtype: str | None = attrs.field(
+        default=None,
+        validator=attrs.validators.optional(one_of("float32", "bfloat16", "float16")),
+    )
 
     def __attrs_post_init__(self) -> None:
         groups = self.num_query_groups

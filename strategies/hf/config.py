@@ -1,7 +1,11 @@
 """A ModelConfig from a Hugging Face ``config.json`` (Llama, Qwen2, Qwen3, Mistral).
 
-Anything megatron's GPTModel would compute differently is rejected naming the field, never
-silently approximated.
+The family comes from ``model_type``, as transformers' ``AutoModelForCausalLM`` decides it;
+``architectures`` is not consulted (a reward model's ``...ForSequenceClassification`` entry is
+fine). Anything the engine would compute differently is rejected naming the field, never
+silently approximated; and the checkpoint's tensors must be exactly those of that model
+(:func:`strategies.hf.files.check_checkpoint_tensors`), so a file that does not match its
+config is refused before any compute.
 """
 
 from __future__ import annotations
@@ -31,23 +35,25 @@ def load_hf_config(path: str | os.PathLike[str]) -> Any:
 
 
 def model_config_from_hf(path: str | os.PathLike[str]) -> ModelConfig:
-    """The ModelConfig of the checkpoint at ``path``, with ``hf_path`` set to load its weights."""
+    """The ModelConfig of the checkpoint at ``path``, with ``hf_path`` set to load its weights;
+    its tensors are checked against the model its config describes."""
+    from strategies.hf.files import check_checkpoint_tensors
+
     hf = load_hf_config(path)
-    architectures = list(getattr(hf, "architectures", None) or [])
-    architecture = architectures[0] if architectures else None
-    if architecture not in _ARCHITECTURE_CHECKS:
+    family = getattr(hf, "model_type", None)
+    if family not in _FAMILY_CHECKS:
         raise ConfigError(
-            f"config.json architectures={architectures!r} is not supported; supported: "
-            f"{', '.join(sorted(_ARCHITECTURE_CHECKS))}"
+            f"config.json model_type={family!r} is not supported; supported: "
+            f"{', '.join(sorted(_FAMILY_CHECKS))}"
         )
-    _ARCHITECTURE_CHECKS[architecture](hf)
+    _FAMILY_CHECKS[family](hf)
     _require(hf, "hidden_act", "silu")
     if getattr(hf, "mlp_bias", False):
         raise ConfigError("config.json mlp_bias=True is not supported (megatron: no MLP biases)")
     theta, factor = _rope(hf)
     heads = int(hf.num_attention_heads)
     head_dim = getattr(hf, "head_dim", None)
-    return ModelConfig(
+    config = ModelConfig(
         vocab_size=int(hf.vocab_size),
         hidden_size=int(hf.hidden_size),
         num_layers=int(hf.num_hidden_layers),
@@ -59,12 +65,15 @@ def model_config_from_hf(path: str | os.PathLike[str]) -> ModelConfig:
         norm_epsilon=float(hf.rms_norm_eps),
         init_method_std=float(getattr(hf, "initializer_range", 0.02)),
         tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        add_qkv_bias=architecture == "Qwen2ForCausalLM",
-        qk_layernorm=architecture == "Qwen3ForCausalLM",
+        add_qkv_bias=family == "qwen2",
+        qk_layernorm=family == "qwen3",
         head_dim=int(head_dim) if head_dim and head_dim * heads != hf.hidden_size else None,
         rope_scaling_factor=factor,
         hf_path=os.fspath(path),
+        checkpoint_dtype=_dtype_name(hf),
     )
+    check_checkpoint_tensors(os.fspath(path), hf)
+    return config
 
 
 def _require(hf: Any, field: str, wanted: object) -> None:
@@ -109,12 +118,26 @@ def _mistral(hf: Any) -> None:
     _full_attention(hf)
 
 
-_ARCHITECTURE_CHECKS: dict[str, Callable[[Any], None]] = {
-    "LlamaForCausalLM": _llama,
-    "Qwen2ForCausalLM": _qwen2,
-    "Qwen3ForCausalLM": _qwen3,
-    "MistralForCausalLM": _mistral,
+_FAMILY_CHECKS: dict[str, Callable[[Any], None]] = {
+    "llama": _llama,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "mistral": _mistral,
 }
+
+#: Weight dtypes a checkpoint may state (``dtype`` in transformers 5.x, ``torch_dtype`` before).
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _dtype_name(hf: Any) -> str | None:
+    """The dtype config.json states for the weights (exports use it), or None."""
+    stated = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+    if stated is None:
+        return None
+    name = str(stated).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ConfigError(f"config.json dtype={stated!r} is not supported; supported: {_DTYPES}")
+    return name
 
 
 def _rope(hf: Any) -> tuple[int, float | None]:

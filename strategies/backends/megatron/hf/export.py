@@ -22,7 +22,16 @@ VALUE_HEAD = "value_head.weight"
 
 
 def export_hf(chunk: torch.nn.Module, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) for every parameter of ``chunk``."""
+    """(HF name, full tensor) for every parameter of ``chunk``, in the dtype the source
+    checkpoint states (``ModelConfig.checkpoint_dtype``) when there is one."""
+    dtype = getattr(torch, config.checkpoint_dtype) if config.checkpoint_dtype else None
+    for name, tensor in _full_tensors(chunk, config):
+        yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def _full_tensors(
+    chunk: torch.nn.Module, config: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
     from megatron.core import parallel_state as ps
 
     tp_size = ps.get_tensor_model_parallel_world_size()

@@ -276,7 +276,7 @@ def test_a_missing_or_misshapen_tensor_is_named_with_both_shapes(
 @pytest.mark.parametrize(
     ("family", "changes", "field"),
     [
-        ("llama", {"architectures": ["GPT2LMHeadModel"]}, "architectures"),
+        ("llama", {"model_type": "gpt2"}, "model_type"),
         (
             "llama",
             {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
@@ -290,7 +290,7 @@ def test_a_missing_or_misshapen_tensor_is_named_with_both_shapes(
         ("mistral", {"sliding_window": 16}, "sliding_window"),
         ("llama", {"attention_bias": True}, "attention_bias"),
     ],
-    ids=["architecture", "rope-type", "llama3-factors", "sliding-window", "attention-bias"],
+    ids=["model-type", "rope-type", "llama3-factors", "sliding-window", "attention-bias"],
 )
 def test_an_unsupported_config_is_refused_naming_the_field(
     checkpoints: dict[str, Path], tmp_path: Path, family: str, changes: Any, field: str
@@ -359,3 +359,110 @@ def test_new_model_fields_are_validated_naming_the_field(field: str, value: Any)
 
     with pytest.raises(ConfigError, match=f"ModelConfig.{field}"):
         ModelConfig(**{field: value})
+
+
+# -- a checkpoint must be the model its config describes ---------------------------------------
+def _rewrite(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_a_tensor_no_parameter_takes_is_refused_naming_it(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    from strategies.hf.config import model_config_from_hf
+
+    path = _copy(checkpoints, "llama", tmp_path)
+    tensors = source_state_dict(path)
+    tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)  # harmless
+    _rewrite(path, tensors)
+    with pytest.raises(CheckpointError, match=r"does not use: 'model\.layers\.0\.self_attn\.q_pr"):
+        model_config_from_hf(path)
+    del tensors["model.layers.0.self_attn.q_proj.bias"]
+    _rewrite(path, tensors)
+    assert model_config_from_hf(path).hf_path == str(path)
+
+
+def test_the_family_follows_model_type_as_transformers_does(
+    fresh_mesh: None, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    from strategies.hf.config import model_config_from_hf
+
+    mislabelled = _copy(checkpoints, "qwen2", tmp_path)
+    _edit_config(mislabelled, architectures=["LlamaForCausalLM"])  # model_type stays qwen2
+    assert model_config_from_hf(mislabelled).add_qkv_bias
+    batch = random_batch(LENGTHS, VOCAB, seed=2)
+    got = engine_log_probs(build_engine(mislabelled), batch)
+    tokens = [row.tolist() for row in batch["input_ids"].unbind()]
+    assert got is not None and max_diff(got, hf_log_probs(mislabelled, tokens)) <= TOLERANCE
+
+    llama_typed = tmp_path / "llama-typed"
+    llama_typed.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (llama_typed / name).write_bytes((mislabelled / name).read_bytes())
+    _edit_config(llama_typed, model_type="llama")  # a Llama has no q/k/v biases
+    with pytest.raises(CheckpointError, match=r"does not use: .*q_proj\.bias"):
+        model_config_from_hf(llama_typed)
+
+
+def test_a_tied_config_with_a_different_lm_head_is_refused(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    from strategies.hf.config import model_config_from_hf
+
+    path = _copy(checkpoints, "qwen2", tmp_path)  # tie_word_embeddings=True
+    tensors = source_state_dict(path)
+    embedding = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = embedding.clone()
+    _rewrite(path, tensors)
+    assert model_config_from_hf(path).tie_embeddings  # an equal copy is harmless
+    tensors["lm_head.weight"] = embedding + 0.5
+    _rewrite(path, tensors)
+    with pytest.raises(CheckpointError, match=r"ties the embeddings .* lm_head\.weight differs"):
+        model_config_from_hf(path)
+
+
+def test_an_index_that_maps_a_tensor_to_the_wrong_shard_is_refused_naming_both(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    from safetensors.torch import save_file
+
+    from strategies.hf.config import model_config_from_hf
+
+    path = _copy(checkpoints, "llama", tmp_path)
+    tensors = source_state_dict(path)
+    names = sorted(tensors)
+    shards = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2 :]}
+    for file, members in shards.items():
+        save_file({n: tensors[n] for n in members}, str(path / file), metadata={"format": "pt"})
+    (path / "model.safetensors").unlink()
+    weight_map = {name: file for file, members in shards.items() for name in members}
+    moved = shards["b.safetensors"][0]
+    weight_map[moved] = "a.safetensors"
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=rf"maps '{moved}' to a\.safetensors"):
+        model_config_from_hf(path)
+
+
+def test_a_bf16_checkpoint_is_exported_in_bf16_as_it_was_loaded(
+    fresh_mesh: None, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    source = AutoModelForCausalLM.from_pretrained(checkpoints["llama"], local_files_only=True)
+    path = tmp_path / "bf16"
+    source.to(torch.bfloat16).save_pretrained(path)
+    assert json.loads((path / "config.json").read_text()).get("dtype", "bfloat16") == "bfloat16"
+    engine = build_engine(path)
+    assert engine.config.model.checkpoint_dtype == "bfloat16"
+    exported = dict(engine.get_per_tensor_param())
+    saved = source_state_dict(path)
+    assert exported.keys() == saved.keys()
+    for name, tensor in saved.items():
+        assert exported[name].dtype == torch.bfloat16, name
+        assert torch.equal(exported[name], tensor), name
+    engine.save_hf(tmp_path / "exported")
+    again = source_state_dict(tmp_path / "exported")
+    assert all(again[name].dtype == torch.bfloat16 for name in again)
