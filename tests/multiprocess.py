@@ -1,4 +1,5 @@
-"""Run a function on several ranks (gloo on 127.0.0.1, a free port, every process timed out)."""
+"""Run a function on several ranks (gloo on 127.0.0.1, a store on a port the OS picked, every
+process timed out)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-from strategies.devices.base import free_port
 
 _LAUNCHER = """
 import os, pickle, sys, traceback
@@ -63,7 +62,10 @@ def run_ranks(
     if module == "__main__":  # run as `python -m package.module`: import it by that name
         spec = getattr(sys.modules["__main__"], "__spec__", None)
         module = spec.name if spec is not None else module
-    port = free_port()
+    # The test process holds the rendezvous store on a port the OS picked, and every rank
+    # connects to it as a client: picking a free port for rank 0 to bind later raced with other
+    # processes taking it (then rank 0 failed and its peer waited out its timeout).
+    store = rendezvous_store(world_size, timeout)
     with tempfile.TemporaryDirectory() as folder:
         args_path = os.path.join(folder, "args.pkl")
         with open(args_path, "wb") as handle:
@@ -73,7 +75,8 @@ def run_ranks(
             env = {
                 **os.environ,
                 "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
+                "MASTER_PORT": str(store.port),
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "RANK": str(rank),
                 "LOCAL_RANK": str(rank),
                 "WORLD_SIZE": str(world_size),

@@ -74,7 +74,15 @@ def test_a_config_file_sets_engine_settings_and_the_command_line_wins(tmp_path: 
 
 @pytest.mark.multiprocess
 def test_train_runs_under_torchrun_with_tensor_parallelism() -> None:
-    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m")
+    torchrun = (
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+    )
     result = run(
         "train", "--head", "value", "--steps", "3", "--tensor-parallel-size", "2",
         launcher=torchrun,

@@ -132,7 +132,15 @@ def test_ctrl_c_saves_the_finished_iteration_and_exits_cleanly(tmp_path: Path) -
     ids=["tp2", "pp2", "dp2"],
 )
 def test_demo_runs_under_torchrun(tmp_path: Path, layout: tuple[str, ...]) -> None:
-    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m")
+    torchrun = (
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+    )
     out = tmp_path / "run"
     result = run(
         "demo", "--config", short_config(tmp_path), "--steps", "2", "--output-dir", str(out),
