@@ -7,12 +7,12 @@ on the same state, two variants alternate ``--repeats`` times (order flipped eve
 that drift hits both alike; medians printed):
 
 * engine: ``engine.save_checkpoint(fresh_dir)`` (megatron ``dist_checkpointing`` torch_dist
-  files for model + optimizer, scheduler JSON, RNG states, then fsync + sha256 of every file,
-  ``manifest.json`` and an atomic rename), timed, and the bytes of the published
+  files for model + optimizer, scheduler JSON, RNG states, then fsync + xxh3-128 checksum of
+  every file, ``manifest.json`` and an atomic rename), timed, and the bytes of the published
   ``global_step_N/`` directory (every file, manifest included); then
-  ``engine.load_checkpoint(fresh_dir)`` (manifest check, sha256 of every file, then restore),
+  ``engine.load_checkpoint(fresh_dir)`` (manifest check, checksum of every file, then restore),
   timed. The lines also show the time spent in the manifest write (``_write_manifest``: fsync +
-  sha256) and in the load's verification (``verify_files``: sha256), the checkpoint's safety
+  checksums) and in the load's verification (``verify_files``: checksums), the checkpoint's safety
   net, which the baseline has no counterpart for.
 * torch.save: the inner model chunks' ``state_dict()`` (``engine.backend.modules()``), the
   optimizer's ``state_dict()`` and the LR scheduler's ``state_dict()`` in one dict written
@@ -142,13 +142,13 @@ def measure(model: str, args: argparse.Namespace, parent: Path) -> None:
     label = f"model={model:5s} ({params / 1e6:.1f}M params)"
     fsync = " + fsync" if args.fsync_baseline else ""
     print(
-        f"{label} save: engine {engine_m['save_s'] * 1e3:8.1f} ms [manifest: fsync + sha256 "
+        f"{label} save: engine {engine_m['save_s'] * 1e3:8.1f} ms [manifest: fsync + checksums "
         f"{engine_m['manifest_s'] * 1e3:.1f} ms; first engine save {first['save_s'] * 1e3:.0f} ms, "
         f"not counted], torch.save{fsync} {torch_m['save_s'] * 1e3:8.1f} ms, ratio "
         f"{engine_m['save_s'] / torch_m['save_s']:.2f} (median of {args.repeats})"
     )
     print(
-        f"{label} load: engine {engine_m['load_s'] * 1e3:8.1f} ms [verify: sha256 "
+        f"{label} load: engine {engine_m['load_s'] * 1e3:8.1f} ms [verify: checksums "
         f"{engine_m['verify_s'] * 1e3:.1f} ms], torch.load + load_state_dict "
         f"{torch_m['load_s'] * 1e3:8.1f} ms, ratio {engine_m['load_s'] / torch_m['load_s']:.2f} "
         f"(median of {args.repeats})"

@@ -3,7 +3,7 @@ published whole.
 
 A save writes into a temporary sibling (``.tmp-global_step_{N}-<random>``); after every rank
 has written its part, rank 0 fsyncs the files, writes ``manifest.json`` last (format version,
-engine config, head, model shape, step, parallel layout, every file's size and sha256) and
+engine config, head, model shape, step, parallel layout, every file's size and checksum) and
 renames the directory into place. A directory without a readable manifest is not a
 checkpoint, so a save killed at any point leaves the previous checkpoint as the latest.
 Loading verifies the manifest (version, head, model shape, sizes and checksums) before any
@@ -23,10 +23,11 @@ import shutil
 import signal
 import socket
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import psutil
+import xxhash
 
 from heads.errors import CheckpointError, ConfigError
 from strategies.backends.base import Checkpointing
@@ -34,7 +35,10 @@ from strategies.config import ModelConfig
 from strategies.distributed import barrier, from_rank_zero, rank
 from strategies.publish import fsync_path, publish_directory
 
-FORMAT_VERSION = 1
+#: 2: files are checksummed with xxh3-128 (version 1 manifests, with sha256, still load).
+FORMAT_VERSION = 2
+#: The checksum a manifest entry carries, by the first format version that uses it.
+_CHECKSUMS: dict[str, Callable[[], Any]] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 MANIFEST = "manifest.json"
 STEP_PREFIX = "global_step_"
 _STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d+)$")
@@ -197,7 +201,8 @@ def read_manifest(directory: str) -> dict[str, Any]:
 
 
 def verify_files(directory: str, manifest: dict[str, Any]) -> None:
-    """Every file the manifest lists is there with its size and sha256."""
+    """Every file the manifest lists is there with its size and checksum (xxh3-128, or sha256
+    in a version 1 manifest)."""
     for name, entry in manifest["files"].items():
         path = os.path.join(directory, name)
         try:
@@ -209,8 +214,11 @@ def verify_files(directory: str, manifest: dict[str, Any]) -> None:
                 f"checkpoint file {path} has {size} bytes, the manifest says {entry['size']} "
                 "(truncated or overwritten)"
             )
-        if _sha256(path) != entry["sha256"]:
-            raise CheckpointError(f"checkpoint file {path} is corrupted (sha256 mismatch)")
+        algorithm = next((name for name in _CHECKSUMS if name in entry), None)
+        if algorithm is None:
+            raise CheckpointError(f"the manifest of {directory} gives {name} no checksum")
+        if _checksum(path, algorithm) != entry[algorithm]:
+            raise CheckpointError(f"checkpoint file {path} is corrupted ({algorithm} mismatch)")
 
 
 def _describe(engine: Mapping[str, Any], global_step: int) -> dict[str, Any]:
@@ -265,7 +273,7 @@ def _write_manifest(directory: str, description: dict[str, Any]) -> None:
             fsync_path(path)
             files[os.path.relpath(path, directory)] = {
                 "size": os.path.getsize(path),
-                "sha256": _sha256(path),
+                "xxh3_128": _checksum(path, "xxh3_128"),
             }
         fsync_path(folder)
     manifest = {**description, "files": dict(sorted(files.items()))}
@@ -277,12 +285,12 @@ def _write_manifest(directory: str, description: dict[str, Any]) -> None:
     fsync_path(directory)
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
+def _checksum(path: str, algorithm: str) -> str:
+    digest = _CHECKSUMS[algorithm]()
     with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
+        for block in iter(lambda: handle.read(1 << 22), b""):
             digest.update(block)
-    return digest.hexdigest()
+    return str(digest.hexdigest())
 
 
 def _stage(name: str) -> None:

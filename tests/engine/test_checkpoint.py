@@ -152,7 +152,7 @@ def test_bad_checkpoints_raise_checkpoint_error_and_leave_the_engine_unchanged(
     expect(tmp_path / "empty", "no complete checkpoint under")
     for name, damage, match in (
         ("truncated", _damage_truncate, "truncated"),
-        ("flipped", _damage_flip, "sha256 mismatch"),
+        ("flipped", _damage_flip, "xxh3_128 mismatch"),
     ):
         broken = Path(source.save_checkpoint(tmp_path / name))
         damage(_largest_file(broken / "dist"))
@@ -385,3 +385,25 @@ def test_only_saves_of_dead_processes_on_this_host_are_cleaned_up(tmp_path: Path
     assert sorted(os.listdir(tmp_path)) == sorted(
         names[k] for k in ("alive", "other-host", "checkpoint")
     )
+
+
+@pytest.mark.timeout(180)
+def test_a_version_1_checkpoint_with_sha256_checksums_still_loads(
+    fresh_mesh: None, tmp_path: Path
+) -> None:
+    import hashlib
+
+    engine = _engine()
+    _train(engine, "lm", range(1))
+    saved = Path(engine.save_checkpoint(tmp_path))
+    manifest = json.loads((saved / MANIFEST).read_text())
+    assert manifest["format_version"] == FORMAT_VERSION == 2
+    for name, entry in manifest["files"].items():
+        del entry["xxh3_128"]
+        entry["sha256"] = hashlib.sha256((saved / name).read_bytes()).hexdigest()
+    manifest["format_version"] = 1
+    (saved / MANIFEST).write_text(json.dumps(manifest))
+    assert _engine().load_checkpoint(saved) == str(saved)
+    _damage_flip(_largest_file(saved))
+    with pytest.raises(CheckpointError, match="sha256 mismatch"):
+        _engine().load_checkpoint(saved)
