@@ -114,6 +114,8 @@ class Engine:
             )
         if not self.config.forward_only and not self.head.outputs:
             raise ConfigError(f"head {self.head.name!r} declares no outputs")
+        if self.config.offload.parts():
+            require(self.backend, Offloading)  # config.offload asks for it
         self.backend.validate(self.config, int(os.environ.get("WORLD_SIZE", "1")))
 
     def initialize(self) -> Engine:

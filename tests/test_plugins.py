@@ -208,6 +208,13 @@ def test_a_backend_without_an_ability_is_refused_naming_the_ability_and_the_back
         config={"model": tiny_model()},
     ).initialize()
     assert engine.train_batch(random_batch([4, 6], 64), sft_loss)["loss"] > 0
+    with pytest.raises(ConfigError, match=r"plugin-core-only backend lacks the 'offload'"):
+        Engine(
+            head=HEADS.create("lm"),
+            backend=CoreOnlyBackend(),
+            platform=DEVICES.create("cpu"),
+            config={"model": tiny_model(), "offload": {"optimizer": True}},
+        )
     for call, ability in (
         (lambda: engine.save_checkpoint("/nonexistent"), "checkpoints"),
         (lambda: engine.load_checkpoint("/nonexistent"), "checkpoints"),
