@@ -4,7 +4,7 @@ The family comes from ``model_type``, as transformers' ``AutoModelForCausalLM`` 
 ``architectures`` is not consulted (a reward model's ``...ForSequenceClassification`` entry is
 fine). Anything the engine would compute differently is rejected naming the field, never
 silently approximated; and the checkpoint's tensors must be exactly those of that model
-(:func:`strategies.hf.files.check_checkpoint_tensors`), so a file that does not match its
+(:func:`strategies.hf.consistency.check_checkpoint_tensors`), so a file that does not match its
 config is refused before any compute.
 """
 
@@ -37,7 +37,7 @@ def load_hf_config(path: str | os.PathLike[str]) -> Any:
 def model_config_from_hf(path: str | os.PathLike[str]) -> ModelConfig:
     """The ModelConfig of the checkpoint at ``path``, with ``hf_path`` set to load its weights;
     its tensors are checked against the model its config describes."""
-    from strategies.hf.files import check_checkpoint_tensors
+    from strategies.hf.consistency import check_checkpoint_tensors
 
     hf = load_hf_config(path)
     family = getattr(hf, "model_type", None)

@@ -1,18 +1,15 @@
-"""Hugging Face checkpoint files: the safetensors reader (single file or sharded index) and the
-metadata written next to exported weights."""
+"""Hugging Face checkpoint files: the safetensors reader (a single file or a sharded index)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import shutil
 from typing import Any
 
 import torch
 
 from heads.errors import CheckpointError
-from strategies.hf.config import load_hf_config
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -89,88 +86,3 @@ class SafetensorsCheckpoint(contextlib.ExitStack):
             except Exception as error:
                 raise CheckpointError(f"cannot open {full}: {error}") from error
         return self._handles[file]
-
-
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
-
-
-def write_hf_metadata(source: str, staging: str, weight_map: dict[str, str], stages: int) -> None:
-    """config.json (from ``source``), the shard index when there are several files, and the
-    source's tokenizer and generation files, into ``staging``."""
-    hf = load_hf_config(source)
-    hf.save_pretrained(staging)
-    if stages > 1:
-        with open(os.path.join(staging, INDEX_FILE), "w") as handle:
-            json.dump({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, handle)
-    for name in os.listdir(source):  # tokenizer and generation settings travel along
-        path = os.path.join(source, name)
-        if os.path.isfile(path) and name != "config.json" and not name.endswith(_WEIGHT_SUFFIXES):
-            shutil.copy2(path, os.path.join(staging, name))
-
-
-#: Tensors a checkpoint may hold that no model parameter takes, known to be harmless.
-_HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
-_LM_HEAD, _EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
-
-
-def check_checkpoint_tensors(path: str, hf_config: Any) -> None:
-    """The checkpoint at ``path`` holds exactly the tensors of the causal LM ``hf_config``
-    describes (as transformers builds it): each one its index names is in that file, none is
-    missing, and none is left over except known-harmless ones (rotary ``inv_freq``; an
-    ``lm_head`` equal to the tied embedding). CheckpointError naming the tensors otherwise.
-
-    A tied config whose file holds a *different* ``lm_head`` is refused: the two readings
-    (tie it, or use the file's) give different models.
-    """
-    expected = _parameter_names(hf_config)
-    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    with SafetensorsCheckpoint(path) as checkpoint:
-        for file, held in checkpoint.names_in_files().items():
-            misplaced = sorted(
-                n for n, f in checkpoint.files.items() if f == file and n not in held
-            )
-            if misplaced:
-                raise CheckpointError(
-                    f"{os.path.join(path, INDEX_FILE)} maps {_listed(misplaced)} to {file}, "
-                    "which does not hold them"
-                )
-        found = set(checkpoint.files)
-        missing = sorted(expected - found)
-        if missing:
-            raise CheckpointError(
-                f"tensor {missing[0]!r} is missing from the checkpoint {path} "
-                f"({len(missing)} missing: {_listed(missing)})"
-            )
-        unused = sorted(name for name in found - expected if not name.endswith(_HARMLESS_SUFFIXES))
-        if tied and _LM_HEAD in unused:
-            unused.remove(_LM_HEAD)
-            lm_head, embedding = (checkpoint.read_any(name) for name in (_LM_HEAD, _EMBEDDING))
-            if not torch.equal(lm_head, embedding):
-                raise CheckpointError(
-                    f"{path}: config.json ties the embeddings (tie_word_embeddings=true) but the "
-                    f"file's {_LM_HEAD} differs from {_EMBEDDING} (max difference "
-                    f"{float((lm_head.float() - embedding.float()).abs().max()):.3g}); set "
-                    "tie_word_embeddings to false to use the file's lm_head, or remove it"
-                )
-        if unused:
-            raise CheckpointError(
-                f"the checkpoint {path} holds tensors its config's model does not use: "
-                f"{_listed(unused)} (does config.json's model_type match the weights?)"
-            )
-
-
-def _parameter_names(hf_config: Any) -> set[str]:
-    """The parameter names of the causal LM transformers builds from ``hf_config`` (on the
-    meta device: nothing is allocated). A tied ``lm_head`` is not a separate tensor."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    return set(model.state_dict(keep_vars=True)) - (
-        {_LM_HEAD} if getattr(hf_config, "tie_word_embeddings", False) else set()
-    )
-
-
-def _listed(names: list[str], limit: int = 5) -> str:
-    shown = ", ".join(repr(name) for name in names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

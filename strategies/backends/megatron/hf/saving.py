@@ -19,7 +19,8 @@ from heads.errors import ConfigError
 from strategies.backends.megatron.hf.export import export_hf
 from strategies.config import ModelConfig
 from strategies.distributed import barrier, merged_dicts, rank
-from strategies.hf.files import SINGLE_FILE, write_hf_metadata
+from strategies.hf.files import SINGLE_FILE
+from strategies.hf.metadata import write_hf_metadata
 from strategies.publish import publish_directory
 
 
