@@ -31,9 +31,17 @@ class PluginLoadError(EngineError, ImportError):
 class Registry(Generic[T]):
     """Names of one kind of part ("head", "backend", "device") and the factories behind them."""
 
-    def __init__(self, kind: str, group: str, builtins: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        kind: str,
+        group: str,
+        builtins: Mapping[str, str],
+        aliases: Mapping[str, str] | None = None,
+    ) -> None:
         self.kind = kind
         self.group = group
+        #: Other names people use for a part (lower case) -> the name to suggest instead.
+        self.aliases = dict(aliases or {})
         self._factories: dict[str, Callable[..., T]] = {}
         self._lazy: dict[str, Callable[[], Callable[..., T]]] = {
             name: _import_path_loader(path) for name, path in builtins.items()
@@ -103,8 +111,9 @@ class Registry(Generic[T]):
 
     def _unknown_message(self, name: str) -> str:
         known = self.names()
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        by_lower = {**self.aliases, **{known_name.lower(): known_name for known_name in known}}
+        close = difflib.get_close_matches(name.lower(), by_lower, n=1)
+        hint = f"; did you mean {by_lower[close[0]]!r}?" if close else "."
         return f"unknown {self.kind} {name!r}{hint} Known {self.kind}s: {', '.join(known)}"
 
     def _scan_plugins(self) -> None:
@@ -224,6 +233,7 @@ DEVICES: Registry[Any] = Registry(
         "cuda": "strategies.devices.cuda:CudaPlatform",
         "npu": "strategies.devices.npu:NpuPlatform",
     },
+    aliases={"gpu": "cuda", "nvidia": "cuda", "ascend": "npu", "auto": "auto"},
 )
 
 #: ``device="auto"`` tries these in order and takes the first available.

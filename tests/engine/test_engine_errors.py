@@ -37,7 +37,12 @@ def parameters(engine: Engine) -> list[torch.Tensor]:
     [
         ({"head": "valeu"}, r"unknown head 'valeu'; did you mean 'value'\?"),
         ({"backend": "megatorn"}, r"unknown backend 'megatorn'; did you mean 'megatron'\?"),
-        ({"device": "gpu"}, r"unknown device 'gpu'.*Known devices: cpu, cuda, npu"),
+        (
+            {"device": "gpu"},
+            r"unknown device 'gpu'; did you mean 'cuda'\?.*Known devices: cpu, cuda",
+        ),
+        ({"device": "CPU"}, r"unknown device 'CPU'; did you mean 'cpu'\?"),
+        ({"head": "Value"}, r"unknown head 'Value'; did you mean 'value'\?"),
     ],
 )
 def test_unknown_or_misspelled_names_are_answered_with_the_known_names(
