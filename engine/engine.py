@@ -230,7 +230,9 @@ class Engine:
                 data_parallel_size=self.backend.data_parallel_size(),
                 global_counts=counts,
             )
-            loss, loss_metrics = checked_loss(loss_function(outputs, data, ctx))
+            loss, loss_metrics = checked_loss(
+                loss_function(outputs, data, ctx), training=not forward_only
+            )
             losses[index] = float(loss.detach())
             metrics[index] = loss_metrics
             return loss, loss_metrics
