@@ -40,7 +40,6 @@ from engine.losses.contract import (
 from engine.registry import BACKENDS, DEVICES, HEADS, check_part, resolve_device
 from heads.base import Head, HeadContext
 from heads.errors import (
-    BatchError,
     ConfigError,
     EngineStateError,
 )
@@ -205,8 +204,11 @@ class Engine:
                     "forward_backward_batch needs a loss_function unless forward_only"
                 )
         fields = required_fields(loss_function) if loss_function is not None else ()
-        rows = to_jagged(validate_batch(batch, fields))
-        self._check_token_ids(rows)
+        model = self.config.model
+        checked = validate_batch(
+            batch, fields, vocab_size=model.vocab_size, max_length=model.max_sequence_length
+        )
+        rows = to_jagged(checked)
         micro_batches = split_into(rows, self.plan_micro_batches(rows).groups)
         counts = self._global_counts(rows)
         produced: list[dict[str, torch.Tensor]] = [{} for _ in micro_batches]
@@ -413,21 +415,6 @@ class Engine:
             raise EngineStateError(
                 f"{what}() trains, but this engine is forward-only (config.forward_only=True, e.g. "
                 "a reference model); use infer_batch()"
-            )
-
-    def _check_token_ids(self, rows: TensorDict) -> None:
-        ids = rows["input_ids"].values()
-        vocab = self.config.model.vocab_size
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-            raise BatchError(
-                f"'input_ids' must lie in [0, {vocab}) (the model's vocab_size); found "
-                f"[{int(ids.min())}, {int(ids.max())}]"
-            )
-        longest = int(sequence_lengths(rows).max())
-        if longest > self.config.model.max_sequence_length:
-            raise BatchError(
-                f"a sequence of {longest} tokens exceeds ModelConfig.max_sequence_length "
-                f"({self.config.model.max_sequence_length})"
             )
 
     def _data_parallel_sum(self, value: float) -> float:

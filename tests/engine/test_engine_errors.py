@@ -127,7 +127,7 @@ def bad_batches() -> list[tuple[Any, str]]:
         ),
         (from_token_lists([[1, 2, 3]]), "lacks field.*returns"),
         (from_token_lists([[1, 99]], returns=[[0.0, 0.0]]), r"must lie in \[0, 64\)"),
-        (from_token_lists([[1] * 65], returns=[[0.0] * 65]), "exceeds ModelConfig.max_sequence"),
+        (from_token_lists([[1] * 65], returns=[[0.0] * 65]), "more than ModelConfig.max_seq"),
         (
             TensorDict(
                 {
