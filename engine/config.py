@@ -78,6 +78,17 @@ class OffloadConfig:
 
 
 @attrs.frozen(kw_only=True)
+class NonFiniteConfig:
+    """What a step with a non-finite loss, gradient norm or learning rate does. It is never
+    applied: every rank skips it (weights, optimizer state and LR schedule unchanged), and
+    ``policy="raise"`` raises ``NonFiniteError`` at once, ``"skip"`` only after more than
+    ``max_consecutive_skips`` such steps in a row."""
+
+    policy: str = attrs.field(default="skip", validator=one_of("skip", "raise"))
+    max_consecutive_skips: int = int_field(5)
+
+
+@attrs.frozen(kw_only=True)
 class EngineConfig:
     """Everything an engine needs; each part's own options ride along as ``head`` / ``backend`` /
     ``device`` mappings, used when that part is given by name."""
@@ -91,6 +102,7 @@ class EngineConfig:
     optimizer: OptimizerConfig = _section(OptimizerConfig)
     scheduler: SchedulerConfig = _section(SchedulerConfig)
     offload: OffloadConfig = _section(OffloadConfig)
+    non_finite: NonFiniteConfig = _section(NonFiniteConfig)
     micro_batch_size: int = int_field(4)
     #: When set, micro-batches are planned by token budget (rows x longest row, padding
     #: included) instead of ``micro_batch_size``: the fewest that fit, balanced, and the same

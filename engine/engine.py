@@ -21,6 +21,7 @@ from engine.config import EngineConfig, coerce_config
 from engine.data.batching import (
     MicroBatch,
     fields,
+    first_non_finite,
     restore_outputs,
     sequence_lengths,
     split_into,
@@ -37,6 +38,7 @@ from engine.losses.contract import (
     metrics_per_name,
     required_fields,
 )
+from engine.non_finite import ZERO_GRADIENT, NonFiniteGuard
 from engine.registry import BACKENDS, DEVICES, HEADS, check_part, resolve_device
 from heads.base import Head, HeadContext
 from heads.errors import (
@@ -76,6 +78,7 @@ class Engine:
         self._initialized = False
         #: Optimizer steps taken (restored by ``load_checkpoint``; names checkpoint directories).
         self.global_step = 0
+        self._guard = NonFiniteGuard(self.config.non_finite)
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -143,7 +146,7 @@ class Engine:
         try:
             yield self
         finally:
-            if not self.config.forward_only:
+            if not self.config.forward_only and "grad" not in self.backend.offloaded():
                 self.backend.optimizer_zero_grad()
             self._offload_configured()
 
@@ -266,26 +269,30 @@ class Engine:
 
     def train_batch(
         self, batch: TensorDict, loss_function: LossFn, *, step_lr: bool = True
-    ) -> dict[str, float]:
+    ) -> dict[str, float | str]:
         """Zero grads -> forward/backward -> optimizer step (-> LR step unless ``step_lr=False``).
 
         Returns ``grad_norm`` (global), the ``lr`` the step used, this rank's ``num_tokens`` and
-        ``tokens_per_s``; on output ranks (``is_mp_src_rank_with_outputs``) also the global
-        batch ``loss`` (micro-batch shares summed over micro-batches and data-parallel ranks)
-        and the loss function's metrics (this rank's mean over micro-batches).
+        ``tokens_per_s``, ``skipped`` (1.0 when the non-finite guard skipped the step, with its
+        ``skip_reason``) and ``skipped_steps`` so far; on output ranks
+        (``is_mp_src_rank_with_outputs``) also the global batch ``loss`` (micro-batch shares
+        summed over micro-batches and data-parallel ranks) and the loss function's metrics
+        (this rank's mean over micro-batches).
         """
         self._require_initialized("train_batch")
         self._require_trainable("train_batch")
+        self._require_resident("train_batch", PARTS)
         start = time.perf_counter()
         self.optimizer_zero_grad()
         result = self.forward_backward_batch(batch, loss_function, return_outputs=False)
         lr = self.backend.current_lr()
-        grad_norm = self.optimizer_step()
-        if step_lr:
+        loss = sum(result["loss"]) if result["loss"] else None
+        grad_norm, skip_reason = self._guarded_step(loss, batch)
+        if step_lr and skip_reason is None:
             self.lr_scheduler_step()
         elapsed = time.perf_counter() - start
         num_tokens = int(sequence_lengths(batch).sum())
-        summary: dict[str, float] = {
+        summary: dict[str, float | str] = {
             name: sum(values) / len(values) for name, values in result["metrics"].items() if values
         }
         if self.backend.is_mp_src_rank_with_outputs():
@@ -295,7 +302,11 @@ class Engine:
             lr=lr,
             num_tokens=float(num_tokens),
             tokens_per_s=num_tokens / elapsed if elapsed > 0 else float("inf"),
+            skipped=float(skip_reason is not None),
+            skipped_steps=float(self._guard.skipped_steps),
         )
+        if skip_reason is not None:
+            summary["skip_reason"] = skip_reason
         return summary
 
     def infer_batch(self, batch: TensorDict, loss_function: LossFn | None = None) -> TensorDict:
@@ -307,15 +318,33 @@ class Engine:
 
     def optimizer_zero_grad(self) -> None:
         self._require_trainable("optimizer_zero_grad")
+        self._require_resident("optimizer_zero_grad", ("grad",))
         self.backend.optimizer_zero_grad()
 
     def optimizer_step(self) -> float:
-        """Clip and apply the gradients; returns the global gradient norm (before clipping)."""
+        """Clip and apply the gradients, unless the non-finite guard skips the step (see
+        ``NonFiniteConfig``); returns the global gradient norm (before clipping)."""
+        return self._guarded_step(None)[0]
+
+    def _guarded_step(
+        self, loss: float | None, batch: TensorDict | None = None
+    ) -> tuple[float, str | None]:
+        """The gradient norm, and why the step was skipped (None: it was applied)."""
         self._require_trainable("optimizer_step")
         self._require_resident("optimizer_step", PARTS)
-        grad_norm = self.backend.optimizer_step()
-        self.global_step += 1
-        return grad_norm
+        grad_norm = self.backend.grad_norm()
+        values = {"loss": loss, "grad_norm": grad_norm, "lr": self.backend.current_lr()}
+        reason = self._guard.reason_to_skip(values)
+        if reason is None:
+            self.backend.optimizer_step()
+            self.global_step += 1
+        else:
+            self.backend.optimizer_zero_grad()
+            where = first_non_finite(batch) if batch is not None else None
+            if where and reason != ZERO_GRADIENT:
+                reason += f" (the batch's {where})"
+        self._guard.record(reason)
+        return grad_norm, reason
 
     def lr_scheduler_step(self) -> float:
         """Advance the LR schedule; returns the new learning rate."""
@@ -405,7 +434,8 @@ class Engine:
         away = sorted(self.backend.offloaded() & set(parts))
         if away:
             raise EngineStateError(
-                f"{what}() needs the {', '.join(away)} on the device, but it is offloaded; "
+                f"{what}() needs the {', '.join(away)} on the device, but "
+                f"{'they are' if len(away) > 1 else 'it is'} offloaded; "
                 "call engine.to('device') or work inside train_mode() / eval_mode()"
             )
 

@@ -207,6 +207,18 @@ def validate_batch(
     return batch
 
 
+def first_non_finite(batch: TensorDict) -> str | None:
+    """The batch's first NaN or infinity among real tokens ("field 'returns' row 1, token 3
+    holds nan"), or None: what to name when a loss comes out non-finite."""
+    for name, value in fields(to_jagged(batch)):
+        if value.dtype.is_floating_point:
+            flat = _buffer(value)
+            bad = ~torch.isfinite(flat).reshape(len(flat), -1).all(-1)
+            if bool(bad.any()):
+                return f"field {name!r} {_locate(value, bad)}"
+    return None
+
+
 def _real_tokens(batch: TensorDict, ids: torch.Tensor) -> torch.Tensor | None:
     """The padded batch's real-token mask ``[B, L]`` (checked); None for a jagged batch."""
     if ATTENTION_MASK not in batch.keys():
