@@ -20,7 +20,7 @@ from engine.losses import ActorLoss, value_regression_loss
 from engine.non_finite import ZERO_GRADIENT
 from heads.errors import NonFiniteError
 from strategies.backends.megatron.mesh import destroy_mesh
-from tests.factories import random_batch, tiny_model
+from tests.factories import random_batch, snapshot, tiny_model, unchanged
 
 LENGTHS = [4, 7, 3]
 
@@ -76,25 +76,6 @@ def poisoned(name: str, field: str, row: int, token: int, value: float) -> Tenso
     rows[row][token] = value
     batch[field] = jagged(rows)
     return batch
-
-
-def snapshot(engine: Engine) -> list[torch.Tensor]:
-    """Every parameter, every optimizer state tensor (Adam moments and step counts), the LR."""
-    tensors = [p.detach().clone() for m in engine.backend.modules() for p in m.parameters()]
-    optimizer: Any = engine.backend._optimizer  # type: ignore[attr-defined]
-    for inner in optimizer.chained_optimizers:
-        for state in inner.optimizer.state.values():
-            tensors += [torch.as_tensor(state[key]).clone() for key in sorted(state)]
-    return [*tensors, torch.tensor(engine.backend.current_lr())]
-
-
-def unchanged(before: list[torch.Tensor], engine: Engine) -> bool:
-    """Bit-identical (a NaN learning rate equals itself)."""
-    after = snapshot(engine)
-    if len(before) != len(after):
-        return False
-    pairs = zip(before, after, strict=True)
-    return all(torch.equal(a, b) or bool((a.isnan() & b.isnan()).all()) for a, b in pairs)
 
 
 def train_good(engine: Engine, name: str) -> dict[str, Any]:
