@@ -172,9 +172,9 @@ def _problems(error: BaseException, owner: str) -> Iterator[str]:
         extra = ", ".join(sorted(error.extra_fields))
         yield f"{error.cl.__name__} has no field(s) {extra}; its fields: {known}"
     elif isinstance(error, _NotExactly):
-        yield f"{owner} {error}"
+        yield " ".join(filter(None, (owner, str(error))))
     else:
-        yield f"{owner}: {format_exception(error, None)}"
+        yield ": ".join(filter(None, (owner, format_exception(error, None))))
 
 
 class _NotExactly(TypeError):

@@ -302,8 +302,8 @@ def _buffer(value: torch.Tensor) -> torch.Tensor:
 
 
 def _locate(value: torch.Tensor, bad: torch.Tensor) -> str:
-    """ "row r, token t holds v" for the first True of ``bad``: over a jagged tensor's buffer
-    ``[N]``, a padded ``[B, L]`` or per row ``[B]``."""
+    """Where the first True of ``bad`` is and what ``value`` holds there ("row r, token t holds
+    v"); ``bad`` runs over a jagged tensor's buffer ``[N]``, a padded ``[B, L]`` or rows ``[B]``."""
     first = bad.nonzero()[0].tolist()
     if value.is_nested:
         offsets = jagged_offsets(value)

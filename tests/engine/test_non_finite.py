@@ -78,13 +78,12 @@ def poisoned(name: str, field: str, row: int, token: int, value: float) -> Tenso
     return batch
 
 
-def train_good(engine: Engine, name: str) -> dict[str, Any]:
+def train_good(engine: Engine, name: str) -> None:
     """A good step: applied, so the weights move and the run of skips ends."""
     before = snapshot(engine)
     result = engine.train_batch(good_batch(name, seed=1), LOSSES[name])
     assert result["skipped"] == 0.0 and "skip_reason" not in result
     assert math.isfinite(float(result["loss"])) and not unchanged(before, engine)
-    return result
 
 
 #: (engine, field, value): NaN anywhere, infinities where the loss does not bound them (the PPO
