@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,14 @@ import yaml
 
 from engine.registry import STRICT_CONVERTER, describe_structure_error
 from heads.errors import ConfigError, EngineError
-from heads.validation import bool_field, int_field, non_negative, of_type, one_of, positive
+from heads.validation import (
+    bool_field,
+    int_field,
+    of_type,
+    one_of,
+    optional_int_field,
+    seed_field,
+)
 from strategies.backends.base import OFFLOAD_PARTS
 from strategies.config import (
     ModelConfig,
@@ -71,6 +79,17 @@ class OffloadConfig:
 
 
 @attrs.frozen(kw_only=True)
+class NonFiniteConfig:
+    """What a step with a non-finite loss, gradient norm or learning rate does. It is never
+    applied: every rank skips it (weights, optimizer state and LR schedule unchanged), and
+    ``policy="raise"`` raises ``NonFiniteError`` at once, ``"skip"`` only after more than
+    ``max_consecutive_skips`` such steps in a row."""
+
+    policy: str = attrs.field(default="skip", validator=one_of("skip", "raise"))
+    max_consecutive_skips: int = int_field(5)
+
+
+@attrs.frozen(kw_only=True)
 class EngineConfig:
     """Everything an engine needs; each part's own options ride along as ``head`` / ``backend`` /
     ``device`` mappings, used when that part is given by name."""
@@ -84,16 +103,15 @@ class EngineConfig:
     optimizer: OptimizerConfig = _section(OptimizerConfig)
     scheduler: SchedulerConfig = _section(SchedulerConfig)
     offload: OffloadConfig = _section(OffloadConfig)
+    non_finite: NonFiniteConfig = _section(NonFiniteConfig)
     micro_batch_size: int = int_field(4)
     #: When set, micro-batches are planned by token budget (rows x longest row, padding
     #: included) instead of ``micro_batch_size``: the fewest that fit, balanced, and the same
     #: count on every data-parallel rank.
-    max_tokens_per_micro_batch: int | None = attrs.field(
-        default=None, validator=attrs.validators.optional([of_type(int), positive])
-    )
+    max_tokens_per_micro_batch: int | None = optional_int_field()
     #: Reference models: no optimizer, no gradients; ``train_batch`` is refused.
     forward_only: bool = bool_field(False)
-    seed: int = int_field(1234, non_negative)
+    seed: int = seed_field(1234)
     dtype: str = attrs.field(default="float32", validator=one_of("float32", "bfloat16"))
     #: Optimizer steps the LR schedule is laid out over (when the schedule has no decay_steps).
     total_steps: int = int_field(1000)
@@ -118,6 +136,18 @@ class EngineConfig:
         return attrs.evolve(self, **changes)
 
 
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading ``1e-3`` as the number YAML 1.2 says it is (YAML 1.1, and
+    so PyYAML, needs a dot: ``1.0e-3``); a config's float field takes no strings."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
 def read_yaml_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A YAML file that holds a mapping (an empty file is an empty one); ConfigError otherwise."""
     try:
@@ -125,7 +155,7 @@ def read_yaml_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
     except OSError as error:
         raise ConfigError(f"cannot read config file {path}: {error.strerror}") from error
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.load(text, Loader=_YamlLoader) or {}
     except yaml.YAMLError as error:
         raise ConfigError(f"config file {path} is not valid YAML: {error}") from error
     if not isinstance(data, Mapping):

@@ -22,6 +22,7 @@ from engine.config import EngineConfig, coerce_config
 from engine.data.batching import (
     MicroBatch,
     fields,
+    first_non_finite,
     restore_outputs,
     sequence_lengths,
     split_into,
@@ -38,9 +39,10 @@ from engine.losses.contract import (
     metrics_per_name,
     required_fields,
 )
+from engine.non_finite import ZERO_GRADIENT, NonFiniteGuard
 from engine.registry import BACKENDS, DEVICES, HEADS, check_part, resolve_device
 from heads.base import PER_SEQUENCE, Head, HeadContext, check_results
-from heads.errors import BatchError, ConfigError, EngineStateError
+from heads.errors import ConfigError, EngineStateError
 from strategies.backends.base import (
     OFFLOAD_PARTS,
     Backend,
@@ -79,6 +81,7 @@ class Engine:
         self._initialized = False
         #: Optimizer steps taken (restored by ``load_checkpoint``; names checkpoint directories).
         self.global_step = 0
+        self._guard = NonFiniteGuard(self.config.non_finite)
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -144,7 +147,7 @@ class Engine:
         try:
             yield self
         finally:
-            if not self.config.forward_only:
+            if not self.config.forward_only and "grad" not in self._offloaded_parts():
                 self.backend.optimizer_zero_grad()
             self._offload_configured()
 
@@ -207,8 +210,11 @@ class Engine:
                     "forward_backward_batch needs a loss_function unless forward_only"
                 )
         fields = required_fields(loss_function) if loss_function is not None else ()
-        rows = to_jagged(validate_batch(batch, fields))
-        self._check_token_ids(rows)
+        model = self.config.model
+        checked = validate_batch(
+            batch, fields, vocab_size=model.vocab_size, max_length=model.max_sequence_length
+        )
+        rows = to_jagged(checked)
         micro_batches = split_into(rows, self.plan_micro_batches(rows).groups)
         counts = self._global_counts(rows)
         produced: list[dict[str, torch.Tensor]] = [{} for _ in micro_batches]
@@ -234,7 +240,9 @@ class Engine:
                 data_parallel_size=self.backend.data_parallel_size(),
                 global_counts=counts,
             )
-            loss, loss_metrics = checked_loss(loss_function(outputs, data, ctx))
+            loss, loss_metrics = checked_loss(
+                loss_function(outputs, data, ctx), training=not forward_only
+            )
             losses[index] = float(loss.detach())
             metrics[index] = loss_metrics
             return loss, loss_metrics
@@ -269,26 +277,30 @@ class Engine:
 
     def train_batch(
         self, batch: TensorDict, loss_function: LossFn, *, step_lr: bool = True
-    ) -> dict[str, float]:
+    ) -> dict[str, float | str]:
         """Zero grads -> forward/backward -> optimizer step (-> LR step unless ``step_lr=False``).
 
         Returns ``grad_norm`` (global), the ``lr`` the step used, this rank's ``num_tokens`` and
-        ``tokens_per_s``; on output ranks (``holds_outputs``) also the global
-        batch ``loss`` (micro-batch shares summed over micro-batches and data-parallel ranks)
-        and the loss function's metrics (this rank's mean over micro-batches).
+        ``tokens_per_s``, ``skipped`` (1.0 when the non-finite guard skipped the step, with its
+        ``skip_reason``) and ``skipped_steps`` so far; on output ranks (``holds_outputs``) also
+        the global batch ``loss`` (micro-batch shares summed over micro-batches and
+        data-parallel ranks) and the loss function's metrics (this rank's mean over
+        micro-batches).
         """
         self._require_initialized("train_batch")
         self._require_trainable("train_batch")
+        self._require_resident("train_batch", OFFLOAD_PARTS)
         start = time.perf_counter()
         self.optimizer_zero_grad()
         result = self.forward_backward_batch(batch, loss_function, return_outputs=False)
         lr = self.backend.current_lr()
-        grad_norm = self.optimizer_step()
-        if step_lr:
+        loss = sum(result["loss"]) if result["loss"] else None
+        grad_norm, skip_reason = self._guarded_step(loss, batch)
+        if step_lr and skip_reason is None:
             self.lr_scheduler_step()
         elapsed = time.perf_counter() - start
         num_tokens = int(sequence_lengths(batch).sum())
-        summary: dict[str, float] = {
+        summary: dict[str, float | str] = {
             name: sum(values) / len(values) for name, values in result["metrics"].items() if values
         }
         if self.backend.holds_outputs():
@@ -298,7 +310,11 @@ class Engine:
             lr=lr,
             num_tokens=float(num_tokens),
             tokens_per_s=num_tokens / elapsed if elapsed > 0 else float("inf"),
+            skipped=float(skip_reason is not None),
+            skipped_steps=float(self._guard.skipped_steps),
         )
+        if skip_reason is not None:
+            summary["skip_reason"] = skip_reason
         return summary
 
     def infer_batch(self, batch: TensorDict, loss_function: LossFn | None = None) -> TensorDict:
@@ -310,15 +326,33 @@ class Engine:
 
     def optimizer_zero_grad(self) -> None:
         self._require_trainable("optimizer_zero_grad")
+        self._require_resident("optimizer_zero_grad", ("grad",))
         self.backend.optimizer_zero_grad()
 
     def optimizer_step(self) -> float:
-        """Clip and apply the gradients; returns the global gradient norm (before clipping)."""
+        """Clip and apply the gradients, unless the non-finite guard skips the step (see
+        ``NonFiniteConfig``); returns the global gradient norm (before clipping)."""
+        return self._guarded_step(None)[0]
+
+    def _guarded_step(
+        self, loss: float | None, batch: TensorDict | None = None
+    ) -> tuple[float, str | None]:
+        """The gradient norm, and why the step was skipped (None: it was applied)."""
         self._require_trainable("optimizer_step")
         self._require_resident("optimizer_step", OFFLOAD_PARTS)
-        grad_norm = self.backend.optimizer_step()
-        self.global_step += 1
-        return grad_norm
+        grad_norm = self.backend.grad_norm()
+        values = {"loss": loss, "grad_norm": grad_norm, "lr": self.backend.current_lr()}
+        reason = self._guard.reason_to_skip(values)
+        if reason is None:
+            self.backend.optimizer_step()
+            self.global_step += 1
+        else:
+            self.backend.optimizer_zero_grad()
+            where = first_non_finite(batch) if batch is not None else None
+            if where and reason != ZERO_GRADIENT:
+                reason += f" (the batch's {where})"
+        self._guard.record(reason)
+        return grad_norm, reason
 
     def lr_scheduler_step(self) -> float:
         """Advance the LR schedule; returns the new learning rate."""
@@ -418,13 +452,15 @@ class Engine:
         if not self._initialized:
             raise EngineStateError(f"{what}() needs an initialised engine: call initialize() first")
 
+    def _offloaded_parts(self) -> frozenset[str]:
+        return self.backend.offloaded() if isinstance(self.backend, Offloading) else frozenset()
+
     def _require_resident(self, what: str, parts: tuple[str, ...]) -> None:
-        if not isinstance(self.backend, Offloading):
-            return
-        away = sorted(self.backend.offloaded() & set(parts))
+        away = sorted(self._offloaded_parts() & set(parts))
         if away:
             raise EngineStateError(
-                f"{what}() needs the {', '.join(away)} on the device, but it is offloaded; "
+                f"{what}() needs the {', '.join(away)} on the device, but "
+                f"{'they are' if len(away) > 1 else 'it is'} offloaded; "
                 "call engine.to('device') or work inside train_mode() / eval_mode()"
             )
 
@@ -434,21 +470,6 @@ class Engine:
             raise EngineStateError(
                 f"{what}() trains, but this engine is forward-only (config.forward_only=True, e.g. "
                 "a reference model); use infer_batch()"
-            )
-
-    def _check_token_ids(self, rows: TensorDict) -> None:
-        ids = rows["input_ids"].values()
-        vocab = self.config.model.vocab_size
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-            raise BatchError(
-                f"'input_ids' must lie in [0, {vocab}) (the model's vocab_size); found "
-                f"[{int(ids.min())}, {int(ids.max())}]"
-            )
-        longest = int(sequence_lengths(rows).max())
-        if longest > self.config.model.max_sequence_length:
-            raise BatchError(
-                f"a sequence of {longest} tokens exceeds ModelConfig.max_sequence_length "
-                f"({self.config.model.max_sequence_length})"
             )
 
     def _data_parallel_sum(self, value: float) -> float:

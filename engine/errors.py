@@ -7,6 +7,7 @@ from heads.errors import (
     DeviceUnavailableError,
     EngineError,
     EngineStateError,
+    NonFiniteError,
     UnknownStrategyError,
     VersionError,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "DeviceUnavailableError",
     "EngineError",
     "EngineStateError",
+    "NonFiniteError",
     "UnknownStrategyError",
     "VersionError",
 ]

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Generic, TypeVar
 
+import attrs
 import cattrs
 from cattrs.v import format_exception
 
@@ -30,9 +31,17 @@ class PluginLoadError(EngineError, ImportError):
 class Registry(Generic[T]):
     """Names of one kind of part ("head", "backend", "device") and the factories behind them."""
 
-    def __init__(self, kind: str, group: str, builtins: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        kind: str,
+        group: str,
+        builtins: Mapping[str, str],
+        aliases: Mapping[str, str] | None = None,
+    ) -> None:
         self.kind = kind
         self.group = group
+        #: Other names people use for a part (lower case) -> the name to suggest instead.
+        self.aliases = dict(aliases or {})
         self._factories: dict[str, Callable[..., T]] = {}
         self._lazy: dict[str, Callable[[], Callable[..., T]]] = {
             name: _import_path_loader(path) for name, path in builtins.items()
@@ -98,8 +107,9 @@ class Registry(Generic[T]):
 
     def _unknown_message(self, name: str) -> str:
         known = self.names()
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        by_lower = {**self.aliases, **{known_name.lower(): known_name for known_name in known}}
+        close = difflib.get_close_matches(name.lower(), by_lower, n=1)
+        hint = f"; did you mean {by_lower[close[0]]!r}?" if close else "."
         return f"unknown {self.kind} {name!r}{hint} Known {self.kind}s: {', '.join(known)}"
 
     def _scan_plugins(self) -> None:
@@ -132,22 +142,59 @@ def build_part(factory: Callable[..., T], options: Mapping[str, Any], what: str)
 
 
 def describe_structure_error(error: BaseException) -> str:
-    """One line per leaf problem of a cattrs error, each naming its field."""
+    """One line per leaf problem of a cattrs error, each naming its class and field."""
+    if isinstance(error, cattrs.BaseValidationError):
+        return "; ".join(_problems(error, ""))
     if isinstance(error, EngineError):
         return str(error)
-    if isinstance(error, cattrs.BaseValidationError):
-        return "; ".join(cattrs.transform_error(error, format_exception=_format_leaf))
     return f"{type(error).__name__}: {error}"
 
 
-def _format_leaf(error: BaseException, kind: type | None) -> str:
-    if isinstance(error, EngineError):
-        return str(error)
-    return format_exception(error, kind)
+def _problems(error: BaseException, owner: str) -> Iterator[str]:
+    """The leaf problems under ``error``; ``owner`` names where it sits (``Class.field``)."""
+    if isinstance(error, cattrs.ClassValidationError):
+        with_notes, without = error.group_exceptions()
+        for inner, note in with_notes:
+            yield from _problems(inner, f"{error.cl.__name__}.{note.name}")
+        for inner in without:
+            yield from _problems(inner, error.cl.__name__)
+    elif isinstance(error, cattrs.IterableValidationError):
+        for inner in error.exceptions:
+            yield from _problems(inner, owner)
+    elif isinstance(error, EngineError):
+        yield str(error)
+    elif isinstance(error, cattrs.ForbiddenExtraKeysError) and attrs.has(error.cl):
+        known = ", ".join(field.name for field in attrs.fields(error.cl))
+        extra = ", ".join(sorted(error.extra_fields))
+        yield f"{error.cl.__name__} has no field(s) {extra}; its fields: {known}"
+    elif isinstance(error, _NotExactly):
+        yield " ".join(filter(None, (owner, str(error))))
+    else:
+        yield ": ".join(filter(None, (owner, format_exception(error, None))))
 
 
-#: Structures attrs configs from dicts; unknown keys are errors rather than silently dropped.
+class _NotExactly(TypeError):
+    """A scalar of another type than its field's (raised while structuring)."""
+
+
+def _exactly(kind: type) -> Callable[[Any, Any], Any]:
+    """A structure hook taking a ``kind`` value as it is: cattrs' own would make 2.5 the int 2
+    and "false" the bool True. A float field also takes an int."""
+    accepted: tuple[type, ...] = (int, float) if kind is float else (kind,)
+
+    def structure(value: Any, _: Any) -> Any:
+        if isinstance(value, accepted) and (kind is bool or not isinstance(value, bool)):
+            return value
+        raise _NotExactly(f"must be {kind.__name__}; got {value!r} ({type(value).__name__})")
+
+    return structure
+
+
+#: Structures attrs configs from dicts; unknown keys are errors rather than silently dropped,
+#: and scalars are taken as they are, never cast.
 STRICT_CONVERTER = cattrs.Converter(forbid_extra_keys=True)
+for _scalar in (int, float, bool, str):
+    STRICT_CONVERTER.register_structure_hook(_scalar, _exactly(_scalar))
 
 
 def _import_path_loader(path: str) -> Callable[[], Callable[..., Any]]:
@@ -188,6 +235,7 @@ DEVICES: Registry[Any] = Registry(
         "cuda": "strategies.devices.cuda:CudaPlatform",
         "npu": "strategies.devices.npu:NpuPlatform",
     },
+    aliases={"gpu": "cuda", "nvidia": "cuda", "ascend": "npu", "auto": "auto"},
 )
 
 #: ``device="auto"`` tries these in order and takes the first available.

@@ -34,6 +34,11 @@ class EngineStateError(EngineError, RuntimeError):
     """A call made in the wrong lifecycle state (before initialize, train on forward-only...)."""
 
 
+class NonFiniteError(EngineError, ArithmeticError):
+    """A non-finite loss, gradient norm or learning rate stopped training (by the configured
+    policy); the weights, optimizer state and LR schedule are those of the last applied step."""
+
+
 class CheckpointError(EngineError, RuntimeError):
     """A checkpoint is missing, incomplete, corrupted or belongs to another model."""
 

@@ -8,7 +8,7 @@ import attrs
 import torch
 
 from heads.base import PER_TOKEN, Granularity, HeadContext, OutputSpec, shift_to_scored_token
-from heads.validation import bool_field, of_type
+from heads.validation import bool_field, float_field, positive
 from heads.vocab_parallel import log_probs_and_entropy
 
 
@@ -16,13 +16,14 @@ from heads.vocab_parallel import log_probs_and_entropy
 class LMHead:
     """Actor / reference head: ``log_probs[t] = log p(x_t | x_<t)`` at ``temperature``.
 
-    Temperatures <= 0 are clamped to 1e-8 rather than dividing by zero. Under tensor parallelism
-    the results are computed vocab-parallel; the full vocabulary is never gathered.
+    ``temperature`` is a finite number > 0 (the sampler's; greedy decoding has no log-probs to
+    match). Under tensor parallelism the results are computed vocab-parallel; the full
+    vocabulary is never gathered.
     """
 
     name: ClassVar[str] = "lm"
 
-    temperature: float = attrs.field(default=1.0, validator=of_type((int, float)))
+    temperature: float = float_field(1.0, positive)
     compute_entropy: bool = bool_field(False)
 
     @property

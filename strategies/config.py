@@ -14,17 +14,15 @@ import attrs
 from heads.errors import ConfigError
 from heads.validation import (
     bool_field,
+    finite,
     float_field,
     int_field,
     non_negative,
     of_type,
     one_of,
+    optional_int_field,
     positive,
 )
-
-
-def _optional(kind: type | tuple[type, ...], *checks: Any) -> Any:
-    return attrs.field(default=None, validator=attrs.validators.optional([of_type(kind), *checks]))
 
 
 def _path_or_none(value: Any) -> Any:
@@ -39,8 +37,8 @@ class ModelConfig:
     hidden_size: int = int_field(64)
     num_layers: int = int_field(2)
     num_attention_heads: int = int_field(4)
-    num_query_groups: int | None = attrs.field(default=None)
-    ffn_hidden_size: int | None = attrs.field(default=None)
+    num_query_groups: int | None = optional_int_field()
+    ffn_hidden_size: int | None = optional_int_field()
     max_sequence_length: int = int_field(256)
     rotary_base: int = int_field(10000)
     norm_epsilon: float = float_field(1e-5, positive)
@@ -51,9 +49,11 @@ class ModelConfig:
     #: RMSNorm on each head's queries and keys before RoPE (Qwen3).
     qk_layernorm: bool = bool_field(False)
     #: Per-head size when it is not ``hidden_size / num_attention_heads`` (Qwen3).
-    head_dim: int | None = _optional(int, positive)
+    head_dim: int | None = optional_int_field()
     #: Llama-3.x RoPE scaling factor (low/high frequency factors 1 and 4, original length 8192).
-    rope_scaling_factor: float | None = _optional((int, float), positive)
+    rope_scaling_factor: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional([of_type((int, float)), finite, positive])
+    )
     #: A local Hugging Face checkpoint directory the weights are loaded from.
     hf_path: str | None = attrs.field(
         default=None,
@@ -68,7 +68,7 @@ class ModelConfig:
 
     def __attrs_post_init__(self) -> None:
         groups = self.num_query_groups
-        if groups is not None and (groups <= 0 or self.num_attention_heads % groups):
+        if groups is not None and self.num_attention_heads % groups:
             raise ConfigError(
                 f"ModelConfig.num_query_groups must divide num_attention_heads "
                 f"({self.num_attention_heads}); got {groups}"
@@ -77,10 +77,6 @@ class ModelConfig:
             raise ConfigError(
                 f"ModelConfig.hidden_size ({self.hidden_size}) must be divisible by "
                 f"num_attention_heads ({self.num_attention_heads})"
-            )
-        if self.ffn_hidden_size is not None and self.ffn_hidden_size <= 0:
-            raise ConfigError(
-                f"ModelConfig.ffn_hidden_size must be > 0; got {self.ffn_hidden_size}"
             )
 
     @property
@@ -127,7 +123,7 @@ class ParallelConfig:
 
     tensor_parallel_size: int = int_field(1)
     pipeline_parallel_size: int = int_field(1)
-    virtual_pipeline_parallel_size: int | None = attrs.field(default=None)
+    virtual_pipeline_parallel_size: int | None = optional_int_field()
     context_parallel_size: int = int_field(1)
     expert_parallel_size: int = int_field(1)
     sequence_parallel: bool = bool_field(False)
@@ -168,7 +164,7 @@ class SchedulerConfig:
         default="constant", validator=one_of("constant", "linear", "cosine")
     )
     #: Steps over which the LR decays (warmup included); None = the configured training steps.
-    decay_steps: int | None = attrs.field(default=None)
+    decay_steps: int | None = optional_int_field()
 
     def __attrs_post_init__(self) -> None:
         if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:

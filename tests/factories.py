@@ -9,6 +9,7 @@ import torch
 from tensordict import TensorDict
 
 from engine.data.batching import from_token_lists
+from engine.engine import Engine
 from engine.losses.aggregation import scored_mask, token_mean
 from engine.losses.contract import SEQUENCES, LossContext
 
@@ -51,3 +52,24 @@ def tiny_model(**overrides: Any) -> dict[str, Any]:
     }
     model.update(overrides)
     return model
+
+
+def snapshot(engine: Engine) -> list[torch.Tensor]:
+    """Every parameter, every optimizer state tensor (Adam moments, step counts) and the LR."""
+    tensors = [p.detach().clone() for m in engine.backend.modules() for p in m.parameters()]
+    optimizer: Any = getattr(engine.backend, "_optimizer", None)
+    for inner in optimizer.chained_optimizers if optimizer is not None else []:
+        for state in inner.optimizer.state.values():
+            tensors += [torch.as_tensor(state[key]).clone() for key in sorted(state)]
+    if optimizer is not None:
+        tensors.append(torch.tensor(engine.backend.current_lr()))
+    return tensors
+
+
+def unchanged(before: list[torch.Tensor], engine: Engine) -> bool:
+    """``engine`` holds what ``snapshot`` took, bit for bit (a NaN learning rate equals itself)."""
+    after = snapshot(engine)
+    if len(before) != len(after):
+        return False
+    pairs = zip(before, after, strict=True)
+    return all(torch.equal(a, b) or bool((a.isnan() & b.isnan()).all()) for a, b in pairs)

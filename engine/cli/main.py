@@ -83,8 +83,9 @@ def demo(args: argparse.Namespace) -> int:
         return 130
     if summary.get("iterations") and _is_lead_rank():
         print(
-            f"mean reward: first 10 iterations {summary['first_reward']:.3f}, "
-            f"last 10 {summary['last_reward']:.3f}",
+            f"mean reward: first {summary['window']} iterations "
+            f"{summary['first_reward']:.3f}, last {summary['window']} "
+            f"{summary['last_reward']:.3f}",
             flush=True,
         )
     return 0

@@ -2,7 +2,7 @@
 
 A batch is a ``tensordict.TensorDict`` with batch size ``[num_sequences]``. Per-token fields are
 jagged (``torch.nested`` jagged layout) or padded ``[B, L]`` with a boolean/0-1
-``attention_mask`` (left or right padding); per-sequence fields have shape ``[B, ...]``.
+``attention_mask`` (left or right padding); per-sequence fields have shape ``[B]``.
 Internally every micro-batch is right-padded to its own longest sequence; loss functions see it
 that way (fields ``[b, s]`` plus ``attention_mask``), and per-token outputs come back jagged, in
 the input order.
@@ -132,8 +132,25 @@ class MicroBatch:
         return self.attention_mask.sum(-1)
 
 
-def validate_batch(batch: object, required: Iterable[str] = ()) -> TensorDict:
-    """Check the batch's type, ``input_ids`` dtype and shape, and the fields a loss needs."""
+def validate_batch(
+    batch: object,
+    required: Iterable[str] = (),
+    *,
+    vocab_size: int | None = None,
+    max_length: int | None = None,
+) -> TensorDict:
+    """Refuse a malformed batch before any compute; a BatchError names the field, row and value.
+
+    Checked (vectorised, once per batch): a TensorDict of batch size ``[B > 0]`` with integer
+    ``input_ids``, jagged or padded ``[B, L]``; every field in the layout of ``input_ids``
+    (per-token fields jagged with the same row lengths, or padded ``[B, L, ...]``; per-sequence
+    fields one value per row, ``[B]``); a padded ``attention_mask`` shaped like ``input_ids``
+    whose ones are contiguous in each row (left or right padding, no holes); every ``*mask``
+    field 0 or 1 at each real token; the ``required`` fields present; no empty sequence; token
+    ids in ``[0, vocab_size)``; no sequence longer than ``max_length``. Non-finite values are
+    not refused here: a loss masks out the tokens it does not score, and a non-finite loss or
+    gradient never reaches the weights (the engine's non-finite guard).
+    """
     if not isinstance(batch, TensorDict):
         raise BatchError(
             f"a batch must be a tensordict.TensorDict, got {type(batch).__name__}; build one with "
@@ -145,21 +162,164 @@ def validate_batch(batch: object, required: Iterable[str] = ()) -> TensorDict:
         )
     if INPUT_IDS not in batch.keys():
         raise BatchError(f"the batch has no 'input_ids'; it has: {', '.join(field_names(batch))}")
+    for name in field_names(batch):
+        if not isinstance(batch.get(name), torch.Tensor):
+            raise BatchError(
+                f"field {name!r} is a {type(batch.get(name)).__name__}; a batch holds tensors only"
+            )
     ids = _field(batch, INPUT_IDS)
     if ids.dtype not in (torch.int64, torch.int32):
         raise BatchError(f"'input_ids' must be int64 or int32 token ids, got {ids.dtype}")
-    if not ids.is_nested and ids.dim() != 2:
-        raise BatchError(f"padded 'input_ids' must be [B, L], got shape {list(ids.shape)}")
+    if ids.is_nested and ids.layout != torch.jagged:
+        raise BatchError("jagged 'input_ids' must use torch.jagged layout (see jagged(rows))")
+    if ids.dim() != 2:
+        shape = f"{ids.dim()} jagged dims" if ids.is_nested else f"shape {list(ids.shape)}"
+        raise BatchError(f"'input_ids' must be [B, L] (padded or jagged), got {shape}")
     missing = [name for name in required if name not in batch.keys()]
     if missing:
         raise BatchError(
             f"the batch lacks field(s) {', '.join(missing)} needed here; it has: "
             f"{', '.join(field_names(batch))}"
         )
+    real = _real_tokens(batch, ids)
+    for name, value in fields(batch):
+        if name != INPUT_IDS:
+            _check_layout(name, value, ids)
+        if name.endswith("mask"):
+            _check_binary(name, value, real if name != ATTENTION_MASK else None)
     lengths = sequence_lengths(batch)
     if bool((lengths < 1).any()):
         raise BatchError(f"sequence(s) {lengths.eq(0).nonzero().flatten().tolist()} are empty")
+    if max_length is not None and int(lengths.max()) > max_length:
+        row = int(lengths.argmax())
+        raise BatchError(
+            f"sequence {row} has {int(lengths[row])} tokens, more than "
+            f"ModelConfig.max_sequence_length ({max_length})"
+        )
+    if vocab_size is not None:
+        outside = (_buffer(ids) < 0) | (_buffer(ids) >= vocab_size)
+        if real is not None:
+            outside &= real
+        if bool(outside.any()):
+            raise BatchError(
+                f"'input_ids' must lie in [0, {vocab_size}) (the model's vocab_size); "
+                f"{_locate(ids, outside)}"
+            )
     return batch
+
+
+def first_non_finite(batch: TensorDict) -> str | None:
+    """The batch's first NaN or infinity among real tokens ("field 'returns' row 1, token 3
+    holds nan"), or None: what to name when a loss comes out non-finite."""
+    for name, value in fields(to_jagged(batch)):
+        if value.dtype.is_floating_point:
+            flat = _buffer(value)
+            bad = ~torch.isfinite(flat).reshape(len(flat), -1).all(-1)
+            if bool(bad.any()):
+                return f"field {name!r} {_locate(value, bad)}"
+    return None
+
+
+def _real_tokens(batch: TensorDict, ids: torch.Tensor) -> torch.Tensor | None:
+    """The padded batch's real-token mask ``[B, L]`` (checked); None for a jagged batch."""
+    if ATTENTION_MASK not in batch.keys():
+        return None if ids.is_nested else torch.ones(ids.shape, dtype=torch.bool)
+    mask = _field(batch, ATTENTION_MASK)
+    if ids.is_nested:
+        padding = _buffer(mask) == 0
+        if bool(padding.any()):
+            raise BatchError(
+                f"a jagged batch has no padding, but 'attention_mask' {_locate(mask, padding)}; "
+                "drop those tokens (or the attention_mask field)"
+            )
+        return None
+    if mask.is_nested or mask.shape != ids.shape:
+        raise BatchError(
+            f"'attention_mask' shape {list(mask.shape)} differs from 'input_ids' {list(ids.shape)}"
+        )
+    _check_binary(ATTENTION_MASK, mask, None)
+    real = mask.bool()
+    # One run of ones per row: at most two edges between 0 and 1, counting both ends as 0.
+    edges = (real[:, 1:] != real[:, :-1]).sum(-1) + real[:, 0].long() + real[:, -1].long()
+    holes = (edges > 2).nonzero().flatten()
+    if len(holes):
+        row = int(holes[0])
+        raise BatchError(
+            f"'attention_mask' row {row} has a hole ({_show(real[row].long())}): its ones must "
+            "be contiguous (left or right padding only); put each sequence in its own row"
+        )
+    return real
+
+
+def _check_layout(name: str, value: torch.Tensor, ids: torch.Tensor) -> None:
+    """Per-token fields in the layout of ``input_ids``; per-sequence ones a value per row."""
+    if value.is_nested:
+        if not ids.is_nested:
+            raise BatchError(
+                f"field {name!r} is jagged but 'input_ids' is padded: give every per-token "
+                "field in the layout of 'input_ids' (to_jagged / to_padded convert a batch)"
+            )
+        if value.layout != torch.jagged:
+            raise BatchError(f"jagged field {name!r} must use torch.jagged layout")
+        have, want = jagged_lengths(value), jagged_lengths(ids)
+        if not torch.equal(have, want):
+            row = int((have != want).nonzero()[0])
+            raise BatchError(
+                f"per-token field {name!r} has {int(have[row])} values in row {row}, where "
+                f"'input_ids' has {int(want[row])} tokens; per-token rows must match input_ids"
+            )
+    elif value.dim() > 1 and (ids.is_nested or value.shape[:2] != ids.shape):
+        per_token = "jagged" if ids.is_nested else f"{list(ids.shape)}, padded"
+        raise BatchError(
+            f"field {name!r} has shape {list(value.shape)}: per-token fields are {per_token} "
+            f"like 'input_ids', and per-sequence fields hold one value per row "
+            f"([{ids.shape[0]}])"
+        )
+
+
+def _check_binary(name: str, value: torch.Tensor, real: torch.Tensor | None) -> None:
+    """A mask holds only 0 and 1 (at real tokens: padding positions are dropped anyway)."""
+    if value.dtype == torch.bool:
+        return
+    flat = _buffer(value)
+    ok = (flat == 0) | (flat == 1)
+    per_entry = 1 if value.is_nested or value.dim() == 1 else 2  # reduce trailing dims
+    bad = ~ok.reshape(*ok.shape[:per_entry], -1).all(-1)
+    if real is not None and bad.dim() == 2:
+        bad &= real
+    if bool(bad.any()):
+        hint = ""
+        if bool((flat == -100).any()):
+            hint = (
+                "; Hugging Face-style labels mark ignored tokens with -100: pass "
+                "loss_mask = (labels != -100) and the token ids as input_ids"
+            )
+        raise BatchError(f"mask {name!r} must hold only 0 and 1; {_locate(value, bad)}{hint}")
+
+
+def _buffer(value: torch.Tensor) -> torch.Tensor:
+    """A jagged tensor's values ``[N, ...]`` (all rows' tokens), or the tensor itself."""
+    return value.values() if value.is_nested else value
+
+
+def _locate(value: torch.Tensor, bad: torch.Tensor) -> str:
+    """Where the first True of ``bad`` is and what ``value`` holds there ("row r, token t holds
+    v"); ``bad`` runs over a jagged tensor's buffer ``[N]``, a padded ``[B, L]`` or rows ``[B]``."""
+    first = bad.nonzero()[0].tolist()
+    if value.is_nested:
+        offsets = jagged_offsets(value)
+        row = int(torch.searchsorted(offsets, torch.tensor(first[0]), right=True)) - 1
+        held = value.values()[first[0]]
+        return f"row {row}, token {first[0] - int(offsets[row])} holds {_show(held)}"
+    place = f"row {first[0]}" + (f", position {first[1]}" if len(first) > 1 else "")
+    return f"{place} holds {_show(value[tuple(first)])}"
+
+
+def _show(values: torch.Tensor) -> str:
+    """A few values for a message (``1 1 0 1`` or ``-100``)."""
+    items = values.flatten()[:16].tolist()
+    text = " ".join(f"{item:g}" if isinstance(item, float) else str(item) for item in items)
+    return text + (" ..." if values.numel() > 16 else "")
 
 
 def split_fixed(batch: TensorDict, micro_batch_size: int) -> list[MicroBatch]:

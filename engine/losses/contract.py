@@ -6,12 +6,14 @@ normalised by *global* counts (``ctx.global_count``), so the micro-batch losses 
 batch loss and the gradient does not depend on how the batch was split or on the
 data-parallel size (gradients are summed over micro-batches and data-parallel ranks).
 
-Metrics are this micro-batch's *local* statistics (floats); the engine averages them over
-micro-batches. Only the returned loss is the micro-batch's share of the global value.
+Metrics are this micro-batch's *local* statistics (numbers or one-element tensors); the engine
+averages them over micro-batches. Only the returned loss is the micro-batch's share of the
+global value, and when training it must be computed from the outputs (not detached).
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -70,8 +72,9 @@ def required_fields(loss_fn: Any) -> tuple[str, ...]:
     return tuple(getattr(loss_fn, "required_fields", ()))
 
 
-def checked_loss(result: Any) -> tuple[torch.Tensor, dict[str, float]]:
-    """A loss function's ``(loss, metrics)``, checked: a scalar tensor and a mapping of numbers."""
+def checked_loss(result: Any, *, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
+    """A loss function's ``(loss, metrics)``, checked: a one-element tensor (computed from the
+    model's outputs when ``training``) and a mapping of names to numbers."""
     if not (isinstance(result, tuple) and len(result) == 2):
         raise ConfigError(
             f"a loss function must return (loss, metrics); got {type(result).__name__}"
@@ -83,7 +86,24 @@ def checked_loss(result: Any) -> tuple[torch.Tensor, dict[str, float]]:
         raise ConfigError(
             f"a loss function's metrics must be a mapping; got {type(metrics).__name__}"
         )
-    return loss.reshape(()), {k: float(v) for k, v in metrics.items()}
+    if training and loss.grad_fn is None:
+        raise ConfigError(
+            "a loss function's loss is detached from the model (it has no gradient to the "
+            "outputs): compute it from the outputs it is given, without .detach(), .item(), "
+            "torch.no_grad() or a new torch.tensor(...)"
+        )
+    return loss.reshape(()), {str(name): _metric(name, value) for name, value in metrics.items()}
+
+
+def _metric(name: object, value: object) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.detach())
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    raise ConfigError(
+        f"loss metric {name!r} must be a number or a one-element tensor; got "
+        f"{type(value).__name__} {value!r:.80}"
+    )
 
 
 def metrics_per_name(metrics: Sequence[Mapping[str, Any]]) -> dict[str, list[float]]:

@@ -3,7 +3,6 @@ value loss, as configurable objects, plus the entropy bonus and KL penalty alone
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,14 +20,7 @@ from engine.losses.aggregation import (
 from engine.losses.contract import LossContext, LossResult, needs_fields
 from engine.losses.kl import KL_TYPES, MAX_LOG_RATIO, kl_penalty
 from heads.errors import BatchError, ConfigError
-from heads.validation import non_negative, of_type, one_of, positive
-
-
-def _finite(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not math.isfinite(value):
-        raise ConfigError(
-            f"{type(instance).__name__}.{attribute.name} must be a finite number, got {value!r}"
-        )
+from heads.validation import finite, non_negative, of_type, one_of, positive
 
 
 def _below_one(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
@@ -48,7 +40,7 @@ def _above_one(instance: object, attribute: attrs.Attribute[Any], value: float) 
 
 
 def _number(default: float | None, *checks: Any, optional: bool = False) -> Any:
-    validators = [of_type((int, float)), _finite, *checks]
+    validators = [of_type((int, float)), finite, *checks]
     validator = attrs.validators.optional(validators) if optional else validators
     return attrs.field(default=default, validator=validator)
 

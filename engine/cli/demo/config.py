@@ -12,7 +12,7 @@ import attrs
 
 from engine.config import EngineConfig, read_yaml_mapping, structure
 from heads.errors import ConfigError
-from heads.validation import float_field, int_field, non_negative, of_type, one_of, positive
+from heads.validation import float_field, int_field, of_type, one_of, positive, seed_field
 
 ROLES = ("actor", "critic", "reference")
 HEADS = {"actor": "lm", "critic": "value", "reference": "lm"}
@@ -75,7 +75,7 @@ class DemoConfig:
     """
 
     steps: int = int_field(120)
-    seed: int = int_field(0, non_negative)
+    seed: int = seed_field(0)
     device: str = attrs.field(default="auto", validator=of_type(str))
     backend: str = attrs.field(default="megatron", validator=of_type(str))
     output_dir: str = attrs.field(default="demo-output", validator=of_type(str))

@@ -367,13 +367,16 @@ def _describe_model(config: DemoConfig) -> str:
 
 
 def summarise(records: list[dict[str, Any]], window: int = 10) -> dict[str, Any]:
-    """Mean reward of the first and last ``window`` iterations."""
+    """Mean reward of the first and last ``window`` iterations (fewer in a shorter run: the
+    ``window`` it reports)."""
     rewards = [record["reward"] for record in records]
     if not rewards:
         return {"iterations": 0}
+    window = min(window, len(rewards))
     first, last = rewards[:window], rewards[-window:]
     return {
         "iterations": len(rewards),
+        "window": window,
         "first_reward": sum(first) / len(first),
         "last_reward": sum(last) / len(last),
     }

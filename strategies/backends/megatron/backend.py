@@ -275,6 +275,11 @@ class MegatronBackend:
             module.zero_grad_buffer()  # type: ignore[operator]
         self._optimizer.zero_grad()
 
+    def grad_norm(self) -> float:
+        self._require_optimizer()
+        self._optimizer.prepare_grads()  # gradients where the norm reads them (no loss scaler)
+        return float(self._optimizer.get_grad_norm())
+
     def optimizer_step(self) -> float:
         self._require_optimizer()
         _, grad_norm, _ = self._optimizer.step()

@@ -77,11 +77,11 @@ def optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
 
 
 def _ddp_buffers(wrapped: list[Any]) -> list[Any]:
-    return [
-        buffer
-        for module in wrapped
-        for buffer in [
-            *getattr(module, "buffers", []),
-            *getattr(module, "expert_parallel_buffers", []),
-        ]
-    ]
+    """Megatron DDP's parameter/gradient buffers (a forward-only model is not DDP-wrapped, and
+    its ``buffers`` is ``nn.Module.buffers``, a method)."""
+    found = []
+    for module in wrapped:
+        for name in ("buffers", "expert_parallel_buffers"):
+            buffers = getattr(module, name, [])
+            found += buffers if isinstance(buffers, list) else []
+    return found

@@ -69,7 +69,8 @@ def test_demo_runs_ppo_and_writes_metrics_plot_and_checkpoints(tmp_path: Path) -
     assert checkpoint_steps(out, "actor") == checkpoint_steps(out, "critic") == [2, 3]
     assert json.loads((out / "run.json").read_text())["task"]["prompts"] == 8
     assert "iter    3/3  reward" in result.stdout
-    assert "mean reward: first 10 iterations" in result.stdout
+    assert "mean reward: first 3 iterations " in result.stdout  # the 3 it ran, not 10
+    assert ", last 3 " in result.stdout
 
 
 def test_resume_continues_the_iterations_and_matches_an_uninterrupted_run(

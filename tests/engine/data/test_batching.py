@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -15,6 +17,7 @@ from engine.data.batching import (
     split_fixed,
     to_jagged,
     to_padded,
+    validate_batch,
 )
 from heads.errors import BatchError
 from tests.factories import random_batch, tiny_model
@@ -110,3 +113,35 @@ def test_engine_outputs_do_not_depend_on_padding_side_micro_batch_size_or_token_
     for key in ("log_probs", "entropy"):
         for want, have in zip(expected[key].unbind(), got[key].unbind(), strict=True):
             torch.testing.assert_close(have, want, atol=2e-5, rtol=1e-5)
+
+
+@settings(max_examples=50, deadline=None)
+@given(lengths=lengths_strategy, side=st.sampled_from(["left", "right", "jagged"]))
+def test_validation_accepts_every_well_formed_batch(lengths: list[int], side: str) -> None:
+    batch = random_batch(lengths, 50)
+    if side != "jagged":
+        batch = to_padded(batch, side=side)
+    assert validate_batch(batch, ["returns"], vocab_size=50, max_length=12) is batch
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    lengths=lengths_strategy,
+    side=st.sampled_from(["left", "right", "jagged"]),
+    data=st.data(),
+)
+def test_a_mask_value_other_than_0_or_1_is_refused_naming_its_row_and_token(
+    lengths: list[int], side: str, data: st.DataObject
+) -> None:
+    row = data.draw(st.integers(0, len(lengths) - 1))
+    token = data.draw(st.integers(0, lengths[row] - 1))
+    value = data.draw(st.sampled_from([-100.0, 0.5, 2.0, math.nan]))
+    masks = [[1.0] * n for n in lengths]
+    masks[row][token] = value
+    batch = from_token_lists([[1] * n for n in lengths], loss_mask=masks)
+    if side != "jagged":
+        batch = to_padded(batch, side=side)
+        token += batch["input_ids"].shape[1] - lengths[row] if side == "left" else 0
+    place = f"row {row}, {'token' if side == 'jagged' else 'position'} {token} holds"
+    with pytest.raises(BatchError, match=f"mask 'loss_mask' must hold only 0 and 1; {place}"):
+        validate_batch(batch)
