@@ -52,7 +52,7 @@ from strategies.backends.base import (
     require,
 )
 from strategies.devices.base import DevicePlatform
-from strategies.distributed import world_size
+from strategies.distributed import all_reduce_values, world_size
 
 
 class Engine:
@@ -474,11 +474,8 @@ class Engine:
 
     def _data_parallel_sum(self, value: float) -> float:
         """Sum over the data-parallel group (whose members are all output ranks, or none)."""
-        if self.backend.data_parallel_size() == 1:
-            return value
-        total = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(total, group=self.backend.data_parallel_group())
-        return float(total)
+        (total,) = all_reduce_values([value], group=self.backend.data_parallel_group())
+        return total
 
     def _global_counts(self, rows: TensorDict) -> dict[str, float]:
         """Token, sequence and mask sums over the whole global batch (one all-reduce)."""
@@ -489,7 +486,5 @@ class Engine:
             if name.endswith("mask") and value.is_nested:
                 names.append(name)
                 values.append(float(value.values().float().sum()))
-        totals = torch.tensor(values, dtype=torch.float64)
-        if self.backend.data_parallel_size() > 1:
-            dist.all_reduce(totals, group=self.backend.data_parallel_group())
-        return dict(zip(names, totals.tolist(), strict=True))
+        totals = all_reduce_values(values, group=self.backend.data_parallel_group())
+        return dict(zip(names, totals, strict=True))

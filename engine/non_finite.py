@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from engine.config import NonFiniteConfig
 from heads.errors import NonFiniteError
+from strategies.distributed import all_reduce_values
 
 #: Why a step with a zero gradient is skipped: AdamW would still move the weights (momentum,
 #: weight decay) although the batch asked for nothing, e.g. when no token was scored.
@@ -37,10 +38,8 @@ class NonFiniteGuard:
         names = list(values)
         codes = [_code(value) for value in values.values()]
         codes.append(int(values.get("grad_norm") == 0.0))
-        agreed = torch.tensor(codes, dtype=torch.long)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        *flags, zero_gradient = agreed.tolist()
+        agreed = all_reduce_values(codes, op=dist.ReduceOp.MAX, dtype=torch.int64)
+        *flags, zero_gradient = (int(code) for code in agreed)
         found = [
             f"{name} is {_KIND[flag]}" for name, flag in zip(names, flags, strict=True) if flag
         ]

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from engine.data.partition import balanced_partition
 from heads.errors import BatchError, ConfigError
+from strategies.distributed import all_reduce_values
 
 __all__ = [
     "MicroBatchPlan",
@@ -280,20 +281,11 @@ def _plan(
 def _max_over_ranks(
     values: list[int], group: dist.ProcessGroup | None, device: torch.device | str | None
 ) -> list[int]:
-    """Element-wise max of ``values`` over the ranks of ``group`` with one all-reduce."""
-    if group is None or dist.get_world_size(group) == 1:
+    """Element-wise max of ``values`` over the ranks of ``group`` with one all-reduce
+    (``group=None``: no data parallelism, no collective)."""
+    if group is None:
         return list(values)
-    where = torch.device(device) if device is not None else _collective_device(group)
-    tensor = torch.tensor(values, dtype=torch.int64, device=where)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return [int(value) for value in tensor.tolist()]
-
-
-def _collective_device(group: dist.ProcessGroup) -> torch.device:
-    """CPU where gloo serves the group; otherwise the current accelerator (NCCL, HCCL)."""
-    if "gloo" in str(dist.get_backend(group)).lower():
-        return torch.device("cpu")
-    accelerator = torch.accelerator.current_accelerator()
-    if accelerator is None:
-        return torch.device("cpu")
-    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+    reduced = all_reduce_values(
+        values, op=dist.ReduceOp.MAX, group=group, dtype=torch.int64, device=device
+    )
+    return [int(value) for value in reduced]
