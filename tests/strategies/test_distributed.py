@@ -1,0 +1,30 @@
+"""The shared collectives: a world of one needs no process group; tensors go where the group's
+backend reduces them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from strategies import distributed
+
+
+def test_a_world_of_one_reduces_nothing_and_needs_no_process_group() -> None:
+    assert distributed.all_reduce_values([1.5, 2]) == [1.5, 2.0]
+    assert distributed.from_rank_zero({"a": 1}) == {"a": 1}
+    assert distributed.merged_dicts({"x": 1}) == {"x": 1}
+    assert distributed.rank() == 0
+
+
+@pytest.mark.parametrize(
+    ("backend", "accelerator", "expected"),
+    [("gloo", "cuda", "cpu"), ("nccl", "cuda", "cuda:0"), ("hccl", "npu", "npu:0")],
+)
+def test_collectives_run_on_the_device_the_backend_reduces(
+    monkeypatch: pytest.MonkeyPatch, backend: str, accelerator: str, expected: str
+) -> None:
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device(accelerator))
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    assert str(distributed.collective_device()) == expected
