@@ -19,7 +19,7 @@ def test_a_world_of_one_reduces_nothing_and_needs_no_process_group() -> None:
 
 @pytest.mark.parametrize(
     ("backend", "accelerator", "expected"),
-    [("gloo", "cuda", "cpu"), ("nccl", "cuda", "cuda:0"), ("hccl", "npu", "npu:0")],
+    [("gloo", "cuda", "cpu"), ("nccl", "cuda", "cuda:0"), ("hccl", "xpu", "xpu:0")],
 )
 def test_collectives_run_on_the_device_the_backend_reduces(
     monkeypatch: pytest.MonkeyPatch, backend: str, accelerator: str, expected: str
