@@ -20,8 +20,8 @@ from engine.losses.aggregation import (
 )
 from engine.losses.contract import LossContext, LossResult, needs_fields
 from engine.losses.kl import KL_TYPES, MAX_LOG_RATIO, kl_penalty
-from engine.losses.registries import POLICY_LOSSES
-from heads.errors import BatchError, ConfigError, UnknownStrategyError
+from engine.losses.registries import POLICY_LOSSES, policy_loss_field
+from heads.errors import BatchError, ConfigError
 from heads.validation import non_negative, of_type, one_of, positive
 
 
@@ -46,13 +46,6 @@ def _above_one(instance: object, attribute: attrs.Attribute[Any], value: float) 
             f"{type(instance).__name__}.{attribute.name} must be > 1 (dual-clip bound) or None "
             f"to disable dual clipping, got {value!r}"
         )
-
-
-def _registered(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
-    try:
-        POLICY_LOSSES.get(value)
-    except UnknownStrategyError as error:
-        raise UnknownStrategyError(f"{type(instance).__name__}.{attribute.name}: {error}") from None
 
 
 def _number(default: float | None, *checks: Any, optional: bool = False) -> Any:
@@ -103,7 +96,7 @@ class ActorLoss:
     """
 
     #: A name in the policy loss registry (``vanilla``, ``gspo``, ``cispo`` or registered).
-    policy_loss: str = attrs.field(default="vanilla", validator=[of_type(str), _registered])
+    policy_loss: str = policy_loss_field()
     clip_ratio_low: float = _number(0.2, non_negative, _below_one)
     clip_ratio_high: float = _number(0.2, non_negative)
     #: Dual-clip bound ``c > 1`` for negative advantages; None disables dual clipping.

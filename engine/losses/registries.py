@@ -7,9 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+
 from engine.losses.advantages import AdvantageEstimator
 from engine.losses.policy import PolicyTerms
 from engine.registry import Registry
+from heads.errors import UnknownStrategyError
+from heads.validation import of_type
 
 #: Advantage estimator classes (attrs, options as fields); ``create(name, options)`` builds one.
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry(
@@ -25,7 +29,7 @@ ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry(
 )
 #: Policy loss functions (:class:`~engine.losses.policy.PolicyLoss`); ``get(name)`` gives one.
 POLICY_LOSSES: Registry[PolicyTerms] = Registry(
-    "policy loss",
+    "policy loss function",
     "composable_engine.policy_losses",
     {
         "vanilla": "engine.losses.policy:vanilla",
@@ -43,3 +47,23 @@ def register_advantage_estimator(name: str, *, override: bool = False) -> Any:
 def register_policy_loss(name: str, *, override: bool = False) -> Any:
     """Decorator registering a policy loss function under ``name`` (for ``ActorLoss``)."""
     return POLICY_LOSSES.register(name, override=override)
+
+
+def policy_loss_field(default: str = "vanilla") -> Any:
+    """An attrs field holding a policy loss name, checked against the registry."""
+    return attrs.field(default=default, validator=[of_type(str), registered(POLICY_LOSSES)])
+
+
+def registered(registry: Registry[Any]) -> Any:
+    """attrs validator: the value is a name ``registry`` knows (else the did-you-mean error,
+    prefixed with the field)."""
+
+    def check(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
+        try:
+            registry.get(value)
+        except UnknownStrategyError as error:
+            raise UnknownStrategyError(
+                f"{type(instance).__name__}.{attribute.name}: {error}"
+            ) from None
+
+    return check
