@@ -19,9 +19,9 @@ algorithm's estimator (PPO: GAE, whitened; GRPO, RLOO, REINFORCE++-baseline: fro
 each prompt's group), after subtracting the KL from the rewards if it is placed there -> for
 each epoch and mini-batch, ``train_batch`` of the actor (:class:`~engine.losses.ActorLoss`:
 policy loss + KL to the reference) and of the critic (:class:`~engine.losses.CriticLoss`).
-Every rank samples the
-same global batch (same seeds) and trains on its data-parallel shard; outputs held by output
-ranks are shared with all ranks, so the advantage computation is the same everywhere.
+Every rank samples the same global batch (same seeds) and trains on its data-parallel shard;
+outputs held by output ranks are shared with all ranks, so the advantage computation is the
+same everywhere.
 """
 
 from __future__ import annotations
@@ -168,7 +168,8 @@ def run(config: DemoConfig, *, resume: bool) -> dict[str, Any]:
     last_saved = done
     header = (
         f"{config.algorithm.upper()} demo: task parity, model {_describe_model(config)}, "
-        f"{config.prompts} prompts x {config.group_size} responses x "
+        f"{config.prompts} prompts x {config.group_size} "
+        f"response{'s' if config.group_size > 1 else ''} x "
         f"{config.task.response_length} tokens per iteration, engines {', '.join(engines)}, "
         f"device {actor.platform.name}, backend {actor.backend.name}, "
         f"{dist.get_world_size() if dist.is_initialized() else 1} process(es)"
