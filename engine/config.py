@@ -12,7 +12,7 @@ import attrs
 import yaml
 
 from engine.registry import STRICT_CONVERTER, describe_structure_error
-from heads.errors import ConfigError, EngineError
+from heads.errors import CheckpointError, ConfigError
 from heads.validation import (
     bool_field,
     int_field,
@@ -177,13 +177,13 @@ def coerce_config(config: EngineConfig | Mapping[str, Any] | None) -> EngineConf
 
 
 def structure(data: Any, kind: type[Any]) -> Any:
-    """``data`` as a ``kind``; ConfigError naming the fields, except that an error of another
-    kind raised while reading a field (a CheckpointError of a model directory) keeps its type."""
+    """``data`` as a ``kind``; ConfigError naming the fields, except that a CheckpointError
+    raised while reading a field (a Hugging Face model directory) keeps its type."""
     try:
         return STRICT_CONVERTER.structure(data, kind)
     except Exception as error:
         for leaf in _leaves(error):
-            if isinstance(leaf, EngineError) and not isinstance(leaf, ConfigError):
+            if isinstance(leaf, CheckpointError):  # a model directory that cannot be read
                 raise leaf from None
         raise ConfigError(f"invalid {kind.__name__}: {describe_structure_error(error)}") from error
 

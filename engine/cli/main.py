@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from engine.cli.demo.config import ALGORITHMS
 from engine.cli.options import non_negative_int, parallel_flags, parallel_overrides, positive_int
 from engine.cli.train import train
 from heads.errors import EngineError
@@ -24,14 +25,21 @@ def build_parser() -> argparse.ArgumentParser:
     matrix.add_argument("--json", action="store_true", help="machine-readable output")
     demo = commands.add_parser(
         "demo",
-        help="PPO with an actor, a critic and a reference model on a rule-rewarded task",
-        description="PPO on the parity task (see engine/demo.py); writes metrics.jsonl, "
-        "metrics.png and checkpoints to --output-dir. Ctrl-C saves and exits; --resume goes on.",
+        help="RL (PPO, GRPO, RLOO, REINFORCE++) of an actor on a rule-rewarded task",
+        description="PPO (actor, critic, reference) or a critic-free algorithm (actor, reference) "
+        "on the parity task (see engine/cli/demo/); writes metrics.jsonl, metrics.png and "
+        "checkpoints to --output-dir. Ctrl-C saves and exits; --resume goes on.",
     )
     demo.add_argument("--config", help="YAML file with demo and engine settings (flags win)")
+    demo.add_argument(
+        "--algorithm",
+        choices=sorted(ALGORITHMS),
+        help="ppo (GAE with a critic; the default), or critic-free: grpo, rloo, reinforce_pp "
+        "(REINFORCE++ with a group-mean baseline), each sampling a group of responses per prompt",
+    )
     demo.add_argument("--device", help="cpu, cuda, npu or auto (default auto)")
     demo.add_argument("--backend", help="backend name (default megatron)")
-    demo.add_argument("--steps", type=positive_int, help="PPO iterations (default 120)")
+    demo.add_argument("--steps", type=positive_int, help="iterations (default 120)")
     demo.add_argument("--seed", type=non_negative_int, help="random seed (default 0)")
     demo.add_argument(
         "--output-dir", help="where metrics, plot and checkpoints go (default demo-output)"
@@ -65,7 +73,7 @@ def demo(args: argparse.Namespace) -> int:
 
     overrides: dict[str, Any] = {
         key: getattr(args, key)
-        for key in ("device", "backend", "steps", "seed", "output_dir")
+        for key in ("algorithm", "device", "backend", "steps", "seed", "output_dir")
         if getattr(args, key) is not None
     }
     parallel = parallel_overrides(args)

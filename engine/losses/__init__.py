@@ -2,13 +2,26 @@
 
 A loss function is ``loss_fn(outputs, batch, ctx) -> (loss, metrics)`` (the contract in
 :mod:`engine.losses.contract`); building blocks in :mod:`~engine.losses.aggregation` and
-:mod:`~engine.losses.kl`; PPO losses in :mod:`~engine.losses.ppo`; supervised ones in
+:mod:`~engine.losses.kl`; PPO-style losses in :mod:`~engine.losses.ppo`, whose policy term is a
+registered policy loss (:mod:`~engine.losses.policy`); supervised ones in
 :mod:`~engine.losses.supervised`; reward-model ones in :mod:`~engine.losses.reward`; advantage
-estimators in :mod:`~engine.losses.advantages`.
-Configure the functions with ``functools.partial``; any callable with the same signature works.
+estimators in :mod:`~engine.losses.advantages`; KL coefficient controllers in
+:mod:`~engine.losses.kl_control`; the name registries of estimators and policy losses in
+:mod:`~engine.losses.registries`. Configure the functions with ``functools.partial``; any
+callable with the same signature works.
 """
 
-from engine.losses.advantages import gae_advantages, whiten
+from engine.losses.advantages import (
+    GAE,
+    GRPO,
+    RLOO,
+    AdvantageEstimator,
+    ReinforcePlusPlus,
+    ReinforcePlusPlusBaseline,
+    gae_advantages,
+    outcome_scores,
+    whiten,
+)
 from engine.losses.aggregation import AGG_MODES, aggregate, masked_mean, token_mean, zero_masked
 from engine.losses.contract import (
     LOSS_MASK,
@@ -20,34 +33,62 @@ from engine.losses.contract import (
     needs_fields,
     required_fields,
 )
-from engine.losses.kl import KL_TYPES, kl_penalty
+from engine.losses.kl import KL_TYPES, kl_penalized_rewards, kl_penalty
+from engine.losses.kl_control import AdaptiveKLController, FixedKLController, kl_controller
+from engine.losses.policy import PolicyLoss, PolicyTerms, cispo, gspo, vanilla
 from engine.losses.ppo import ActorLoss, CriticLoss, entropy_bonus, kl_loss
+from engine.losses.registries import (
+    ADVANTAGE_ESTIMATORS,
+    POLICY_LOSSES,
+    register_advantage_estimator,
+    register_policy_loss,
+)
 from engine.losses.reward import bradley_terry_loss, score_regression_loss
 from engine.losses.supervised import sft_loss, value_regression_loss
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
     "AGG_MODES",
+    "GAE",
+    "GRPO",
     "KL_TYPES",
     "LOSS_MASK",
+    "POLICY_LOSSES",
     "RESPONSE_MASK",
+    "RLOO",
     "SCORED_TOKENS",
     "SEQUENCES",
     "ActorLoss",
+    "AdaptiveKLController",
+    "AdvantageEstimator",
     "CriticLoss",
+    "FixedKLController",
     "LossContext",
     "LossFn",
+    "PolicyLoss",
+    "PolicyTerms",
+    "ReinforcePlusPlus",
+    "ReinforcePlusPlusBaseline",
     "aggregate",
     "bradley_terry_loss",
+    "cispo",
     "entropy_bonus",
     "gae_advantages",
+    "gspo",
+    "kl_controller",
     "kl_loss",
+    "kl_penalized_rewards",
     "kl_penalty",
     "masked_mean",
     "needs_fields",
+    "outcome_scores",
+    "register_advantage_estimator",
+    "register_policy_loss",
     "required_fields",
     "score_regression_loss",
     "sft_loss",
     "token_mean",
+    "vanilla",
     "value_regression_loss",
     "whiten",
     "zero_masked",

@@ -19,6 +19,7 @@ from engine.losses.aggregation import (
 )
 from engine.losses.contract import LossContext, LossResult, needs_fields
 from engine.losses.kl import KL_TYPES, MAX_LOG_RATIO, kl_penalty
+from engine.losses.registries import POLICY_LOSSES, policy_loss_field
 from heads.errors import BatchError, ConfigError
 from heads.validation import finite, non_negative, of_type, one_of, positive
 
@@ -67,11 +68,14 @@ def _check_horizon(instance: Any) -> None:
 
 @attrs.frozen(kw_only=True)
 class ActorLoss:
-    """PPO clipped policy loss, minus an entropy bonus, plus a KL penalty (LM head).
+    """Policy loss, minus an entropy bonus, plus a KL penalty (LM head).
 
-    Per token, with ``r = exp(logp - logp_old)`` (log-ratio clamped to ``[-20, 20]``) and
-    advantage ``A``: ``l = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``;
-    for ``A < 0`` and ``clip_ratio_c`` set, ``l = min(l, -A clip_ratio_c)`` (dual clip).
+    The per-token policy loss ``l`` is the registered policy loss named ``policy_loss``
+    (:mod:`engine.losses.policy`): ``vanilla`` is PPO's, with ``r = exp(logp - logp_old)``
+    (log-ratio clamped to ``[-20, 20]``) and advantage ``A``:
+    ``l = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``; for ``A < 0`` and
+    ``clip_ratio_c`` set, ``l = min(l, -A clip_ratio_c)`` (dual clip); ``gspo`` clips a
+    sequence ratio, ``cispo`` weights log-probs by the clipped ratio.
     The loss is ``agg(l) - entropy_coeff * agg(entropy) + kl_coeff * agg(kl)``, every ``agg``
     being :func:`aggregate` with ``loss_agg_mode`` over the mask (``mask_key``, else
     ``loss_mask``, else ``response_mask``).
@@ -83,6 +87,8 @@ class ActorLoss:
     ``kl`` (when the batch has ``ref_log_probs``).
     """
 
+    #: A name in the policy loss registry (``vanilla``, ``gspo``, ``cispo`` or registered).
+    policy_loss: str = policy_loss_field()
     clip_ratio_low: float = _number(0.2, non_negative, _below_one)
     clip_ratio_high: float = _number(0.2, non_negative)
     #: Dual-clip bound ``c > 1`` for negative advantages; None disables dual clipping.
@@ -124,28 +130,14 @@ class ActorLoss:
         old = zero_masked(batch["old_log_probs"].to(dtype), mask)
         advantages = zero_masked(batch["advantages"].to(dtype), mask)
 
+        terms = POLICY_LOSSES.get(self.policy_loss)(log_probs, old, advantages, mask, self)
         log_ratio = torch.clamp(log_probs - old, -MAX_LOG_RATIO, MAX_LOG_RATIO)
-        ratio = torch.exp(log_ratio)
-        unclipped = -advantages * ratio
-        clipped = -advantages * torch.clamp(
-            ratio, 1.0 - self.clip_ratio_low, 1.0 + self.clip_ratio_high
-        )
-        per_token = torch.maximum(unclipped, clipped)
-        clip_hit = clipped > unclipped
-        if self.clip_ratio_c is not None:
-            lower_bound = -advantages * self.clip_ratio_c
-            negative = advantages < 0
-            lower_hit = negative & (per_token > lower_bound)
-            per_token = torch.where(negative, torch.minimum(per_token, lower_bound), per_token)
-        else:
-            lower_hit = torch.zeros_like(clip_hit)
-
-        loss = agg(per_token, ctx)
+        loss = agg(terms.per_token, ctx)
         metrics = {
-            "pg_loss": float(agg(per_token.detach(), local)),
-            "pg_clipfrac": float(masked_mean(clip_hit.to(dtype), mask)),
+            "pg_loss": float(agg(terms.per_token.detach(), local)),
+            "pg_clipfrac": float(masked_mean(terms.clipped.to(dtype), mask)),
             "ppo_kl": float(masked_mean(-log_ratio.detach(), mask)),
-            "pg_clipfrac_lower": float(masked_mean(lower_hit.to(dtype), mask)),
+            "pg_clipfrac_lower": float(masked_mean(terms.clipped_lower.to(dtype), mask)),
         }
 
         entropy = outputs.get("entropy")

@@ -1,5 +1,5 @@
-"""The demo's settings: task, PPO and per-role engine settings, layered from defaults, a saved
-run, a YAML file and command-line flags."""
+"""The demo's settings: algorithm, task, RL and per-role engine settings, layered from defaults,
+a saved run, a YAML file and command-line flags."""
 
 from __future__ import annotations
 
@@ -11,11 +11,24 @@ from typing import Any
 import attrs
 
 from engine.config import EngineConfig, read_yaml_mapping, structure
+from engine.losses import ADVANTAGE_ESTIMATORS, KL_TYPES, AdvantageEstimator
+from engine.losses.registries import policy_loss_field
 from heads.errors import ConfigError
 from heads.validation import float_field, int_field, of_type, one_of, positive, seed_field
 
 ROLES = ("actor", "critic", "reference")
 HEADS = {"actor": "lm", "critic": "value", "reference": "lm"}
+#: ``--algorithm`` -> its advantage estimator; only one that reads values gets a critic.
+ALGORITHMS = {
+    "ppo": "gae",
+    "grpo": "grpo",
+    "rloo": "rloo",
+    "reinforce_pp": "reinforce_plus_plus_baseline",
+}
+#: Sequences per iteration when ``task.prompts`` is not given (``prompts x group_size``).
+SEQUENCES_PER_ITERATION = 64
+#: ``task.group_size`` when not given: responses per prompt without / with a critic.
+CRITIC_FREE_GROUP_SIZE, CRITIC_GROUP_SIZE = 4, 1
 
 #: Engine settings of every role unless the config file says otherwise.
 ENGINE_DEFAULTS: dict[str, Any] = {
@@ -37,17 +50,32 @@ RUN_FILE, METRICS_FILE, PLOT_FILE, CHECKPOINTS = (
 )
 
 
+def _optional_int() -> Any:
+    return attrs.field(default=None, validator=attrs.validators.optional([of_type(int), positive]))
+
+
 @attrs.frozen(kw_only=True)
 class TaskConfig:
-    """The rollout batch: ``prompts`` sequences of ``prompt_length + response_length`` tokens."""
+    """The rollout batch: ``group_size`` responses to each of ``prompts`` prompts, sequences of
+    ``prompt_length + response_length`` tokens. Unset, the algorithm decides: ``group_size`` 1
+    with a critic, else 4; ``prompts`` as many as make 64 sequences."""
 
-    prompts: int = int_field(64)
+    prompts: int | None = _optional_int()
+    group_size: int | None = _optional_int()
     prompt_length: int = int_field(8)
     response_length: int = int_field(8)
 
 
 @attrs.frozen(kw_only=True)
 class PPOConfig:
+    """The training loop's settings, for every algorithm (``gamma`` and ``lam`` are GAE's).
+
+    ``kl_placement``: ``loss`` adds ``kl_coeff`` times the KL to the actor's loss; ``reward``
+    subtracts ``coefficient x KL`` from the token rewards before advantage estimation, the
+    coefficient starting at ``kl_coeff`` and kept (``kl_controller: fixed``) or adapted towards
+    ``kl_target`` over ``kl_horizon`` samples (``adaptive``).
+    """
+
     epochs: int = int_field(2)
     mini_batches: int = int_field(2)
     gamma: float = float_field(1.0)
@@ -55,8 +83,16 @@ class PPOConfig:
     clip_ratio: float = float_field(0.2, positive)
     value_clip: float = float_field(0.5, positive)
     kl_coeff: float = float_field(0.01)
-    kl_type: str = attrs.field(default="low_var_kl", validator=one_of("k1", "k2", "low_var_kl"))
+    kl_type: str = attrs.field(default="low_var_kl", validator=one_of(*KL_TYPES))
+    kl_placement: str = attrs.field(default="loss", validator=one_of("loss", "reward"))
+    kl_controller: str = attrs.field(default="fixed", validator=one_of("fixed", "adaptive"))
+    kl_target: float = float_field(0.1, positive)
+    kl_horizon: int = int_field(10_000)
     entropy_coeff: float = float_field(0.0)
+    #: ``ActorLoss.policy_loss``: ``vanilla`` (PPO), ``gspo``, ``cispo`` or a registered one.
+    policy_loss: str = policy_loss_field()
+    #: Options of the algorithm's advantage estimator (e.g. ``{scale_by_std: false}`` for grpo).
+    estimator_options: dict[str, Any] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         for name in ("gamma", "lam"):
@@ -70,10 +106,12 @@ class PPOConfig:
 class DemoConfig:
     """Everything ``demo`` runs with; a YAML file gives any of it, command-line flags win.
 
-    ``engine`` holds ``EngineConfig`` settings for all three roles; ``actor``, ``critic`` and
-    ``reference`` override them per role (``reference`` is always forward-only).
+    ``engine`` holds ``EngineConfig`` settings for all roles; ``actor``, ``critic`` and
+    ``reference`` override them per role (``reference`` is always forward-only; ``critic`` is
+    built only for an algorithm whose advantage estimator reads values).
     """
 
+    algorithm: str = attrs.field(default="ppo", validator=one_of(*ALGORITHMS))
     steps: int = int_field(120)
     seed: int = seed_field(0)
     device: str = attrs.field(default="auto", validator=of_type(str))
@@ -89,7 +127,12 @@ class DemoConfig:
     reference: dict[str, Any] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
-        configs = {role: self.engine_config(role) for role in ROLES}
+        if self.estimator().needs_groups and self.group_size < 2:
+            raise ConfigError(
+                f"algorithm {self.algorithm!r} compares the responses to one prompt: "
+                f"task.group_size must be >= 2, got {self.group_size}"
+            )
+        configs = {role: self.engine_config(role) for role in self.roles}
         model = configs["actor"].model
         if model.max_sequence_length < self.task.prompt_length + self.task.response_length:
             raise ConfigError(
@@ -97,12 +140,35 @@ class DemoConfig:
                 f"({self.task.prompt_length + self.task.response_length}) exceeds the model's "
                 f"max_sequence_length ({model.max_sequence_length})"
             )
-        for role in ("critic", "reference"):
+        for role in self.roles[1:]:
             if _shape(configs[role].model) != _shape(model):
                 raise ConfigError(
-                    f"the {role}'s model must have the actor's shape (the demo starts all three "
-                    f"from the same weights); section {role!r} changes it"
+                    f"the {role}'s model must have the actor's shape (the demo starts every "
+                    f"role from the same weights); section {role!r} changes it"
                 )
+
+    @property
+    def group_size(self) -> int:
+        """Responses per prompt: ``task.group_size``, else 1 with a critic and 4 without."""
+        if self.task.group_size is not None:
+            return self.task.group_size
+        return CRITIC_GROUP_SIZE if self.estimator().needs_values else CRITIC_FREE_GROUP_SIZE
+
+    @property
+    def prompts(self) -> int:
+        """Prompts per iteration: ``task.prompts``, else as many as make 64 sequences."""
+        return self.task.prompts or max(SEQUENCES_PER_ITERATION // self.group_size, 1)
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The engines the run builds: a critic only when the estimator reads values."""
+        return ROLES if self.estimator().needs_values else ("actor", "reference")
+
+    def estimator(self) -> AdvantageEstimator:
+        """The algorithm's advantage estimator, with ``ppo.estimator_options``."""
+        name = ALGORITHMS[self.algorithm]
+        defaults = {"gamma": self.ppo.gamma, "lam": self.ppo.lam} if name == "gae" else {}
+        return ADVANTAGE_ESTIMATORS.create(name, {**defaults, **self.ppo.estimator_options})
 
     def engine_config(self, role: str) -> EngineConfig:
         """The role's ``EngineConfig``: defaults <- ``engine`` <- the role's section."""

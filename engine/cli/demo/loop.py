@@ -1,7 +1,8 @@
-"""``python -m engine demo``: PPO on a rule-rewarded task, on the CPU of a laptop in minutes.
+"""``python -m engine demo``: RL (PPO, GRPO, RLOO, REINFORCE++) on a rule-rewarded task, on the
+CPU of a laptop in minutes.
 
-Three engines from the same parts share one mesh: the actor (``lm`` head), the critic
-(``value`` head) and the reference (``lm`` head, forward-only). Rollouts come from a separate
+Engines from the same parts share one mesh: the actor (``lm`` head), the reference (``lm`` head,
+forward-only) and, for PPO only, the critic (``value`` head). Rollouts come from a separate
 generator, a plain Hugging Face causal LM that receives the actor's weights every iteration
 through ``Engine.get_per_tensor_param()``, the path a rollout engine such as vLLM takes.
 
@@ -12,12 +13,15 @@ the fraction of answer tokens whose parity (token id mod 2) matches the prompt's
 A random policy scores 0.5, and so does any policy that ignores the prompt (always even, say):
 only reading the instruction scores more.
 
-One iteration: push weights -> sample -> score -> old log-probs (actor), reference log-probs,
-values (critic) -> GAE advantages (whitened) and returns -> for each epoch and mini-batch,
-``train_batch`` of the actor (:class:`~engine.losses.ActorLoss`: clipped policy loss + KL to
-the reference) and of the critic (:class:`~engine.losses.CriticLoss`). Every rank samples the
-same global batch (same seeds) and trains on its data-parallel shard; outputs held by output
-ranks are shared with all ranks, so the advantage computation is the same everywhere.
+One iteration: push weights -> sample ``group_size`` responses to each prompt -> score -> old
+log-probs (actor), reference log-probs, values (critic) -> advantages and returns by the
+algorithm's estimator (PPO: GAE, whitened; GRPO, RLOO, REINFORCE++-baseline: from the scores of
+each prompt's group), after subtracting the KL from the rewards if it is placed there -> for
+each epoch and mini-batch, ``train_batch`` of the actor (:class:`~engine.losses.ActorLoss`:
+policy loss + KL to the reference) and of the critic (:class:`~engine.losses.CriticLoss`).
+Every rank samples the same global batch (same seeds) and trains on its data-parallel shard;
+outputs held by output ranks are shared with all ranks, so the advantage computation is the
+same everywhere.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -39,13 +44,13 @@ from engine.cli.demo.config import (
     HEADS,
     METRICS_FILE,
     PLOT_FILE,
-    ROLES,
     RUN_FILE,
     DemoConfig,
     PPOConfig,
 )
 from engine.cli.demo.rollout import (
     build_generator,
+    in_groups,
     make_prompts,
     parity_reward,
     push_weights,
@@ -53,7 +58,15 @@ from engine.cli.demo.rollout import (
     sample,
 )
 from engine.cli.progress import Column, MetricsFile, ProgressReporter, plot_metrics
-from engine.losses.advantages import gae_advantages, whiten
+from engine.losses import (
+    ActorLoss,
+    AdvantageEstimator,
+    CriticLoss,
+    kl_controller,
+    kl_penalized_rewards,
+    masked_mean,
+)
+from engine.losses.kl_control import KLController
 from heads.errors import CheckpointError, ConfigError
 
 COLUMNS: list[Column] = [
@@ -110,7 +123,8 @@ def run(config: DemoConfig, *, resume: bool) -> dict[str, Any]:
 
     out = Path(config.output_dir)
     metrics = MetricsFile(out / METRICS_FILE)
-    roots = {role: out / CHECKPOINTS / role for role in ("actor", "critic")}
+    trained = [role for role in config.roles if role != "reference"]
+    roots = {role: out / CHECKPOINTS / role for role in trained}
     engines = {
         role: Engine.build(
             head=HEADS[role],
@@ -118,7 +132,7 @@ def run(config: DemoConfig, *, resume: bool) -> dict[str, Any]:
             device=config.device,
             config=config.engine_config(role),
         )
-        for role in ROLES
+        for role in config.roles
     }
     if not resume and (metrics.path.exists() or (out / CHECKPOINTS).exists()):
         raise ConfigError(
@@ -143,14 +157,21 @@ def run(config: DemoConfig, *, resume: bool) -> dict[str, Any]:
         _write_json(out / RUN_FILE, config.to_dict())
     device = actor.device or torch.device("cpu")
     generator = build_generator(actor.config.model, device)
-    losses = _losses(config.ppo)
+    training = Training(
+        estimator=config.estimator(),
+        actor_loss=_actor_loss(config.ppo),
+        critic_loss=_critic_loss(config.ppo) if "critic" in engines else None,
+        reward_kl=_reward_kl_controller(config, metrics.read(), done),
+    )
     vocab = actor.config.model.vocab_size
     start = time.perf_counter()
     last_saved = done
     header = (
-        f"PPO demo: task parity, model {_describe_model(config)}, {config.task.prompts} prompts "
-        f"x {config.task.response_length} tokens per iteration, device "
-        f"{actor.platform.name}, backend {actor.backend.name}, "
+        f"{config.algorithm.upper()} demo: task parity, model {_describe_model(config)}, "
+        f"{config.prompts} prompts x {config.group_size} "
+        f"response{'s' if config.group_size > 1 else ''} x "
+        f"{config.task.response_length} tokens per iteration, engines {', '.join(engines)}, "
+        f"device {actor.platform.name}, backend {actor.backend.name}, "
         f"{dist.get_world_size() if dist.is_initialized() else 1} process(es)"
     )
     with (
@@ -164,7 +185,7 @@ def run(config: DemoConfig, *, resume: bool) -> dict[str, Any]:
         try:
             for iteration in range(done + 1, config.steps + 1):
                 record = _iteration(
-                    config, iteration, engines, generator, losses, vocab, device, start
+                    config, iteration, engines, generator, training, vocab, device, start
                 )
                 if lead:
                     metrics.append(record)
@@ -178,7 +199,7 @@ def run(config: DemoConfig, *, resume: bool) -> dict[str, Any]:
         finally:
             metrics.close()
             if lead:
-                _plot(metrics, out / PLOT_FILE)
+                _plot(metrics, out / PLOT_FILE, config.algorithm.upper())
         progress.message(
             f"checkpoint of iteration {last_saved} in {out / CHECKPOINTS}; metrics in "
             f"{metrics.path}; plot in {out / PLOT_FILE}"
@@ -188,24 +209,37 @@ def run(config: DemoConfig, *, resume: bool) -> dict[str, Any]:
     return summarise(metrics.read()) if lead else {}
 
 
+@attrs.frozen(kw_only=True)
+class Training:
+    """What turns a scored rollout into updates: estimator, losses, KL-in-reward controller."""
+
+    estimator: AdvantageEstimator
+    actor_loss: ActorLoss
+    critic_loss: CriticLoss | None
+    #: The KL coefficient controller when the KL is subtracted from the rewards, else None.
+    reward_kl: KLController | None
+
+
 def _iteration(
     config: DemoConfig,
     iteration: int,
     engines: Mapping[str, Any],
     generator: torch.nn.Module,
-    losses: tuple[Any, Any],
+    training: Training,
     vocab: int,
     device: torch.device,
     start: float,
 ) -> dict[str, Any]:
-    actor, critic, reference = (engines[role] for role in ROLES)
+    actor, reference, critic = engines["actor"], engines["reference"], engines.get("critic")
     task, ppo = config.task, config.ppo
     began = time.perf_counter()
     phases: dict[str, float] = {}
     with actor.eval_mode():
         push_weights(actor, generator)
     phases["sync_s"] = time.perf_counter() - began
-    prompts = make_prompts(task, vocab, config.seed, iteration).to(device)
+    prompts = make_prompts(config.prompts, task.prompt_length, vocab, config.seed, iteration)
+    prompts, group_ids = in_groups(prompts, config.group_size)
+    prompts = prompts.to(device)
     rng = torch.Generator(device=device).manual_seed(config.seed * 1_000_003 + iteration)
     responses = sample(generator, prompts, task.response_length, rng)
     scores = parity_reward(prompts, responses).cpu()
@@ -220,29 +254,30 @@ def _iteration(
         batch["ref_log_probs"] = _gather_outputs(
             reference, reference.infer_batch(shard), "log_probs"
         )
-    with critic.eval_mode():
-        batch["values"] = _gather_outputs(critic, critic.infer_batch(shard), "values")
-    add_advantages(batch, ppo)
-    batch["advantages"] = whiten(batch["advantages"], batch["response_mask"])
-    phases["score_s"] = time.perf_counter() - began - sum(phases.values())
-    actor_loss, critic_loss = losses
-    trained: dict[str, list[float]] = {}
-    order_rng = torch.Generator().manual_seed(config.seed * 7919 + iteration)
-    for _ in range(ppo.epochs):
-        order = torch.randperm(task.prompts, generator=order_rng)
-        for part in order.chunk(ppo.mini_batches):
-            mini = _shard(batch[part], dp_rank, dp_size)
-            with actor.train_mode():
-                _collect(trained, "actor_", actor.train_batch(mini, actor_loss))
-            with critic.train_mode():
-                _collect(trained, "critic_", critic.train_batch(mini, critic_loss))
-    elapsed = time.perf_counter() - began
-    phases["train_s"] = elapsed - sum(phases.values())
+    if critic is not None:
+        with critic.eval_mode():
+            batch["values"] = _gather_outputs(critic, critic.infer_batch(shard), "values")
     record: dict[str, Any] = {
         "iteration": iteration,
         "reward": float(scores.mean()),
         "reward_std": float(scores.std()),
+        **add_advantages(batch, training, group_ids, ppo.kl_type),
     }
+    phases["score_s"] = time.perf_counter() - began - sum(phases.values())
+    trained: dict[str, list[float]] = {}
+    order_rng = torch.Generator().manual_seed(config.seed * 7919 + iteration)
+    rows = batch.batch_size[0]
+    for _ in range(ppo.epochs):
+        order = torch.randperm(rows, generator=order_rng)
+        for part in order.chunk(ppo.mini_batches):
+            mini = _shard(batch[part], dp_rank, dp_size)
+            with actor.train_mode():
+                _collect(trained, "actor_", actor.train_batch(mini, training.actor_loss))
+            if critic is not None:
+                with critic.train_mode():
+                    _collect(trained, "critic_", critic.train_batch(mini, training.critic_loss))
+    elapsed = time.perf_counter() - began
+    phases["train_s"] = elapsed - sum(phases.values())
     record.update({name: sum(values) / len(values) for name, values in trained.items()})
     for short, name in (
         ("pg_loss", "actor_pg_loss"),
@@ -252,7 +287,7 @@ def _iteration(
     ):
         if name in record:
             record[short] = record.pop(name)
-    tokens = task.prompts * (task.prompt_length + task.response_length)
+    tokens = rows * (task.prompt_length + task.response_length)
     record.update(
         tokens_per_s=tokens / elapsed,
         iteration_s=elapsed,
@@ -262,30 +297,72 @@ def _iteration(
     return record
 
 
-def add_advantages(batch: Any, ppo: PPOConfig) -> None:
-    """``advantages`` and ``returns`` by GAE over the response tokens."""
-    advantages, returns = gae_advantages(
-        batch["token_rewards"],
-        batch["values"],
-        batch["response_mask"],
-        gamma=ppo.gamma,
-        lam=ppo.lam,
-    )
+def add_advantages(
+    batch: Any, training: Training, group_ids: torch.Tensor, kl_type: str
+) -> dict[str, float]:
+    """``advantages`` and ``returns`` by the estimator, from the token rewards less the KL when
+    it is placed in the reward; returns the metrics: advantage statistics over the response
+    tokens, and the KL coefficient and rollout KL when the KL is in the reward."""
+    mask = batch["response_mask"]
+    rewards = batch["token_rewards"]
+    metrics: dict[str, float] = {}
+    controller = training.reward_kl
+    if controller is not None:
+        rewards, kl = kl_penalized_rewards(
+            rewards, batch["old_log_probs"], batch["ref_log_probs"], mask, controller.value, kl_type
+        )
+        rollout_kl = float((kl.sum(-1) / mask.sum(-1).clamp(min=1)).mean())
+        metrics.update(kl_coeff=controller.value, rollout_kl=rollout_kl)
+        controller.update(rollout_kl, n_steps=len(rewards))
+    values = batch["values"] if "values" in batch.keys() else None
+    advantages, returns = training.estimator(rewards, mask, values=values, group_ids=group_ids)
     batch["advantages"], batch["returns"] = advantages, returns
+    chosen = advantages[mask.bool()]
+    metrics.update(
+        adv_mean=float(masked_mean(advantages, mask)),
+        adv_std=float(chosen.std()) if chosen.numel() > 1 else 0.0,
+        adv_max=float(chosen.max()) if chosen.numel() else 0.0,
+        adv_min=float(chosen.min()) if chosen.numel() else 0.0,
+    )
+    return metrics
 
 
-def _losses(ppo: PPOConfig) -> tuple[Any, Any]:
-    from engine.losses import ActorLoss, CriticLoss
-
-    actor = ActorLoss(
+def _actor_loss(ppo: PPOConfig) -> ActorLoss:
+    return ActorLoss(
+        policy_loss=ppo.policy_loss,
         clip_ratio_low=ppo.clip_ratio,
         clip_ratio_high=ppo.clip_ratio,
-        kl_coeff=ppo.kl_coeff,
+        kl_coeff=ppo.kl_coeff if ppo.kl_placement == "loss" else 0.0,
         kl_type=ppo.kl_type,
         entropy_coeff=ppo.entropy_coeff,
         mask_key="response_mask",
     )
-    return actor, CriticLoss(cliprange_value=ppo.value_clip, mask_key="response_mask")
+
+
+def _critic_loss(ppo: PPOConfig) -> CriticLoss:
+    return CriticLoss(cliprange_value=ppo.value_clip, mask_key="response_mask")
+
+
+def _reward_kl_controller(
+    config: DemoConfig, records: list[dict[str, Any]], done: int
+) -> KLController | None:
+    """The KL-in-reward controller, as it was after iteration ``done`` of a resumed run (its
+    record holds the coefficient it used and the KL it saw: the update is replayed)."""
+    ppo = config.ppo
+    if ppo.kl_placement != "reward":
+        return None
+    last = next((r for r in records if r.get("iteration") == done and "kl_coeff" in r), None)
+    if done and last is None:
+        raise CheckpointError(
+            f"cannot resume the KL controller: metrics.jsonl has no KL record of iteration {done}"
+        )
+    coeff = last["kl_coeff"] if done and last else ppo.kl_coeff
+    controller = kl_controller(
+        ppo.kl_controller, coeff, target=ppo.kl_target, horizon=ppo.kl_horizon
+    )
+    if done and last:
+        controller.update(last["rollout_kl"], n_steps=config.prompts * config.group_size)
+    return controller
 
 
 def _shard(batch: Any, rank: int, size: int) -> Any:
@@ -293,7 +370,8 @@ def _shard(batch: Any, rank: int, size: int) -> Any:
     if rows % size:
         raise ConfigError(
             f"{rows} sequences do not split evenly over {size} data-parallel ranks; make "
-            "task.prompts a multiple of ppo.mini_batches x the data-parallel size"
+            "task.prompts x task.group_size a multiple of ppo.mini_batches x the data-parallel "
+            "size"
         )
     share = rows // size
     return batch[rank * share : (rank + 1) * share]
@@ -333,13 +411,13 @@ def _latest_common_checkpoint(roots: Mapping[str, Path]) -> tuple[int, dict[str,
     common = sorted(set.intersection(*(set(steps) for steps in found.values())))
     if not common:
         raise CheckpointError(
-            f"nothing to resume: no iteration saved by both actor and critic under "
-            f"{roots['actor'].parent}"
+            f"nothing to resume: no iteration saved by every trained role "
+            f"({', '.join(roots)}) under {roots['actor'].parent}"
         )
     return common[-1], {role: steps[common[-1]] for role, steps in found.items()}
 
 
-def _plot(metrics: MetricsFile, path: Path) -> None:
+def _plot(metrics: MetricsFile, path: Path, title: str) -> None:
     records = metrics.read()
     if records:
         plot_metrics(
@@ -349,9 +427,10 @@ def _plot(metrics: MetricsFile, path: Path) -> None:
             panels=[
                 ("reward (mean per iteration)", ["reward"]),
                 ("losses", ["pg_loss", "vf_loss"]),
+                ("advantages over response tokens", ["adv_mean", "adv_max", "adv_min"]),
                 ("KL to the reference", ["kl"]),
             ],
-            title="PPO demo (parity task)",
+            title=f"{title} demo (parity task)",
         )
 
 

@@ -11,18 +11,25 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from engine.cli.demo.config import TaskConfig
 from heads.errors import ConfigError, EngineStateError
 
 
 # -- the task -------------------------------------------------------------------------------------
-def make_prompts(task: TaskConfig, vocab_size: int, seed: int, iteration: int) -> torch.Tensor:
-    """The iteration's prompts, each ending in an instruction token 0 or 1 (the same on every
-    rank and on a resumed run)."""
+def make_prompts(
+    count: int, length: int, vocab_size: int, seed: int, iteration: int
+) -> torch.Tensor:
+    """The iteration's ``count`` prompts, each ending in an instruction token 0 or 1 (the same on
+    every rank and on a resumed run)."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + iteration)
-    prompts = torch.randint(0, vocab_size, (task.prompts, task.prompt_length), generator=generator)
+    prompts = torch.randint(0, vocab_size, (count, length), generator=generator)
     prompts[:, -1] %= 2
     return prompts
+
+
+def in_groups(prompts: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each prompt ``group_size`` times in a row, and each row's group id (its prompt's index)."""
+    ids = torch.arange(prompts.shape[0]).repeat_interleave(group_size)
+    return prompts.repeat_interleave(group_size, dim=0), ids
 
 
 def parity_reward(prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""``python -m engine demo``: PPO end to end, its files, resume, Ctrl-C and bad input."""
+"""``python -m engine demo``: PPO and the critic-free algorithms end to end, their files,
+resume, Ctrl-C and bad input."""
 
 from __future__ import annotations
 
@@ -20,18 +21,26 @@ from engine.cli import main
 from engine.cli.demo.config import ROLES, DemoConfig, resolve_config
 from engine.cli.demo.rollout import (
     build_generator,
+    in_groups,
     make_prompts,
     parity_reward,
     push_weights,
     rollout_batch,
     sample,
 )
+from engine.losses import GRPO
 from heads.errors import ConfigError
 from tests.engine.cli.test_cli import ROOT, run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 #: A short run: small batches, a checkpoint every second iteration.
 SHORT = "task:\n  prompts: 8\n  prompt_length: 4\n  response_length: 4\nsave_every: 2\n"
+#: A short critic-free run: 4 prompts x 2 responses.
+SHORT_GROUPS = (
+    "task:\n  prompts: 4\n  group_size: 2\n  prompt_length: 4\n  response_length: 4\n"
+    "save_every: 2\n"
+)
+ADVANTAGE_STATS = ("adv_mean", "adv_std", "adv_max", "adv_min")
 
 
 def short_config(tmp_path: Path, extra: str = "") -> str:
@@ -71,6 +80,59 @@ def test_demo_runs_ppo_and_writes_metrics_plot_and_checkpoints(tmp_path: Path) -
     assert "iter    3/3  reward" in result.stdout
     assert "mean reward: first 3 iterations " in result.stdout  # the 3 it ran, not 10
     assert ", last 3 " in result.stdout
+
+
+def test_demo_grpo_trains_the_actor_without_a_critic_and_records_advantage_statistics(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    config = tmp_path / "grpo.yaml"
+    config.write_text(SHORT_GROUPS)
+    result = run(
+        "demo", "--algorithm", "grpo", "--config", str(config), "--steps", "3",
+        "--output-dir", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    assert "GRPO demo" in result.stdout and "4 prompts x 2 responses" in result.stdout
+    assert "engines actor, reference," in result.stdout
+    iterations = records(out)
+    assert [record["iteration"] for record in iterations] == [1, 2, 3]
+    for record in iterations:
+        for key in ("reward", "pg_loss", "kl", *ADVANTAGE_STATS):
+            assert isinstance(record[key], float) and math.isfinite(record[key]), key
+        assert record["adv_min"] <= record["adv_mean"] <= record["adv_max"]
+        assert "vf_loss" not in record and not any(key.startswith("critic_") for key in record)
+    assert sorted(path.name for path in (out / "checkpoints").iterdir()) == ["actor"]
+    assert checkpoint_steps(out, "actor") == [2, 3]
+    assert json.loads((out / "run.json").read_text())["algorithm"] == "grpo"
+
+
+def test_a_critic_free_run_resumes_from_the_actor_alone_with_its_kl_controller(
+    tmp_path: Path,
+) -> None:
+    kl_in_reward = (
+        "ppo:\n  kl_placement: reward\n  kl_controller: adaptive\n  kl_coeff: 0.05\n"
+        "  kl_target: 0.001\n  kl_horizon: 100\n"
+    )
+    config = tmp_path / "rloo.yaml"
+    config.write_text(SHORT_GROUPS + kl_in_reward)
+    resumed, straight = tmp_path / "resumed", tmp_path / "straight"
+    common = ("demo", "--algorithm", "rloo", "--config", str(config))
+    first = run(*common, "--steps", "2", "--output-dir", str(resumed))
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run("demo", "--resume", "--steps", "3", "--output-dir", str(resumed))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "RLOO demo" in second.stdout and "resumed after iteration 2" in second.stdout
+    whole = run(*common, "--steps", "3", "--output-dir", str(straight))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+
+    continued, reference = records(resumed), records(straight)
+    coefficients = [record["kl_coeff"] for record in reference]
+    assert coefficients[0] == 0.05 and len(set(coefficients)) == 3  # adapted every iteration
+    for key in ("reward", "pg_loss", "kl", "kl_coeff", "rollout_kl", *ADVANTAGE_STATS):
+        assert [r[key] for r in continued] == pytest.approx([r[key] for r in reference], abs=1e-6)
+    assert not (resumed / "checkpoints" / "critic").exists()
 
 
 def test_resume_continues_the_iterations_and_matches_an_uninterrupted_run(
@@ -233,9 +295,9 @@ def test_the_reward_is_the_share_of_answer_tokens_with_the_instructed_parity() -
     prompts = torch.tensor([[9, 0], [9, 1], [4, 1]])
     responses = torch.tensor([[2, 4, 5, 7], [1, 3, 5, 7], [2, 4, 6, 8]])
     assert parity_reward(prompts, responses).tolist() == [0.5, 1.0, 0.0]
-    made = make_prompts(DemoConfig().task, vocab_size=128, seed=0, iteration=3)
+    made = make_prompts(64, 8, vocab_size=128, seed=0, iteration=3)
     assert set(made[:, -1].tolist()) == {0, 1}
-    assert torch.equal(made, make_prompts(DemoConfig().task, 128, 0, 3))
+    assert torch.equal(made, make_prompts(64, 8, 128, 0, 3))
 
 
 @pytest.mark.parametrize(
@@ -257,7 +319,8 @@ def test_the_generator_gets_the_actors_weights_and_samples_its_distribution(
     actor.initialize()
     generator = build_generator(actor.config.model, torch.device("cpu"))
     assert push_weights(actor, generator) == len(list(generator.parameters()))
-    prompts = make_prompts(config.task, actor.config.model.vocab_size, seed=0, iteration=1)
+    vocab = actor.config.model.vocab_size
+    prompts = make_prompts(config.prompts, config.task.prompt_length, vocab, seed=0, iteration=1)
     responses = sample(generator, prompts, 6, torch.Generator().manual_seed(0))
     batch = rollout_batch(prompts, responses, parity_reward(prompts, responses))
     engine_log_probs = actor.infer_batch(batch)["log_probs"].to_padded_tensor(0.0)
@@ -276,3 +339,50 @@ def test_the_readme_config_example_is_a_valid_demo_config(tmp_path: Path) -> Non
     config = resolve_config(str(path), {}, resume=False, output_dir=None)
     assert config.steps == 200
     assert config.engine_config("critic").optimizer.lr == 3.0e-3
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "roles", "prompts", "group_size"),
+    [
+        ("ppo", ("actor", "critic", "reference"), 64, 1),
+        ("grpo", ("actor", "reference"), 16, 4),
+        ("rloo", ("actor", "reference"), 16, 4),
+        ("reinforce_pp", ("actor", "reference"), 16, 4),
+    ],
+)
+def test_the_algorithm_decides_the_roles_and_by_default_the_group_size(
+    algorithm: str, roles: tuple[str, ...], prompts: int, group_size: int
+) -> None:
+    config = DemoConfig.from_dict({"algorithm": algorithm})
+    assert config.roles == roles
+    assert (config.prompts, config.group_size) == (prompts, group_size)
+    assert config.estimator().needs_values == ("critic" in roles)
+    chosen = DemoConfig.from_dict({"algorithm": algorithm, "task": {"group_size": 8}})
+    assert (chosen.prompts, chosen.group_size) == (8, 8)
+
+
+def test_estimator_options_reach_the_estimator_and_bad_ones_are_refused() -> None:
+    config = DemoConfig.from_dict(
+        {"algorithm": "grpo", "ppo": {"estimator_options": {"scale_by_std": False}}}
+    )
+    assert config.estimator() == GRPO(scale_by_std=False)
+    with pytest.raises(ConfigError, match="scale_by_sdt"):
+        DemoConfig.from_dict(
+            {"algorithm": "grpo", "ppo": {"estimator_options": {"scale_by_sdt": 0}}}
+        )
+
+
+def test_critic_free_settings_that_cannot_work_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"task\.group_size must be >= 2, got 1"):
+        DemoConfig.from_dict({"algorithm": "grpo", "task": {"group_size": 1}})
+    with pytest.raises(ConfigError, match="algorithm must be one of"):
+        DemoConfig.from_dict({"algorithm": "dpo"})
+    with pytest.raises(ConfigError, match=r"policy_loss: .*did you mean 'cispo'"):
+        DemoConfig.from_dict({"ppo": {"policy_loss": "cipso"}})
+
+
+def test_each_prompt_is_repeated_group_size_times_with_its_group_id() -> None:
+    prompts = torch.tensor([[5, 0], [7, 1]])
+    rows, group_ids = in_groups(prompts, 3)
+    assert rows.tolist() == [[5, 0]] * 3 + [[7, 1]] * 3
+    assert group_ids.tolist() == [0, 0, 0, 1, 1, 1]

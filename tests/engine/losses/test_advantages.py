@@ -1,16 +1,36 @@
-"""GAE and whitening on padded tensors aligned like the engine's outputs."""
+"""Advantage estimators on padded tensors aligned like the engine's outputs, each against a
+textbook reference written here with Python numbers, one row and one group at a time."""
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.losses.advantages import gae_advantages, whiten
-from heads.errors import BatchError
+from engine.losses import (
+    ADVANTAGE_ESTIMATORS,
+    GAE,
+    GRPO,
+    RLOO,
+    ReinforcePlusPlus,
+    ReinforcePlusPlusBaseline,
+    gae_advantages,
+    register_advantage_estimator,
+    whiten,
+)
+from engine.losses.advantages import AdvantageEstimator
+from heads.errors import BatchError, ConfigError, UnknownStrategyError
+
+WHITEN_EPS = 1e-8
 
 
+# -- textbook references ---------------------------------------------------------------------------
 def _reference_gae(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
 ) -> torch.Tensor:
@@ -27,13 +47,247 @@ def _reference_gae(
     return out
 
 
+@dataclass
+class Rows:
+    """A batch as Python lists: each row's masked-in rewards (their positions) and group."""
+
+    rewards: torch.Tensor
+    mask: torch.Tensor
+    group_ids: torch.Tensor
+
+    def steps(self, row: int) -> list[int]:
+        return [t for t in range(self.mask.shape[1]) if self.mask[row, t]]
+
+    def score(self, row: int) -> float:
+        return sum(float(self.rewards[row, t]) for t in self.steps(row))
+
+    def peers(self, row: int) -> list[int]:
+        """The rows of ``row``'s group that have tokens (``row`` included)."""
+        label = int(self.group_ids[row])
+        return [
+            other
+            for other in range(self.mask.shape[0])
+            if int(self.group_ids[other]) == label and self.steps(other)
+        ]
+
+    def silent(self, row: int) -> bool:
+        scores = {self.score(peer) for peer in self.peers(row)}
+        return not self.steps(row) or len(self.peers(row)) < 2 or len(scores) == 1
+
+    def broadcast(self, per_row: Callable[[int], float]) -> torch.Tensor:
+        out = torch.zeros(self.mask.shape, dtype=torch.float64)
+        for row in range(self.mask.shape[0]):
+            for t in self.steps(row):
+                out[row, t] = 0.0 if self.silent(row) else per_row(row)
+        return out
+
+    def scores_per_token(self) -> torch.Tensor:
+        out = torch.zeros(self.mask.shape, dtype=torch.float64)
+        for row in range(self.mask.shape[0]):
+            for t in self.steps(row):
+                out[row, t] = self.score(row)
+        return out
+
+
+def reference_grpo(rows: Rows, eps: float, scale_by_std: bool) -> torch.Tensor:
+    def advantage(row: int) -> float:
+        scores = [rows.score(peer) for peer in rows.peers(row)]
+        centred = rows.score(row) - statistics.mean(scores)
+        return centred / (statistics.stdev(scores) + eps) if scale_by_std else centred
+
+    return rows.broadcast(advantage)
+
+
+def reference_rloo(rows: Rows) -> torch.Tensor:
+    def advantage(row: int) -> float:
+        others = [rows.score(peer) for peer in rows.peers(row) if peer != row]
+        return rows.score(row) - statistics.mean(others)
+
+    return rows.broadcast(advantage)
+
+
+def reference_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    chosen = [float(v) for v, m in zip(values.flatten(), mask.flatten(), strict=True) if m]
+    out = torch.zeros(values.shape, dtype=torch.float64)
+    if len(chosen) < 2:
+        return out
+    mean, std = statistics.mean(chosen), statistics.stdev(chosen)
+    for index in mask.nonzero().tolist():
+        out[tuple(index)] = (float(values[tuple(index)]) - mean) / (std + WHITEN_EPS)
+    return out
+
+
+def reference_discounted_returns(rows: Rows, gamma: float) -> torch.Tensor:
+    out = torch.zeros(rows.mask.shape, dtype=torch.float64)
+    for row in range(rows.mask.shape[0]):
+        running = 0.0
+        for t in reversed(rows.steps(row)):
+            running = float(rows.rewards[row, t]) + gamma * running
+            out[row, t] = running
+    return out
+
+
+def reference_rpp_baseline(rows: Rows) -> torch.Tensor:
+    def centred(row: int) -> float:
+        return rows.score(row) - statistics.mean(rows.score(peer) for peer in rows.peers(row))
+
+    return reference_whiten(rows.broadcast(centred), rows.mask)
+
+
+# -- random padded batches -------------------------------------------------------------------------
+@st.composite
+def group_batches(draw: st.DrawFn) -> Rows:
+    """Rows in groups with arbitrary labels in any order; some rows fully masked, some groups
+    of one, some groups whose rows all score the same; float32 or float64 rewards."""
+    rows, width = draw(st.integers(1, 7)), draw(st.integers(1, 6))
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    if draw(st.booleans()):  # few distinct values: equal scores are common
+        rewards = torch.randint(0, 3, (rows, width), generator=generator).to(dtype) / 2
+    else:
+        rewards = torch.randn(rows, width, generator=generator, dtype=dtype)
+    keep = torch.tensor(
+        draw(st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=rows, max_size=rows))
+    )
+    mask = torch.rand(rows, width, generator=generator) < keep[:, None]
+    labels = draw(st.lists(st.sampled_from([-7, 0, 3, 1000]), min_size=rows, max_size=rows))
+    group_ids = torch.tensor(labels)
+    if draw(st.booleans()):  # one group's rows are copies of its first: all scores equal
+        members = (group_ids == group_ids[0]).nonzero()[:, 0]
+        rewards[members], mask[members] = rewards[0].clone(), mask[0].clone()
+    return Rows(rewards=rewards, mask=mask, group_ids=group_ids)
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    return {"rtol": 1e-9, "atol": 1e-9} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-4}
+
+
+def assert_matches(got: torch.Tensor, expected: torch.Tensor, rows: Rows) -> None:
+    assert got.dtype == rows.rewards.dtype
+    assert torch.isfinite(got).all()
+    assert not got[~rows.mask].any(), "masked-out positions must be 0"
+    torch.testing.assert_close(got.double(), expected, **tolerance(rows.rewards.dtype))
+
+
+group_estimators = settings(max_examples=60, deadline=None)
+
+
+# -- group estimators ------------------------------------------------------------------------------
+@group_estimators
+@given(rows=group_batches(), eps=st.sampled_from([1e-6, 0.1]), scale=st.booleans())
+def test_grpo_is_the_score_minus_its_group_mean_over_the_unbiased_std_plus_eps(
+    rows: Rows, eps: float, scale: bool
+) -> None:
+    estimator = GRPO(eps=eps, scale_by_std=scale)
+    advantages, returns = estimator(rows.rewards, rows.mask, group_ids=rows.group_ids)
+    assert_matches(advantages, reference_grpo(rows, eps, scale), rows)
+    assert_matches(returns, rows.scores_per_token(), rows)
+
+
+@group_estimators
+@given(rows=group_batches())
+def test_rloo_is_the_score_minus_the_mean_of_the_other_scores_of_its_group(rows: Rows) -> None:
+    advantages, returns = RLOO()(rows.rewards, rows.mask, group_ids=rows.group_ids)
+    assert_matches(advantages, reference_rloo(rows), rows)
+    assert_matches(returns, rows.scores_per_token(), rows)
+
+
+@group_estimators
+@given(rows=group_batches(), gamma=st.sampled_from([1.0, 0.9, 0.0]))
+def test_reinforce_pp_whitens_the_discounted_reward_to_go_over_the_batch(
+    rows: Rows, gamma: float
+) -> None:
+    advantages, returns = ReinforcePlusPlus(gamma=gamma)(rows.rewards, rows.mask)
+    expected_returns = reference_discounted_returns(rows, gamma)
+    assert_matches(returns, expected_returns, rows)
+    assert_matches(advantages, reference_whiten(expected_returns, rows.mask), rows)
+
+
+@group_estimators
+@given(rows=group_batches())
+def test_reinforce_pp_baseline_whitens_the_score_minus_its_group_mean_over_the_batch(
+    rows: Rows,
+) -> None:
+    estimator = ReinforcePlusPlusBaseline()
+    advantages, returns = estimator(rows.rewards, rows.mask, group_ids=rows.group_ids)
+    assert_matches(advantages, reference_rpp_baseline(rows), rows)
+    assert_matches(returns, rows.scores_per_token(), rows)
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
+@group_estimators
+@given(rows=group_batches(), seed=st.integers(0, 2**16))
+def test_groups_are_found_by_their_ids_not_by_row_position(
+    name: str, rows: Rows, seed: int
+) -> None:
+    estimator = ADVANTAGE_ESTIMATORS.create(name)
+    order = torch.randperm(rows.mask.shape[0], generator=torch.Generator().manual_seed(seed))
+    advantages, _ = estimator(rows.rewards, rows.mask, group_ids=rows.group_ids)
+    shuffled, _ = estimator(rows.rewards[order], rows.mask[order], group_ids=rows.group_ids[order])
+    torch.testing.assert_close(shuffled, advantages[order], **tolerance(rows.rewards.dtype))
+
+
+def test_the_silent_cases_give_exactly_zero_advantages() -> None:
+    rewards = torch.tensor(
+        [[0.0, 0.1], [0.0, 0.1], [0.0, 0.1], [0.0, 0.7], [0.0, 1.0], [0.0, 0.0]],
+        dtype=torch.float64,
+    )
+    mask = torch.tensor([[0, 1], [0, 1], [0, 1], [0, 1], [0, 1], [0, 0]])
+    # group 0: equal scores (whose float mean is not exactly 0.1); group 1: one response;
+    # group 2: one response and an all-masked row, which is not a response.
+    group_ids = torch.tensor([0, 0, 0, 1, 2, 2])
+    for name in ("grpo", "rloo"):
+        for options in ({}, {"scale_by_std": False}) if name == "grpo" else ({},):
+            estimator = ADVANTAGE_ESTIMATORS.create(name, options)
+            advantages, _ = estimator(rewards, mask, group_ids=group_ids)
+            assert not advantages.any(), (name, options)
+
+
+def test_float64_stays_float64_and_half_precision_is_computed_in_float32() -> None:
+    rewards = torch.rand(4, 5, dtype=torch.float64)
+    mask = torch.ones(4, 5)
+    values = torch.rand(4, 5, dtype=torch.float64)
+    groups = torch.tensor([0, 0, 1, 1])
+    for name in ADVANTAGE_ESTIMATORS.names():
+        estimator = ADVANTAGE_ESTIMATORS.create(name)
+        for dtype, expected in ((torch.float64, torch.float64), (torch.bfloat16, torch.float32)):
+            outputs = estimator(rewards.to(dtype), mask, values=values.to(dtype), group_ids=groups)
+            assert [o.dtype for o in outputs] == [expected, expected], (name, dtype)
+    assert whiten(rewards, mask).dtype == torch.float64
+
+
+def test_all_masked_rows_and_all_masked_batches_give_finite_zeros() -> None:
+    rewards = torch.tensor([[1.0, float("nan")], [2.0, float("inf")]])
+    values = torch.tensor([[0.5, float("nan")], [0.1, float("-inf")]])
+    groups = torch.tensor([0, 0])
+    for keep in ([[1, 0], [0, 0]], [[0, 0], [0, 0]]):
+        mask = torch.tensor(keep)
+        for name in ADVANTAGE_ESTIMATORS.names():
+            estimator = ADVANTAGE_ESTIMATORS.create(name)
+            for out in estimator(rewards, mask, values=values, group_ids=groups):
+                assert torch.isfinite(out).all(), name
+                assert not out[1].any(), name
+
+
+def test_group_estimators_need_one_group_id_per_row() -> None:
+    rewards, mask = torch.zeros(3, 2), torch.ones(3, 2)
+    with pytest.raises(BatchError, match="needs group_ids"):
+        GRPO()(rewards, mask)
+    with pytest.raises(BatchError, match=r"shape \(3,\)"):
+        RLOO()(rewards, mask, group_ids=torch.tensor([0, 1]))
+    with pytest.raises(BatchError, match="critic's values"):
+        GAE()(rewards, mask)
+
+
+# -- GAE and whitening -----------------------------------------------------------------------------
 @st.composite
 def rollouts(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows, width = draw(st.integers(1, 4)), draw(st.integers(1, 9))
     seed = draw(st.integers(0, 2**16))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
     generator = torch.Generator().manual_seed(seed)
-    rewards = torch.randn(rows, width, generator=generator)
-    values = torch.randn(rows, width, generator=generator)
+    rewards = torch.randn(rows, width, generator=generator, dtype=dtype)
+    values = torch.randn(rows, width, generator=generator, dtype=dtype)
     mask = torch.rand(rows, width, generator=generator) < draw(st.floats(0.0, 1.0))
     return rewards, values, mask
 
@@ -45,9 +299,26 @@ def test_gae_equals_the_textbook_recursion_over_masked_in_positions(
 ) -> None:
     rewards, values, mask = rollout
     advantages, returns = gae_advantages(rewards, values, mask, gamma=gamma, lam=lam)
-    expected = _reference_gae(rewards, values, mask, gamma, lam)
-    torch.testing.assert_close(advantages, expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(returns, torch.where(mask, expected + values, 0.0))
+    expected = _reference_gae(rewards.double(), values.double(), mask, gamma, lam)
+    assert advantages.dtype == returns.dtype == rewards.dtype
+    torch.testing.assert_close(advantages.double(), expected, **tolerance(rewards.dtype))
+    torch.testing.assert_close(
+        returns.double(), torch.where(mask, expected + values, 0.0), **tolerance(rewards.dtype)
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(rollouts(), st.floats(0.0, 1.0), st.floats(0.0, 1.0))
+def test_the_gae_estimator_whitens_the_gae_advantages_unless_told_not_to(
+    rollout: tuple[torch.Tensor, torch.Tensor, torch.Tensor], gamma: float, lam: float
+) -> None:
+    rewards, values, mask = rollout
+    raw, returns = gae_advantages(rewards, values, mask, gamma=gamma, lam=lam)
+    white, same_returns = GAE(gamma=gamma, lam=lam)(rewards, mask, values=values)
+    torch.testing.assert_close(white.double(), reference_whiten(raw, mask), **tolerance(raw.dtype))
+    torch.testing.assert_close(same_returns, returns)
+    plain, _ = GAE(gamma=gamma, lam=lam, whiten_advantages=False)(rewards, mask, values=values)
+    torch.testing.assert_close(plain, raw)
 
 
 def test_with_gamma_and_lambda_one_returns_are_the_rewards_still_to_come() -> None:
@@ -72,3 +343,65 @@ def test_whiten_gives_mean_zero_and_unit_std_over_the_mask_only() -> None:
     assert abs(float(selected.mean())) < 1e-6
     assert abs(float(selected.std()) - 1.0) < 1e-5
     assert white[~mask.bool()].tolist() == [0.0, 0.0]
+
+
+# -- the registry ----------------------------------------------------------------------------------
+@attrs.frozen(kw_only=True)
+class MedianBaseline:
+    """A research estimator: each row's score minus the median score of the whole batch."""
+
+    needs_values = False
+    needs_groups = False
+    scale: float = 1.0
+
+    def __call__(
+        self,
+        rewards: torch.Tensor,
+        mask: torch.Tensor,
+        *,
+        values: torch.Tensor | None = None,
+        group_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = (rewards * mask).sum(-1)
+        advantages = self.scale * (scores - scores.median())
+        return advantages[:, None] * mask, scores[:, None] * mask
+
+
+def test_research_code_registers_its_own_estimator_and_uses_it_by_name() -> None:
+    try:
+        register_advantage_estimator("median_baseline")(MedianBaseline)
+        estimator: AdvantageEstimator = ADVANTAGE_ESTIMATORS.create(
+            "median_baseline", {"scale": 2.0}
+        )
+        rewards = torch.tensor([[0.0, 1.0], [0.0, 3.0], [0.0, 8.0]])
+        advantages, _ = estimator(rewards, torch.tensor([[0, 1]] * 3))
+        assert advantages[:, 1].tolist() == [-4.0, 0.0, 10.0]
+        assert not estimator.needs_values
+        with pytest.raises(ConfigError, match="already registered"):
+            register_advantage_estimator("median_baseline")(MedianBaseline)
+    finally:
+        ADVANTAGE_ESTIMATORS.unregister("median_baseline")
+
+
+def test_a_misspelt_estimator_name_is_answered_with_the_closest_one() -> None:
+    with pytest.raises(UnknownStrategyError, match="did you mean 'grpo'"):
+        ADVANTAGE_ESTIMATORS.create("gpro")
+    with pytest.raises(ConfigError, match="scale_by_sdt"):
+        ADVANTAGE_ESTIMATORS.create("grpo", {"scale_by_sdt": False})
+    with pytest.raises(ConfigError, match=r"GAE\.lam must be in \[0, 1\]"):
+        GAE(lam=1.5)
+
+
+def test_the_built_in_estimators_declare_whether_they_need_a_critic_and_groups() -> None:
+    needs = {
+        name: (estimator.needs_values, estimator.needs_groups)
+        for name in ADVANTAGE_ESTIMATORS.names()
+        for estimator in [ADVANTAGE_ESTIMATORS.create(name)]
+    }
+    assert needs == {
+        "gae": (True, False),
+        "grpo": (False, True),
+        "rloo": (False, True),
+        "reinforce_plus_plus": (False, False),
+        "reinforce_plus_plus_baseline": (False, True),
+    }

@@ -23,21 +23,26 @@ from engine.data.batching import from_token_lists, jagged_lengths, split_fixed
 from engine.losses import (
     AGG_MODES,
     KL_TYPES,
+    POLICY_LOSSES,
     RESPONSE_MASK,
     SCORED_TOKENS,
     SEQUENCES,
     ActorLoss,
     CriticLoss,
     LossContext,
+    PolicyTerms,
     aggregate,
     entropy_bonus,
+    kl_controller,
     kl_loss,
+    kl_penalized_rewards,
     kl_penalty,
+    register_policy_loss,
     required_fields,
     sft_loss,
     value_regression_loss,
 )
-from heads.errors import BatchError, ConfigError
+from heads.errors import BatchError, ConfigError, UnknownStrategyError
 
 HORIZON = 16
 OUTPUT_NAMES = ("log_probs", "entropy", "values")
@@ -184,6 +189,18 @@ LOSSES: dict[str, Callable[[str], LossFn]] = {
     "kl_loss_k2": lambda mode: functools.partial(
         kl_loss, kl_type="k2", loss_agg_mode=mode, horizon=HORIZON
     ),
+    "actor_gspo": lambda mode: ActorLoss(
+        policy_loss="gspo", loss_agg_mode=mode, horizon=HORIZON, kl_coeff=0.1, kl_type="k3+"
+    ),
+    "actor_cispo": lambda mode: ActorLoss(
+        policy_loss="cispo", loss_agg_mode=mode, horizon=HORIZON, clip_ratio_high=0.28
+    ),
+    **{
+        f"kl_loss_{kind}": lambda mode, kind=kind: functools.partial(
+            kl_loss, kl_type=kind, loss_agg_mode=mode, horizon=HORIZON
+        )
+        for kind in ("abs", "k1+", "low_var_kl+")
+    },
 }
 
 rollout_shapes = st.lists(st.integers(1, 9), min_size=1, max_size=6)
@@ -248,6 +265,50 @@ def test_two_ranks_with_global_counts_summed_over_both_equal_one_rank_with_every
     )
     assert_same(two_ranks, one_rank)
     assert_same_grads(two_grads, one_grads)
+
+
+def padded(
+    right: torch.Tensor, lengths: Sequence[int], width: int, side: str, fill: float
+) -> torch.Tensor:
+    """Right-padded ``[n, L]`` rows re-padded to ``width`` on ``side``, padding set to ``fill``
+    (differentiable: the rows are gathered from ``right``)."""
+    column = torch.arange(width)
+    length = torch.tensor(lengths)[:, None]
+    source = column - (width - length) if side == "left" else column.expand(len(lengths), -1)
+    valid = (source >= 0) & (source < length)
+    gathered = right.gather(1, source.clamp(0, right.shape[1] - 1))
+    return torch.where(valid, gathered, torch.full((), fill, dtype=right.dtype))
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+@fast
+@given(
+    lengths=rollout_shapes,
+    mask_prob=mask_probs,
+    mode=st.sampled_from(AGG_MODES),
+    side=st.sampled_from(["left", "right"]),
+    extra=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_left_padding_and_wider_padding_give_the_same_loss_and_gradients(
+    loss: str, lengths: list[int], mask_prob: float, mode: str, side: str, extra: int, seed: int
+) -> None:
+    batch, _, ctx = whole_batch(make_rollout(lengths, seed, mask_prob))
+    rollout = make_rollout(lengths, seed, mask_prob)
+    results = []
+    for padding_side, width in (("right", max(lengths)), (side, max(lengths) + extra)):
+        leaves = {k: v.detach().clone().requires_grad_() for k, v in rollout.outputs.items()}
+        outputs = {k: padded(v, lengths, width, padding_side, math.nan) for k, v in leaves.items()}
+        fields = {
+            str(name): padded(value, lengths, width, padding_side, 0)
+            for name, value in batch.items()
+        }
+        value, _ = LOSSES[loss](mode)(outputs, TensorDict(fields, batch_size=[len(lengths)]), ctx)
+        grads = torch.autograd.grad(value, list(leaves.values()), allow_unused=True)
+        results.append((value.detach(), dict(zip(leaves, grads, strict=True))))
+    (natural, natural_grads), (repadded, repadded_grads) = results
+    assert_same(repadded, natural)
+    assert_same_grads(repadded_grads, natural_grads)
 
 
 # -- formulas --------------------------------------------------------------------------------------
@@ -335,6 +396,129 @@ def test_policy_loss_without_dual_clip_is_the_plain_clipped_surrogate() -> None:
     }
 
 
+def test_gspo_is_the_papers_sequence_level_clipped_objective_in_value_and_gradient() -> None:
+    """GSPO's objective: ``mean_i max(-A_i s_i, -A_i clip(s_i))`` with the sequence ratio
+    ``s_i = exp(mean_t (logp - logp_old))``, differentiated through ``s_i`` itself."""
+    batch, outputs, ctx = whole_batch(make_rollout([7, 4, 9, 5, 8, 6], seed=8, mask_prob=0.9))
+    m = batch[RESPONSE_MASK].double()
+    assert (m.sum(-1) > 0).all()
+    sequence_advantages = torch.tensor([1.0, -0.5, 2.0, -1.5, 0.7, -0.2], dtype=torch.float64)
+    batch["advantages"] = sequence_advantages[:, None] * m
+    low, high = 0.05, 0.08
+    gspo = ActorLoss(
+        policy_loss="gspo",
+        clip_ratio_low=low,
+        clip_ratio_high=high,
+        clip_ratio_c=None,
+        loss_agg_mode="seq-mean-token-mean",
+    )
+    loss, metrics = gspo(outputs, batch, ctx)
+    (gradient,) = torch.autograd.grad(loss, outputs["log_probs"])
+
+    logp = outputs["log_probs"].detach().clone().requires_grad_()
+    old = batch["old_log_probs"].double()
+    s = torch.exp(((logp - old) * m).sum(-1) / m.sum(-1))
+    a = sequence_advantages
+    per_sequence = torch.maximum(-a * s, -a * torch.clamp(s, 1 - low, 1 + high))
+    expected = per_sequence.mean()
+    (expected_gradient,) = torch.autograd.grad(expected, logp)
+
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(gradient, expected_gradient * m)
+    clipped = (-a * torch.clamp(s, 1 - low, 1 + high) > -a * s).double()
+    assert metrics["pg_clipfrac"] == pytest.approx(float((clipped[:, None] * m).sum() / m.sum()))
+    assert 0 < metrics["pg_clipfrac"] < 1  # some sequences are clipped, some are not
+
+
+def test_cispo_is_minus_the_clipped_detached_ratio_times_advantage_times_log_prob() -> None:
+    batch, outputs, ctx = whole_batch(make_rollout([7, 4, 9, 5], seed=13, mask_prob=0.9))
+    low, high = 0.1, 0.15
+    loss, metrics = ActorLoss(policy_loss="cispo", clip_ratio_low=low, clip_ratio_high=high)(
+        outputs, batch, ctx
+    )
+    (gradient,) = torch.autograd.grad(loss, outputs["log_probs"])
+
+    m = batch[RESPONSE_MASK].double()
+    logp = outputs["log_probs"].detach()
+    adv, old = batch["advantages"].double(), batch["old_log_probs"].double()
+    ratio = torch.exp(logp - old)
+    weight = torch.clamp(ratio, 1 - low, 1 + high)  # a number: no gradient flows through it
+    torch.testing.assert_close(loss, (-weight * adv * logp * m).sum() / m.sum())
+    torch.testing.assert_close(gradient, -weight * adv * m / m.sum())
+    assert metrics["pg_clipfrac"] == pytest.approx(float(((weight != ratio) * m).sum() / m.sum()))
+    assert 0 < metrics["pg_clipfrac"] < 1
+    assert metrics["pg_clipfrac_lower"] == 0.0
+
+
+def test_research_code_registers_its_own_policy_loss_and_selects_it_by_name() -> None:
+    def reinforce(
+        log_probs: torch.Tensor,
+        old_log_probs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        clip: Any,
+    ) -> PolicyTerms:
+        never = torch.zeros_like(mask, dtype=torch.bool)
+        return PolicyTerms(per_token=-advantages * log_probs, clipped=never, clipped_lower=never)
+
+    batch, outputs, ctx = whole_batch(make_rollout([5, 6], seed=3, mask_prob=1.0))
+    try:
+        register_policy_loss("reinforce")(reinforce)
+        loss, _ = ActorLoss(policy_loss="reinforce")(outputs, batch, ctx)
+        m = batch[RESPONSE_MASK].double()
+        expected = (-batch["advantages"].double() * outputs["log_probs"].detach() * m).sum()
+        torch.testing.assert_close(loss, expected / m.sum())
+        with pytest.raises(ConfigError, match="already registered"):
+            register_policy_loss("reinforce")(reinforce)
+    finally:
+        POLICY_LOSSES.unregister("reinforce")
+
+
+def test_a_misspelt_policy_loss_is_refused_at_construction_with_the_closest_name() -> None:
+    with pytest.raises(
+        UnknownStrategyError, match=r"ActorLoss\.policy_loss: .*did you mean 'gspo'"
+    ):
+        ActorLoss(policy_loss="gpso")
+    assert POLICY_LOSSES.names() == ["cispo", "gspo", "vanilla"]
+
+
+def test_kl_in_the_reward_subtracts_beta_times_the_log_ratio_on_response_tokens() -> None:
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]], dtype=torch.float64)
+    logp = torch.tensor([[-1.0, -0.5, -2.0], [-0.3, -0.1, -9.0]], dtype=torch.float64)
+    ref = torch.tensor([[-1.5, -0.7, -1.0], [-0.3, -0.4, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0]])
+    penalised, kl = kl_penalized_rewards(rewards, logp.requires_grad_(), ref, mask, coeff=0.1)
+    torch.testing.assert_close(kl, (logp.detach() - ref) * mask)
+    torch.testing.assert_close(penalised, (rewards - 0.1 * (logp.detach() - ref)) * mask)
+    assert penalised.dtype == torch.float64 and not penalised.requires_grad
+    _, k3 = kl_penalized_rewards(rewards, logp, ref, mask, coeff=0.1, kind="k3")
+    torch.testing.assert_close(k3, kl_penalty(logp.detach(), ref, "k3") * mask)
+
+
+def test_the_adaptive_kl_controller_follows_the_ziegler_update_and_the_fixed_one_stays() -> None:
+    controller = kl_controller("adaptive", 0.1, target=0.5, horizon=1000)
+    expected = 0.1
+    for current_kl in (0.6, 0.5, 5.0, 0.0, 0.45):
+        controller.update(current_kl, n_steps=64)
+        error = min(max(current_kl / 0.5 - 1, -0.2), 0.2)
+        expected *= 1 + error * 64 / 1000
+        assert controller.value == pytest.approx(expected, rel=1e-12)
+    fixed = kl_controller("fixed", 0.1)
+    fixed.update(5.0, n_steps=64)
+    assert fixed.value == 0.1
+
+
+def test_kl_controller_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="target and horizon"):
+        kl_controller("adaptive", 0.1)
+    with pytest.raises(ConfigError, match="'fixed' or 'adaptive'"):
+        kl_controller("pid", 0.1)
+    with pytest.raises(ConfigError, match=r"AdaptiveKLController\.target must be > 0"):
+        kl_controller("adaptive", 0.1, target=0.0, horizon=10)
+    with pytest.raises(ConfigError, match=r"AdaptiveKLController\.horizon \(100\) must exceed"):
+        kl_controller("adaptive", 0.1, target=1.0, horizon=100).update(0.5, n_steps=500)
+
+
 def test_critic_loss_is_half_the_clipped_squared_error_token_mean() -> None:
     batch, outputs, ctx = whole_batch(make_rollout([5, 9, 4], seed=11, mask_prob=0.9))
     c = 0.2
@@ -369,13 +553,19 @@ def test_kl_estimators_match_their_formulas(kind: str) -> None:
     logp = torch.tensor([-1.0, -0.5, -2.0, -0.1, -30.0, -0.2], dtype=torch.float64)
     ref = torch.tensor([-1.2, -0.5, -0.3, -3.0, -0.1, -40.0], dtype=torch.float64)
     d = logp - ref
-    expected = {
-        "k1": d,
-        "k2": 0.5 * d**2,
-        "k3": torch.clamp(torch.exp(-d) + d - 1, -10, 10),
-        "low_var_kl": torch.clamp(torch.exp(-d) + d - 1, -10, 10),
-    }[kind]
-    torch.testing.assert_close(kl_penalty(logp, ref, kind), expected)
+    k3 = torch.clamp(torch.exp(-d) + d - 1, -10, 10)
+    expected = {"k1": d, "k2": 0.5 * d**2, "k3": k3, "low_var_kl": k3, "abs": d.abs()}
+    torch.testing.assert_close(kl_penalty(logp, ref, kind), expected[kind.rstrip("+")])
+
+
+@pytest.mark.parametrize("kind", [kind for kind in KL_TYPES if kind.endswith("+")])
+def test_straight_through_kl_has_its_base_estimators_value_and_k2s_gradient(kind: str) -> None:
+    logp = torch.tensor([-1.0, -0.5, -2.0, -0.1, -30.0], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([-1.2, -0.5, -0.3, -3.0, -0.1], dtype=torch.float64)
+    value = kl_penalty(logp, ref, kind)
+    (gradient,) = torch.autograd.grad(value.sum(), logp)
+    torch.testing.assert_close(value, kl_penalty(logp, ref, kind[:-1]))
+    torch.testing.assert_close(gradient, (logp - ref).detach())  # d/dlogp of 0.5 (logp - ref)^2
 
 
 def test_low_var_kl_is_clamped_to_ten_and_its_gradient_stays_finite() -> None:
@@ -482,6 +672,8 @@ BAD_CONFIGS = [
     (ActorLoss, "entropy_coeff", -0.01),
     (ActorLoss, "kl_coeff", math.inf),
     (ActorLoss, "kl_type", "k4"),
+    (ActorLoss, "kl_type", "k2+"),
+    (ActorLoss, "policy_loss", 3),
     (ActorLoss, "loss_agg_mode", "mean"),
     (ActorLoss, "horizon", 0),
     (ActorLoss, "horizon", 2.5),
