@@ -23,7 +23,7 @@ class KLController(Protocol):
     def update(self, current_kl: float, n_steps: int) -> None: ...
 
 
-@attrs.define(kw_only=True)
+@attrs.frozen(kw_only=True)
 class FixedKLController:
     """A constant coefficient."""
 
