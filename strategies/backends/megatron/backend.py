@@ -24,10 +24,10 @@ from strategies.backends.megatron.model import (
     transformer_config,
     uses_transformer_engine,
 )
-from strategies.backends.megatron.offload import StorageStash
 from strategies.backends.megatron.optimizer import build_optimizer, build_scheduler
 from strategies.config import ParallelConfig, PartsConfig
 from strategies.megatron_version import check_megatron_version
+from strategies.offload import StorageStash, stash
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -240,13 +240,13 @@ class MegatronBackend:
                 continue
             if part == "model":
                 tensors = offload.model_tensors(self._chunks, self._wrapped)
-                self._offloaded[part] = offload.stash(tensors)
+                self._offloaded[part] = stash(tensors)
             elif part == "grad":
-                self._offloaded[part] = offload.stash(offload.grad_tensors(self._wrapped))
+                self._offloaded[part] = stash(offload.grad_tensors(self._wrapped))
             elif part == "optimizer" and self._optimizer is not None:
                 model = {t.untyped_storage().data_ptr() for t in self._model_tensors()}
                 tensors = offload.optimizer_tensors(self._optimizer)
-                self._offloaded[part] = offload.stash(tensors, keep=model)
+                self._offloaded[part] = stash(tensors, keep=model)
 
     def reload(self, parts: Iterable[str]) -> None:
         """Bring offloaded ``parts`` back onto the device, in place."""
