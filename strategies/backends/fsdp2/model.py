@@ -90,10 +90,10 @@ def build_causal_model(
 
 
 def initialize_parameters(
-    model: CausalModel, config: PartsConfig, only: tuple[str, ...] | None = None
+    model: torch.nn.Module, config: PartsConfig, only: tuple[str, ...] | None = None
 ) -> None:
-    """Re-draw every parameter (or those whose name starts with one of ``only``) from
-    (seed, global name)."""
+    """Re-draw every parameter of a model with Hugging Face names (or those whose name starts
+    with one of ``only``) from (seed, global name)."""
     std = config.model.init_method_std
     scaled_std = std / math.sqrt(2.0 * config.model.num_layers)
     with torch.no_grad():
