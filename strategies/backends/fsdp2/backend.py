@@ -7,8 +7,9 @@ backend is cheap.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import attrs
 import torch
@@ -77,11 +78,8 @@ class Fsdp2Backend:
                     f"ParallelConfig.{field}={value}: the fsdp2 backend shards data-parallel "
                     f"only (it needs {neutral}); use the megatron backend for model parallelism"
                 )
-        if world_size % self.replicate_size:
-            raise ConfigError(
-                f"Fsdp2Backend.replicate_size ({self.replicate_size}) must divide the world "
-                f"size {world_size}"
-            )
+        check_torch_version()
+        self._check_replicate_size(world_size)
         if config.model.max_sequence_length <= 1:
             raise ConfigError("ModelConfig.max_sequence_length must be > 1")
         hf_config_for(config.model)  # the model must map onto a transformers architecture
@@ -92,10 +90,13 @@ class Fsdp2Backend:
         the model, on its device type."""
         if not dist.is_initialized():
             raise EngineStateError("the fsdp2 backend needs the default process group first")
-        if dist.get_world_size() % self.replicate_size:
+        self._check_replicate_size(dist.get_world_size())
+
+    def _check_replicate_size(self, world_size: int) -> None:
+        if world_size % self.replicate_size:
             raise ConfigError(
                 f"Fsdp2Backend.replicate_size ({self.replicate_size}) must divide the world "
-                f"size {dist.get_world_size()}"
+                f"size {world_size}"
             )
 
     def build_model(self, config: PartsConfig, head: Head, device: torch.device) -> None:
@@ -156,16 +157,15 @@ class Fsdp2Backend:
         (the norm is global, so all ranks agree) and drops the gradients."""
         optimizer = self._require_optimizer()
         norm = clip_gradients(self._require_model().parameters(), self._clip_grad)
-        if torch.isfinite(torch.tensor(norm)):
+        if math.isfinite(norm):
             optimizer.step()
         else:
             optimizer.zero_grad(set_to_none=True)
         return norm
 
     def lr_scheduler_step(self) -> float:
-        self._require_optimizer()
-        assert self._schedule is not None
-        return self._schedule.step(1)
+        self._require_optimizer()  # the schedule is built with it
+        return cast(LRSchedule, self._schedule).step(1)
 
     def current_lr(self) -> float:
         return float(self._require_optimizer().param_groups[0]["lr"])
@@ -273,6 +273,21 @@ class Fsdp2Backend:
         return (
             f"{type(self).__name__}(replicate_size={self.replicate_size}, "
             f"activation_checkpointing={self.activation_checkpointing})"
+        )
+
+
+#: The oldest torch whose FSDP2 has every call this backend makes (``fully_shard``'s
+#: ``set_gradient_divide_factor`` and ``set_force_sum_reduction_for_comms``); tested with 2.13.
+MIN_TORCH = "2.8"
+
+
+def check_torch_version() -> None:
+    from packaging.version import Version
+
+    if Version(torch.__version__.split("+")[0]) < Version(MIN_TORCH):
+        raise ConfigError(
+            f"the fsdp2 backend needs torch >= {MIN_TORCH} (FSDP2's gradient-reduction "
+            f"settings); this is torch {torch.__version__}"
         )
 
 

@@ -46,7 +46,7 @@ def shard_model(
     model: CausalModel, mesh: DeviceMesh, dtype: str, *, reshard_after_forward: bool
 ) -> None:
     """``fully_shard`` each decoder layer, then the root; gradients summed over ranks."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     for layer in model.decoder_layers:
         fully_shard(
@@ -56,10 +56,9 @@ def shard_model(
             reshard_after_forward=reshard_after_forward,
         )
     fully_shard(model, mesh=mesh, mp_policy=mixed_precision(dtype, root=True))
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
+    for unit in fsdp_modules(model):
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
 
 
 def mixed_precision(dtype: str, *, root: bool) -> Any:
@@ -77,11 +76,10 @@ def mixed_precision(dtype: str, *, root: bool) -> Any:
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[Any]:
-    """The model's FSDP units, root last."""
+    """The model's FSDP units (the root and each decoder layer)."""
     from torch.distributed.fsdp import FSDPModule
 
-    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
-    return units[1:] + units[:1]
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
 
 
 def drop_unreduced_gradients(model: torch.nn.Module) -> None:

@@ -76,6 +76,14 @@ def test_a_replicate_size_that_does_not_divide_the_world_is_refused(
         Engine.build(head="lm", backend="fsdp2", config={"backend": {"replicate_size": 2}})
 
 
+def test_a_torch_without_the_fsdp2_calls_it_makes_is_refused_naming_the_version(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch, "__version__", "2.7.1+cpu")
+    with pytest.raises(ConfigError, match=r"needs torch >= 2.8 .* this is torch 2.7.1\+cpu"):
+        Engine.build(head="lm", backend="fsdp2", device="cpu")
+
+
 def test_unknown_backend_options_are_refused_naming_the_key() -> None:
     with pytest.raises(ConfigError, match="use_distributed_optimizer"):
         Engine.build(backend="fsdp2", config={"backend": {"use_distributed_optimizer": True}})
