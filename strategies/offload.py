@@ -9,7 +9,7 @@ emptied and its bytes kept in the host copy.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import attrs
 import torch
@@ -47,3 +47,34 @@ def stash(tensors: Iterable[torch.Tensor], keep: set[int] | None = None) -> Stor
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+@attrs.define
+class OffloadedParts:
+    """The parts of a backend's state (``model``, ``optimizer``, ``grad``) in host memory."""
+
+    stashes: dict[str, StorageStash] = attrs.field(factory=dict)
+
+    def offload(
+        self, parts: Iterable[str], tensors: Mapping[str, Callable[[], list[torch.Tensor]]]
+    ) -> None:
+        """Stash each of ``parts`` not stashed yet, from ``tensors[part]()``; a part without an
+        entry (the optimizer of a forward-only engine) is skipped. The optimizer's stash leaves
+        the model's storages alone (a plain optimizer steps the model's own tensors)."""
+        for part in parts:
+            if part in self.stashes or part not in tensors:
+                continue
+            keep = None
+            if part == "optimizer" and "model" in tensors:
+                keep = {tensor.untyped_storage().data_ptr() for tensor in tensors["model"]()}
+            self.stashes[part] = stash(tensors[part](), keep=keep)
+
+    def reload(self, parts: Iterable[str]) -> None:
+        """Restore the stashed ``parts`` in place."""
+        for part in parts:
+            stashed = self.stashes.pop(part, None)
+            if stashed is not None:
+                stashed.restore()
+
+    def names(self) -> frozenset[str]:
+        return frozenset(self.stashes)

@@ -25,7 +25,7 @@ from strategies.backends.fsdp2.model import CausalModel, build_causal_model
 from strategies.backends.fsdp2.optimizer import LRSchedule, build_optimizer, clip_gradients
 from strategies.config import ParallelConfig, PartsConfig
 from strategies.hf.architecture import hf_config_for
-from strategies.offload import StorageStash, stash
+from strategies.offload import OffloadedParts
 
 #: Parallel settings this backend has no use for, and the value it runs them at.
 _MODEL_PARALLEL_FIELDS = {
@@ -64,7 +64,7 @@ class Fsdp2Backend:
     #: imported lazily).
     _mesh: Any = attrs.field(default=None, init=False)
     _device: torch.device = attrs.field(factory=lambda: torch.device("cpu"), init=False)
-    _offloaded: dict[str, StorageStash] = attrs.field(factory=dict, init=False)
+    _offloaded: OffloadedParts = attrs.field(factory=OffloadedParts, init=False)
 
     # -- checks --------------------------------------------------------------------------------
     def required_capabilities(self, config: PartsConfig) -> frozenset[str]:
@@ -191,39 +191,39 @@ class Fsdp2Backend:
     def offload(self, parts: Iterable[str]) -> None:
         """Move ``parts`` (model, optimizer, grad) to host memory; their device storage is freed."""
         model = self._require_model()
-        for part in parts:
-            if part in self._offloaded:
-                continue
-            if part == "model":
-                for unit in sharding.fsdp_modules(model):
-                    unit.reshard()  # gathered parameters are freed, not offloaded
-                self._offloaded[part] = stash(self._model_tensors())
-            elif part == "grad":
-                grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
-                self._offloaded[part] = stash(grads)
-            elif part == "optimizer" and self._optimizer is not None:
-                weights = {t.untyped_storage().data_ptr() for t in self._model_tensors()}
-                moments = [
-                    _local(value)
-                    for state in self._optimizer.state.values()
-                    for value in state.values()
-                    if isinstance(value, torch.Tensor) and value.dim()
-                ]
-                self._offloaded[part] = stash(moments, keep=weights)
+        parts = list(parts)
+        if "model" in parts:
+            for unit in sharding.fsdp_modules(model):
+                unit.reshard()  # gathered parameters are freed, not offloaded
+        tensors = {"model": self._model_tensors, "grad": self._grad_tensors}
+        if self._optimizer is not None:
+            tensors["optimizer"] = self._optimizer_tensors
+        self._offloaded.offload(parts, tensors)
 
     def reload(self, parts: Iterable[str]) -> None:
         """Bring offloaded ``parts`` back onto the device, in place."""
-        for part in parts:
-            stashed = self._offloaded.pop(part, None)
-            if stashed is not None:
-                stashed.restore()
+        self._offloaded.reload(parts)
 
     def offloaded(self) -> frozenset[str]:
-        return frozenset(self._offloaded)
+        return self._offloaded.names()
 
     def _model_tensors(self) -> list[torch.Tensor]:
+        """This rank's shards of the weights, and the buffers (RoPE frequencies)."""
         model = self._require_model()
         return [_local(p) for p in model.parameters()] + list(model.buffers())
+
+    def _grad_tensors(self) -> list[torch.Tensor]:
+        return [_local(p.grad) for p in self._require_model().parameters() if p.grad is not None]
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        """This rank's shards of the Adam moments."""
+        states = self._require_optimizer().state.values()
+        return [
+            _local(value)
+            for state in states
+            for value in state.values()
+            if isinstance(value, torch.Tensor) and value.dim()
+        ]
 
     # -- checkpoints and weights ---------------------------------------------------------------
     def save_state(self, directory: str) -> None:
