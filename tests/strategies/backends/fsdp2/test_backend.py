@@ -89,6 +89,15 @@ def test_unknown_backend_options_are_refused_naming_the_key() -> None:
         Engine.build(backend="fsdp2", config={"backend": {"use_distributed_optimizer": True}})
 
 
+def test_no_platform_contributes_to_an_fsdp2_mesh() -> None:
+    """FSDP2 runs on each platform's process-group backend as it is: neither the CPU layer
+    (megatron's) nor MindSpeed's repatch (megatron's) applies to it."""
+    from engine.registry import DEVICES
+
+    for name in DEVICES.names():
+        assert DEVICES.create(name).mesh_init_steps("fsdp2") == ()
+
+
 # -- weights and schedule ----------------------------------------------------------------------
 def test_weights_are_drawn_from_the_seed_and_their_name(fresh_mesh: None) -> None:
     model = tiny_model()
