@@ -60,9 +60,6 @@ class Fsdp2Backend:
     _optimizer: torch.optim.AdamW | None = attrs.field(default=None, init=False)
     _schedule: LRSchedule | None = attrs.field(default=None, init=False)
     _clip_grad: float = attrs.field(default=0.0, init=False)
-    #: The ``DeviceMesh`` (``Any``: cattrs resolves every field's type, and DeviceMesh is
-    #: imported lazily).
-    _mesh: Any = attrs.field(default=None, init=False)
     _device: torch.device = attrs.field(factory=lambda: torch.device("cpu"), init=False)
     _offloaded: OffloadedParts = attrs.field(factory=OffloadedParts, init=False)
 
@@ -106,9 +103,9 @@ class Fsdp2Backend:
             model.model.gradient_checkpointing_enable(  # type: ignore[operator]
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
-        self._mesh = sharding.device_mesh(device.type, self.replicate_size)
+        mesh = sharding.device_mesh(device.type, self.replicate_size)
         sharding.shard_model(
-            model, self._mesh, config.dtype, reshard_after_forward=self.reshard_after_forward
+            model, mesh, config.dtype, reshard_after_forward=self.reshard_after_forward
         )
         self._model = model
 
