@@ -225,7 +225,10 @@ HEADS: Registry[Any] = Registry(
 BACKENDS: Registry[Any] = Registry(
     "backend",
     "composable_engine.backends",
-    {"megatron": "strategies.backends.megatron.backend:MegatronBackend"},
+    {
+        "megatron": "strategies.backends.megatron.backend:MegatronBackend",
+        "fsdp2": "strategies.backends.fsdp2.backend:Fsdp2Backend",
+    },
 )
 DEVICES: Registry[Any] = Registry(
     "device",

@@ -12,12 +12,15 @@ from engine.registry import DEVICES
 from tests.multiprocess import run_ranks
 
 
-def train_and_infer_on(device: str, head: str) -> list[float]:
+def train_and_infer_on(device: str, head: str, backend: str) -> list[float]:
     from engine import Engine
     from tests.factories import raise_outputs_loss, random_batch, tiny_model
 
     engine = Engine.build(
-        head=head, device=device, config={"model": tiny_model(), "optimizer": {"lr": 3e-4}}
+        head=head,
+        backend=backend,
+        device=device,
+        config={"model": tiny_model(), "optimizer": {"lr": 3e-4}},
     ).initialize()
     batch = random_batch([5, 9, 14], 64)
     with engine.train_mode():
@@ -31,6 +34,7 @@ def _usable(device: str) -> bool:
     return bool(DEVICES.create(device).availability().ok)
 
 
+@pytest.mark.parametrize("backend", ["megatron", "fsdp2"])
 @pytest.mark.parametrize("head", ["lm", "value"])
 @pytest.mark.parametrize(
     "device",
@@ -39,8 +43,8 @@ def _usable(device: str) -> bool:
         pytest.param("npu", marks=pytest.mark.npu),
     ],
 )
-def test_cell_trains_on_real_hardware(device: str, head: str) -> None:
+def test_cell_trains_on_real_hardware(device: str, head: str, backend: str) -> None:
     if not _usable(device):
         pytest.skip(f"no usable {device} here: {DEVICES.create(device).availability().reason}")
-    (losses,) = run_ranks(train_and_infer_on, 1, device, head, timeout=300)
+    (losses,) = run_ranks(train_and_infer_on, 1, device, head, backend, timeout=300)
     assert losses[-1] < losses[0]

@@ -33,13 +33,16 @@ class MicroBatch(Protocol):
     """What a backend reads of a micro-batch (structural: no upward import).
 
     The Engine's ``engine.data.batching.MicroBatch`` fits: sequences ``indices`` of the batch with
-    their ``input_ids`` right-padded to the micro-batch's own longest sequence, ``[b, s]``.
+    their ``input_ids`` right-padded to the micro-batch's own longest sequence, ``[b, s]``, and
+    the boolean ``attention_mask`` of the real tokens, ``[b, s]``.
     """
 
     @property
     def indices(self) -> torch.Tensor: ...
     @property
     def input_ids(self) -> torch.Tensor: ...
+    @property
+    def attention_mask(self) -> torch.Tensor: ...
 
 
 #: Called by the backend with each micro-batch's index and raw model output, on the ranks that

@@ -89,8 +89,9 @@ def test_every_cell_builds_trains_to_lower_loss_and_infers_aligned_outputs(
     ).initialize()
 
     if simulated:
+        # MindSpeed patches megatron: NPU contributes its repatch to megatron-kind backends only.
         repatches = [args for name, args in log if name == "repatch"]
-        if device == "npu":
+        if device == "npu" and engine.backend.kind == "megatron":
             assert repatches == [expected_repatch_overrides(engine)]
             assert log.names().index("repatch") < log.names().index("initialize_model_parallel")
         else:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from heads.errors import ConfigError, EngineStateError
+from heads.errors import EngineStateError
 
 
 # -- the task -------------------------------------------------------------------------------------
@@ -40,39 +40,12 @@ def parity_reward(prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tenso
 # -- the generator (rollout engine) ---------------------------------------------------------------
 def build_generator(model: Any, device: torch.device) -> torch.nn.Module:
     """A Hugging Face causal LM with the engine model's architecture (weights come later)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
-    if model.hf_path is not None:
-        hf_config = AutoConfig.from_pretrained(model.hf_path)
-    else:
-        if model.add_qkv_bias or model.qk_layernorm or model.rope_scaling_factor:
-            raise ConfigError(
-                "the demo's generator builds a plain Llama from the model settings; for qkv "
-                "bias, qk-norm or RoPE scaling give model.hf_path (a checkpoint directory)"
-            )
-        hf_config = LlamaConfig(
-            vocab_size=model.vocab_size,
-            hidden_size=model.hidden_size,
-            intermediate_size=model.resolved_ffn_hidden_size,
-            num_hidden_layers=model.num_layers,
-            num_attention_heads=model.num_attention_heads,
-            num_key_value_heads=model.num_query_groups or model.num_attention_heads,
-            head_dim=model.head_dim or model.hidden_size // model.num_attention_heads,
-            max_position_embeddings=model.max_sequence_length,
-            rms_norm_eps=model.norm_epsilon,
-            tie_word_embeddings=model.tie_embeddings,
-            attention_bias=False,
-            **_rope_settings(LlamaConfig, float(model.rotary_base)),
-        )
-    generator = AutoModelForCausalLM.from_config(hf_config)
+    from strategies.hf.architecture import hf_config_for
+
+    generator = AutoModelForCausalLM.from_config(hf_config_for(model))
     return generator.to(device=device, dtype=torch.float32).eval()
-
-
-def _rope_settings(config_class: type, base: float) -> dict[str, Any]:
-    # transformers 5 takes ``rope_parameters``; 4.x took ``rope_theta``.
-    if "rope_parameters" in inspect.signature(config_class).parameters:
-        return {"rope_parameters": {"rope_type": "default", "rope_theta": base}}
-    return {"rope_theta": base}
 
 
 def push_weights(actor: Any, generator: torch.nn.Module) -> int:

@@ -24,10 +24,10 @@ from strategies.backends.megatron.model import (
     transformer_config,
     uses_transformer_engine,
 )
-from strategies.backends.megatron.offload import StorageStash
 from strategies.backends.megatron.optimizer import build_optimizer, build_scheduler
 from strategies.config import ParallelConfig, PartsConfig
 from strategies.megatron_version import check_megatron_version
+from strategies.offload import OffloadedParts
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -53,7 +53,7 @@ class MegatronBackend:
     _chunks: list[torch.nn.Module] = attrs.field(factory=list, init=False)
     _wrapped: list[torch.nn.Module] = attrs.field(factory=list, init=False)
     _optimizer: Any = attrs.field(default=None, init=False)
-    _offloaded: dict[str, StorageStash] = attrs.field(factory=dict, init=False)
+    _offloaded: OffloadedParts = attrs.field(factory=OffloadedParts, init=False)
     _scheduler: Any = attrs.field(default=None, init=False)
     _device: torch.device = attrs.field(factory=lambda: torch.device("cpu"), init=False)
     _head_context: HeadContext = attrs.field(factory=HeadContext, init=False)
@@ -235,28 +235,20 @@ class MegatronBackend:
     def offload(self, parts: Iterable[str]) -> None:
         """Move ``parts`` (model, optimizer, grad) to host memory; their device storage is freed."""
         self._require_model()
-        for part in parts:
-            if part in self._offloaded:
-                continue
-            if part == "model":
-                tensors = offload.model_tensors(self._chunks, self._wrapped)
-                self._offloaded[part] = offload.stash(tensors)
-            elif part == "grad":
-                self._offloaded[part] = offload.stash(offload.grad_tensors(self._wrapped))
-            elif part == "optimizer" and self._optimizer is not None:
-                model = {t.untyped_storage().data_ptr() for t in self._model_tensors()}
-                tensors = offload.optimizer_tensors(self._optimizer)
-                self._offloaded[part] = offload.stash(tensors, keep=model)
+        tensors = {
+            "model": self._model_tensors,
+            "grad": lambda: offload.grad_tensors(self._wrapped),
+        }
+        if self._optimizer is not None:
+            tensors["optimizer"] = lambda: offload.optimizer_tensors(self._optimizer)
+        self._offloaded.offload(parts, tensors)
 
     def reload(self, parts: Iterable[str]) -> None:
         """Bring offloaded ``parts`` back onto the device, in place."""
-        for part in parts:
-            stashed = self._offloaded.pop(part, None)
-            if stashed is not None:
-                stashed.restore()
+        self._offloaded.reload(parts)
 
     def offloaded(self) -> frozenset[str]:
-        return frozenset(self._offloaded)
+        return self._offloaded.names()
 
     def _model_tensors(self) -> list[torch.Tensor]:
         return offload.model_tensors(self._chunks, self._wrapped)

@@ -11,16 +11,15 @@ import ctypes
 import json
 import multiprocessing as mp
 import os
-import random
 import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from strategies.distributed import barrier, rank
+from strategies.rng import rng_states, set_rng_states
 
 _PR_SET_PDEATHSIG = 1
 MODEL_DIR = "dist"
@@ -188,48 +187,15 @@ def _materialize_optimizer_state(optimizer: Any) -> None:
 
 
 def _rng_states() -> dict[str, Any]:
-    """Python, NumPy, torch CPU and megatron's tracker streams, as tensors and plain values
-    (loadable with ``torch.load(weights_only=True)``)."""
+    """This process's streams (``strategies.rng``) and megatron's tracker streams."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    version, python_state, gauss = random.getstate()
-    numpy_state: Any = np.random.get_state(legacy=True)
-    kind, keys, position, has_gauss, cached = numpy_state
-    states: dict[str, Any] = {
-        "python": {"version": version, "state": torch.tensor(python_state), "gauss": gauss},
-        "numpy": {
-            "kind": kind,
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "position": int(position),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        },
-        "torch": torch.get_rng_state(),
-        "tracker": {
-            name: state.clone() for name, state in get_cuda_rng_tracker().get_states().items()
-        },
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state()
-    return states
+    tracker = get_cuda_rng_tracker().get_states()
+    return {**rng_states(), "tracker": {name: state.clone() for name, state in tracker.items()}}
 
 
 def _set_rng_states(states: dict[str, Any]) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    python = states["python"]
-    random.setstate((python["version"], tuple(python["state"].tolist()), python["gauss"]))
-    numpy = states["numpy"]
-    np.random.set_state(
-        (
-            numpy["kind"],
-            numpy["keys"].numpy().astype(np.uint32),
-            numpy["position"],
-            numpy["has_gauss"],
-            numpy["cached_gaussian"],
-        )
-    )
-    torch.set_rng_state(states["torch"])
+    set_rng_states(states)
     get_cuda_rng_tracker().set_states(dict(states["tracker"]))
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state(states["cuda"])

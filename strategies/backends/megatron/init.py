@@ -13,7 +13,6 @@ sqrt(2 * num_layers)); norm weights 1; biases 0.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from strategies.config import PartsConfig
+from strategies.init import normal_from_name
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _SCALED_OUTPUTS = ("linear_proj.weight", "linear_fc2.weight")
@@ -51,10 +51,7 @@ def initialize_parameters(
             if parallel:
                 full_shape[dim] *= tp_size
             sigma = scaled_std if global_name.endswith(_SCALED_OUTPUTS) else std
-            generator = torch.Generator().manual_seed(_name_seed(config.seed, global_name))
-            full = torch.empty(full_shape, dtype=torch.float32).normal_(
-                0.0, sigma, generator=generator
-            )
+            full = normal_from_name(full_shape, sigma, config.seed, global_name)
             if parallel:
                 full = _shard(
                     full, dim, int(getattr(param, "partition_stride", 1)), tp_rank, tp_size
@@ -97,8 +94,3 @@ def _global_name(name: str, param: torch.nn.Parameter, layer_numbers: dict[int, 
         number = layer_numbers[int(match.group(1))]
         return f"decoder.layers.{number - 1}.{name[match.end() :]}"
     return name
-
-
-def _name_seed(seed: int, name: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)

@@ -1,53 +1,14 @@
-"""Offload: move the model, optimizer state or gradients off the device and back.
+"""Offload for megatron: which tensors make up the model, optimizer state and gradients.
 
 Each part's tensors are views of a few storages (megatron DDP's contiguous buffers, or the
-parameters themselves). Offloading copies each storage to host memory and resizes the
-device storage to zero bytes; every view (parameters, ``main_grad``, buffers) stays valid and
-sees the data again once the storage is restored in place. Works the same for any device,
-so on CPU the parameters' storage really is emptied and moved to the host copy.
+parameters themselves), moved off the device and back by ``strategies.offload``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
-import attrs
 import torch
-
-
-@attrs.define
-class StorageStash:
-    """Storages emptied on their device, with their bytes kept on the host."""
-
-    entries: list[tuple[torch.UntypedStorage, torch.Tensor]] = attrs.field(factory=list)
-
-    def restore(self) -> None:
-        for storage, host in self.entries:
-            storage.resize_(host.numel())
-            _bytes_of(storage).copy_(host)
-        self.entries.clear()
-
-
-def stash(tensors: Iterable[torch.Tensor], keep: set[int] | None = None) -> StorageStash:
-    """Copy the storages behind ``tensors`` to the host and empty them (``keep``: data
-    pointers of storages to leave alone, e.g. model weights the optimizer also holds)."""
-    result, seen = StorageStash(), set(keep or ())
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key in seen or storage.nbytes() == 0:
-            continue
-        seen.add(key)
-        host = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu")
-        host.copy_(_bytes_of(storage))
-        storage.resize_(0)
-        result.entries.append((storage, host))
-    return result
-
-
-def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def model_tensors(chunks: list[torch.nn.Module], wrapped: list[Any]) -> list[torch.Tensor]:

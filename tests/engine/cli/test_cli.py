@@ -26,9 +26,13 @@ def run(
 STEP_LINE = re.compile(r"^step +(\d+)/(\d+) +loss ([\d.]+) +grad_norm ([\d.]+) +lr ([\d.e+-]+)")
 
 
+@pytest.mark.parametrize("backend", ["megatron", "fsdp2"])
 @pytest.mark.parametrize("head", ["value", "lm"])
-def test_train_prints_one_metrics_line_per_step_and_learns(head: str) -> None:
-    result = run("train", "--head", head, "--device", "auto", "--steps", "12", "--seed", "3")
+def test_train_prints_one_metrics_line_per_step_and_learns(head: str, backend: str) -> None:
+    result = run(
+        "train", "--head", head, "--backend", backend, "--device", "auto", "--steps", "12",
+        "--seed", "3",
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     steps = [STEP_LINE.match(line) for line in result.stdout.splitlines()]
     losses = [float(match.group(3)) for match in steps if match]
@@ -92,22 +96,32 @@ def test_train_runs_under_torchrun_with_tensor_parallelism() -> None:
     assert len([line for line in result.stdout.splitlines() if STEP_LINE.match(line)]) == 3
 
 
+def test_train_runs_under_torchrun_with_fsdp2_data_parallelism() -> None:
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m")
+    result = run("train", "--backend", "fsdp2", "--steps", "3", launcher=torchrun)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "backend=fsdp2" in result.stdout and "dp=2" in result.stdout
+    assert len([line for line in result.stdout.splitlines() if STEP_LINE.match(line)]) == 3
+
+
 def test_matrix_lists_every_cell_and_why_npu_cannot_run_here() -> None:
     result = run("matrix", "--json")
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout)
     cells = {(c["head"], c["backend"], c["device"]): c for c in report["cells"]}
     assert set(cells) == {
-        (head, "megatron", device)
+        (head, backend, device)
         for head in ("lm", "value", "reward")
+        for backend in ("megatron", "fsdp2")
         for device in ("cpu", "cuda", "npu")
     }
-    assert report["backend_abilities"]["megatron"] == [
-        "checkpoints",
-        "huggingface_export",
-        "offload",
-    ]
-    assert cells[("value", "megatron", "cpu")]["runs_here"]
+    for backend in ("megatron", "fsdp2"):
+        assert report["backend_abilities"][backend] == [
+            "checkpoints",
+            "huggingface_export",
+            "offload",
+        ]
+        assert cells[("value", backend, "cpu")]["runs_here"]
     npu = cells[("value", "megatron", "npu")]
     assert not npu["runs_here"]
     assert any("torch_npu" in reason for reason in npu["reasons"])

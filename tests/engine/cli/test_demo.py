@@ -59,10 +59,15 @@ def checkpoint_steps(output_dir: Path, role: str) -> list[int]:
     return sorted(int(path.name.split("_")[-1]) for path in root.glob("global_step_*"))
 
 
-def test_demo_runs_ppo_and_writes_metrics_plot_and_checkpoints(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["megatron", "fsdp2"])
+def test_demo_runs_ppo_and_writes_metrics_plot_and_checkpoints(
+    tmp_path: Path, backend: str
+) -> None:
     out = tmp_path / "run"
     config = short_config(tmp_path)
-    result = run("demo", "--config", config, "--steps", "3", "--output-dir", str(out))
+    result = run(
+        "demo", "--config", config, "--steps", "3", "--output-dir", str(out), "--backend", backend
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
     iterations = records(out)
@@ -78,6 +83,7 @@ def test_demo_runs_ppo_and_writes_metrics_plot_and_checkpoints(tmp_path: Path) -
     assert checkpoint_steps(out, "actor") == checkpoint_steps(out, "critic") == [2, 3]
     assert json.loads((out / "run.json").read_text())["task"]["prompts"] == 8
     assert "iter    3/3  reward" in result.stdout
+    assert f"backend {backend}," in result.stdout
     assert "mean reward: first 3 iterations " in result.stdout  # the 3 it ran, not 10
     assert ", last 3 " in result.stdout
 

@@ -1,0 +1,304 @@
+"""The FSDP2 backend: a Hugging Face causal LM, ``fully_shard``-ed over every rank (data
+parallel only), AdamW, megatron's LR schedule, DCP checkpoints.
+
+torch's FSDP, DCP and transformers are imported inside functions, so listing or constructing the
+backend is cheap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, ClassVar, cast
+
+import attrs
+import torch
+import torch.distributed as dist
+from typing_extensions import override
+
+from heads.base import Head, HeadContext
+from heads.errors import ConfigError, EngineStateError
+from heads.validation import bool_field, int_field, one_of
+from strategies.backends.base import MicroBatch, MicroBatchConsumer
+from strategies.backends.fsdp2 import sharding
+from strategies.backends.fsdp2.model import CausalModel, build_causal_model
+from strategies.backends.fsdp2.optimizer import LRSchedule, build_optimizer, clip_gradients
+from strategies.config import ParallelConfig, PartsConfig
+from strategies.hf.architecture import hf_config_for
+from strategies.offload import OffloadedParts
+
+#: Parallel settings this backend has no use for, and the value it runs them at.
+_MODEL_PARALLEL_FIELDS = {
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "virtual_pipeline_parallel_size": None,
+    "context_parallel_size": 1,
+    "expert_parallel_size": 1,
+    "sequence_parallel": False,
+}
+
+
+@attrs.define(kw_only=True)
+class Fsdp2Backend:
+    """PyTorch FSDP2 (``fully_shard``) over Hugging Face transformers models."""
+
+    name: ClassVar[str] = "fsdp2"
+    kind: ClassVar[str] = "fsdp2"
+
+    #: HSDP: replicate the sharded model over this many groups of ranks, each group sharding
+    #: it (1: plain FSDP, every rank holds a shard of one copy).
+    replicate_size: int = int_field(1)
+    #: Recompute each decoder layer's activations in backward instead of keeping them.
+    activation_checkpointing: bool = bool_field(False)
+    #: Free each decoder layer's gathered parameters after its forward (gathered again for
+    #: backward): less memory, one more all-gather per layer.
+    reshard_after_forward: bool = bool_field(True)
+    #: transformers' attention implementation.
+    attention: str = attrs.field(default="sdpa", validator=one_of("sdpa", "eager"))
+
+    _model: CausalModel | None = attrs.field(default=None, init=False)
+    _optimizer: torch.optim.AdamW | None = attrs.field(default=None, init=False)
+    _schedule: LRSchedule | None = attrs.field(default=None, init=False)
+    _clip_grad: float = attrs.field(default=0.0, init=False)
+    _device: torch.device = attrs.field(factory=lambda: torch.device("cpu"), init=False)
+    _offloaded: OffloadedParts = attrs.field(factory=OffloadedParts, init=False)
+
+    # -- checks --------------------------------------------------------------------------------
+    def required_capabilities(self, config: PartsConfig) -> frozenset[str]:
+        return frozenset()
+
+    def validate(self, config: PartsConfig, world_size: int) -> None:
+        for field, neutral in _MODEL_PARALLEL_FIELDS.items():
+            value = getattr(config.parallel, field)
+            if value != neutral:
+                raise ConfigError(
+                    f"ParallelConfig.{field}={value}: the fsdp2 backend shards data-parallel "
+                    f"only (it needs {neutral}); use the megatron backend for model parallelism"
+                )
+        check_torch_version()
+        self._check_replicate_size(world_size)
+        if config.model.max_sequence_length <= 1:
+            raise ConfigError("ModelConfig.max_sequence_length must be > 1")
+        hf_config_for(config.model)  # the model must map onto a transformers architecture
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def init_mesh(self, parallel: ParallelConfig) -> None:
+        """Data parallel over the default process group; the device mesh itself is made with
+        the model, on its device type."""
+        if not dist.is_initialized():
+            raise EngineStateError("the fsdp2 backend needs the default process group first")
+        self._check_replicate_size(dist.get_world_size())
+
+    def _check_replicate_size(self, world_size: int) -> None:
+        if world_size % self.replicate_size:
+            raise ConfigError(
+                f"Fsdp2Backend.replicate_size ({self.replicate_size}) must divide the world "
+                f"size {world_size}"
+            )
+
+    def build_model(self, config: PartsConfig, head: Head, device: torch.device) -> None:
+        self._device = device
+        model = build_causal_model(config, head.output_spec(), device, self.attention)
+        if self.activation_checkpointing:
+            model.model.gradient_checkpointing_enable(  # type: ignore[operator]
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        mesh = sharding.device_mesh(device.type, self.replicate_size)
+        sharding.shard_model(
+            model, mesh, config.dtype, reshard_after_forward=self.reshard_after_forward
+        )
+        self._model = model
+
+    def build_optimizer(self, config: PartsConfig) -> None:
+        model = self._require_model()
+        self._optimizer = build_optimizer(config, model)
+        self._schedule = LRSchedule.from_config(config, self._optimizer)
+        self._clip_grad = config.optimizer.clip_grad
+
+    # -- steps ---------------------------------------------------------------------------------
+    def forward_backward(
+        self, micro_batches: Sequence[MicroBatch], consume: MicroBatchConsumer, forward_only: bool
+    ) -> None:
+        """Each micro-batch forward (and backward); gradients accumulate locally and are
+        reduce-scattered once, in the last micro-batch's backward."""
+        model = self._require_model()
+        last = len(micro_batches) - 1
+        head_context = HeadContext()
+        try:
+            for index, micro_batch in enumerate(micro_batches):
+                input_ids = micro_batch.input_ids.to(device=self._device, dtype=torch.long)
+                mask = micro_batch.attention_mask.to(device=self._device)
+                positions = torch.arange(input_ids.shape[1], device=self._device)[None]
+                if not forward_only:
+                    model.set_requires_gradient_sync(index == last)  # type: ignore[operator]
+                raw = model(input_ids, mask, positions)
+                loss, _ = consume(index, raw, head_context)
+                if not forward_only:
+                    loss.backward()
+        except BaseException:
+            if not forward_only:  # a failed step leaves no gradients behind for the next
+                sharding.drop_unreduced_gradients(model)
+            raise
+
+    def train(self) -> None:
+        self._require_model().train()
+
+    def eval(self) -> None:
+        self._require_model().eval()
+
+    def optimizer_zero_grad(self) -> None:
+        self._require_optimizer().zero_grad(set_to_none=True)
+
+    def grad_norm(self) -> float:
+        """The global gradient norm, measured without clipping (max_norm 0)."""
+        self._require_optimizer()
+        return clip_gradients(self._require_model().parameters(), 0.0)
+
+    def optimizer_step(self) -> float:
+        """Clip by the global norm and step; a non-finite norm skips the step on every rank
+        (the norm is global, so all ranks agree) and drops the gradients."""
+        optimizer = self._require_optimizer()
+        norm = clip_gradients(self._require_model().parameters(), self._clip_grad)
+        if math.isfinite(norm):
+            optimizer.step()
+        else:
+            optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def lr_scheduler_step(self) -> float:
+        self._require_optimizer()  # the schedule is built with it
+        return cast(LRSchedule, self._schedule).step(1)
+
+    def current_lr(self) -> float:
+        return float(self._require_optimizer().param_groups[0]["lr"])
+
+    # -- layout --------------------------------------------------------------------------------
+    def data_parallel_rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    def data_parallel_size(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else 1
+
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        """Every rank is a data-parallel rank: the default group."""
+        return dist.group.WORLD if self.data_parallel_size() > 1 else None
+
+    def holds_outputs(self) -> bool:
+        return True
+
+    def modules(self) -> list[torch.nn.Module]:
+        return [self._require_model()]
+
+    # -- offload -------------------------------------------------------------------------------
+    def offload(self, parts: Iterable[str]) -> None:
+        """Move ``parts`` (model, optimizer, grad) to host memory; their device storage is freed."""
+        model = self._require_model()
+        parts = list(parts)
+        if "model" in parts:
+            for unit in sharding.fsdp_modules(model):
+                unit.reshard()  # gathered parameters are freed, not offloaded
+        tensors = {"model": self._model_tensors, "grad": self._grad_tensors}
+        if self._optimizer is not None:
+            tensors["optimizer"] = self._optimizer_tensors
+        self._offloaded.offload(parts, tensors)
+
+    def reload(self, parts: Iterable[str]) -> None:
+        """Bring offloaded ``parts`` back onto the device, in place."""
+        self._offloaded.reload(parts)
+
+    def offloaded(self) -> frozenset[str]:
+        return self._offloaded.names()
+
+    def _model_tensors(self) -> list[torch.Tensor]:
+        """This rank's shards of the weights, and the buffers (RoPE frequencies)."""
+        model = self._require_model()
+        return [_local(p) for p in model.parameters()] + list(model.buffers())
+
+    def _grad_tensors(self) -> list[torch.Tensor]:
+        return [_local(p.grad) for p in self._require_model().parameters() if p.grad is not None]
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        """This rank's shards of the Adam moments."""
+        states = self._require_optimizer().state.values()
+        return [
+            _local(value)
+            for state in states
+            for value in state.values()
+            if isinstance(value, torch.Tensor) and value.dim()
+        ]
+
+    # -- checkpoints and weights ---------------------------------------------------------------
+    def save_state(self, directory: str) -> None:
+        """Model, optimizer, LR schedule and RNG states into ``directory`` (collective)."""
+        from strategies.backends.fsdp2.checkpoint import save_state
+
+        save_state(self._require_model(), self._optimizer, self._schedule, directory)
+
+    def load_state(self, directory: str, *, same_layout: bool) -> None:
+        """Restore ``save_state``'s directory, resharded to this layout (collective)."""
+        from strategies.backends.fsdp2.checkpoint import load_state
+
+        load_state(
+            self._require_model(),
+            self._optimizer,
+            self._schedule,
+            directory,
+            same_layout=same_layout,
+        )
+
+    def export_hf(self, config: PartsConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, full tensor) pairs, one at a time (collective)."""
+        from strategies.backends.fsdp2.export import export_hf
+
+        return export_hf(self._require_model())
+
+    def save_hf(self, config: PartsConfig, directory: str) -> None:
+        """Write a Hugging Face checkpoint of the model (collective: every rank calls it)."""
+        from strategies.backends.fsdp2.export import save_hf
+
+        save_hf(self._require_model(), config.model, directory)
+
+    def _require_model(self) -> CausalModel:
+        if self._model is None:
+            raise EngineStateError("the fsdp2 backend has no model yet: call build_model first")
+        return self._model
+
+    def _require_optimizer(self) -> torch.optim.AdamW:
+        if self._optimizer is None:
+            raise EngineStateError(
+                "this engine has no optimizer (forward-only, or not initialised)"
+            )
+        return self._optimizer
+
+    @override
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(replicate_size={self.replicate_size}, "
+            f"activation_checkpointing={self.activation_checkpointing})"
+        )
+
+
+#: The oldest torch whose FSDP2 has every call this backend makes (``fully_shard``'s
+#: ``set_gradient_divide_factor`` and ``set_force_sum_reduction_for_comms``); tested with 2.13.
+MIN_TORCH = "2.8"
+
+
+def check_torch_version() -> None:
+    from packaging.version import Version
+
+    if Version(torch.__version__.split("+")[0]) < Version(MIN_TORCH):
+        raise ConfigError(
+            f"the fsdp2 backend needs torch >= {MIN_TORCH} (FSDP2's gradient-reduction "
+            f"settings); this is torch {torch.__version__}"
+        )
+
+
+def _local(tensor: Any) -> torch.Tensor:
+    """This rank's shard of a DTensor (the tensor itself otherwise)."""
+    from torch.distributed.tensor import DTensor
+
+    local: torch.Tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local
+
+
+__all__ = ["Fsdp2Backend"]

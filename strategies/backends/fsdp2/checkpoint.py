@@ -1,0 +1,88 @@
+"""FSDP2 backend state in a checkpoint directory: model and optimizer through
+``torch.distributed.checkpoint`` (each rank writes its shards; a load reshards to any
+data-parallel size), the LR schedule as JSON, this rank's RNG streams as a small tensor file.
+
+Collective: every rank calls ``save_state`` / ``load_state`` with the same directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from strategies.backends.fsdp2.optimizer import LRSchedule, materialize_optimizer_state
+from strategies.distributed import barrier, rank
+from strategies.rng import rng_states, set_rng_states
+
+STATE_DIR = "dcp"
+SCHEDULER_FILE = "scheduler.json"
+RNG_DIR = "rng"
+
+
+def save_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    schedule: LRSchedule | None,
+    directory: str,
+) -> None:
+    """Write ``model``, ``optimizer`` and ``schedule`` (None for a forward-only engine) and this
+    rank's RNG states under ``directory``."""
+    import torch.distributed.checkpoint as dcp
+
+    if rank() == 0:
+        os.makedirs(os.path.join(directory, RNG_DIR), exist_ok=True)
+    barrier()
+    dcp.save(_state(model, optimizer), checkpoint_id=os.path.join(directory, STATE_DIR))
+    if rank() == 0 and schedule is not None:
+        with open(os.path.join(directory, SCHEDULER_FILE), "w") as handle:
+            json.dump(schedule.state_dict(), handle)
+    torch.save(rng_states(), os.path.join(directory, RNG_DIR, f"rank_{rank()}.pt"))
+
+
+def load_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    schedule: LRSchedule | None,
+    directory: str,
+    *,
+    same_layout: bool,
+) -> None:
+    """Restore what ``save_state`` wrote, resharded to this layout; per-rank RNG streams only at
+    the same layout (at another one there is no rank to take them from)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    scheduler_path = os.path.join(directory, SCHEDULER_FILE)
+    if not os.path.exists(scheduler_path):  # a forward-only engine's checkpoint: weights only
+        optimizer = schedule = None
+    state = _state(model, optimizer)
+    dcp.load(state, checkpoint_id=os.path.join(directory, STATE_DIR))
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+        )
+    if schedule is not None:
+        with open(scheduler_path) as handle:
+            schedule.load_state_dict(json.load(handle))
+    rng_path = os.path.join(directory, RNG_DIR, f"rank_{rank()}.pt")
+    if same_layout and os.path.exists(rng_path):
+        set_rng_states(torch.load(rng_path, weights_only=True))
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """``{"model": ..., "optimizer": ...}`` state dicts under fully qualified names, sharded."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    materialize_optimizer_state(optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}

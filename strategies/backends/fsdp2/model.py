@@ -1,0 +1,119 @@
+"""A Hugging Face causal-LM body with the last layer the head's spec asks for, its weights drawn
+from (seed, global name) or read from the model's Hugging Face checkpoint.
+
+Parameters carry their Hugging Face names (``model.layers.0.self_attn.q_proj.weight``,
+``lm_head.weight``), so export needs no adapter. A replicated output layer (value and reward
+heads) is ``value_head`` and is drawn under megatron's name for it, ``output_layer.weight``:
+with the same checkpoint, both backends start a value or reward model from the same weights.
+
+Initialisation scheme (megatron's): matrices and embeddings ~ N(0, std); each layer's output
+projections (``o_proj``, ``down_proj``) ~ N(0, std / sqrt(2 * num_layers)); norm weights 1;
+biases 0. Every full tensor is drawn on the host from (seed, name), before sharding, so any
+data-parallel layout starts from the same weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from heads.base import OutputSpec
+from strategies.config import PartsConfig
+from strategies.hf.architecture import hf_config_for
+from strategies.hf.files import SafetensorsCheckpoint
+from strategies.init import normal_from_name
+
+LM_HEAD = "lm_head"
+VALUE_HEAD = "value_head"
+#: The global name a replicated output layer is drawn under (megatron's ``output_layer``).
+REPLICATED_INIT_NAME = "output_layer.weight"
+_SCALED_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+class CausalModel(torch.nn.Module):
+    """``model``: the transformers base model (embeddings, decoder layers, final norm); and the
+    output layer, ``lm_head`` (over the vocabulary, tied to the embedding where the config
+    says) or ``value_head`` (a new ``hidden -> features`` layer, never tied)."""
+
+    def __init__(self, body: torch.nn.Module, output_name: str, output: torch.nn.Linear) -> None:
+        super().__init__()
+        self.model = body
+        self.output_name = output_name
+        self.add_module(output_name, output)
+
+    @property
+    def decoder_layers(self) -> list[torch.nn.Module]:
+        return list(self.model.layers)  # type: ignore[arg-type]
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The raw output ``[b, s, features]`` of right-padded ``input_ids``."""
+        hidden = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).last_hidden_state
+        output: torch.Tensor = self.get_submodule(self.output_name)(hidden)
+        return output
+
+
+def build_causal_model(
+    config: PartsConfig, spec: OutputSpec, device: torch.device, attention: str
+) -> CausalModel:
+    """The full (unsharded) model on ``device``, with its weights in place."""
+    from transformers import AutoModel
+
+    model_config = config.model
+    hf_config = hf_config_for(model_config)
+    with torch.device(device):
+        body = AutoModel.from_config(hf_config, attn_implementation=attention, dtype=torch.float32)
+        hidden = model_config.hidden_size
+        if spec.kind == "vocab":
+            output = torch.nn.Linear(hidden, model_config.vocab_size, bias=False)
+            if spec.allow_tied_embeddings and model_config.tie_embeddings:
+                output.weight = body.get_input_embeddings().weight
+            model = CausalModel(body, LM_HEAD, output)
+        else:
+            model = CausalModel(
+                body, VALUE_HEAD, torch.nn.Linear(hidden, spec.features, bias=False)
+            )
+    if model_config.hf_path is None:
+        initialize_parameters(model, config)
+    else:
+        load_hf_weights(model, model_config.hf_path)
+        if spec.kind == "replicated":  # the checkpoint brings everything else
+            initialize_parameters(model, config, only=(VALUE_HEAD,))
+    return model
+
+
+def initialize_parameters(
+    model: torch.nn.Module, config: PartsConfig, only: tuple[str, ...] | None = None
+) -> None:
+    """Re-draw every parameter of a model with Hugging Face names (or those whose name starts
+    with one of ``only``) from (seed, global name)."""
+    std = config.model.init_method_std
+    scaled_std = std / math.sqrt(2.0 * config.model.num_layers)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if only is not None and not name.startswith(only):
+                continue
+            if param.dim() == 1:
+                param.fill_(1.0 if name.endswith("weight") else 0.0)
+                continue
+            sigma = scaled_std if name.endswith(_SCALED_OUTPUTS) else std
+            global_name = REPLICATED_INIT_NAME if name.startswith(VALUE_HEAD) else name
+            full = normal_from_name(param.shape, sigma, config.seed, global_name)
+            param.copy_(full.to(dtype=param.dtype, device=param.device))
+
+
+def load_hf_weights(model: CausalModel, path: str) -> None:
+    """Copy the safetensors checkpoint at ``path`` into ``model``, one tensor at a time (a
+    value head's layer keeps its own initialisation: an LM's ``lm_head`` is not loaded)."""
+    with torch.no_grad(), SafetensorsCheckpoint(path) as checkpoint:
+        for name, param in model.named_parameters():
+            if name.startswith(VALUE_HEAD):
+                continue
+            param.copy_(checkpoint.read(name, param.shape).to(param.dtype))

@@ -1,0 +1,45 @@
+"""A ModelConfig's Hugging Face config describes the same model: written out and parsed back it
+gives the ModelConfig again, for each architecture the description can ask for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from heads.errors import ConfigError
+from strategies.config import MODEL_PRESETS, ModelConfig
+from strategies.hf.architecture import hf_config_for
+from strategies.hf.config import model_config_from_hf
+
+TINY = attrs.asdict(MODEL_PRESETS["tiny"])
+CASES: dict[str, dict[str, Any]] = {
+    "llama-tiny": TINY,
+    "llama-tied": {**TINY, "tie_embeddings": True, "rotary_base": 500000},
+    "llama3-rope": {**TINY, "rope_scaling_factor": 8.0, "max_sequence_length": 131072},
+    "qwen2": {**TINY, "add_qkv_bias": True, "tie_embeddings": True},
+    "qwen3": {**TINY, "qk_layernorm": True, "head_dim": 32},
+}
+
+
+@pytest.mark.parametrize("fields", CASES.values(), ids=list(CASES))
+def test_a_model_config_round_trips_through_its_hugging_face_config(
+    tmp_path: Path, fields: dict[str, Any]
+) -> None:
+    model = ModelConfig(**fields)
+    hf_config_for(model).save_pretrained(tmp_path)
+    parsed = model_config_from_hf(tmp_path)
+    assert attrs.evolve(parsed, hf_path=None) == model
+
+
+def test_a_checkpoint_model_gets_the_checkpoints_own_config(tmp_path: Path) -> None:
+    hf_config_for(ModelConfig(add_qkv_bias=True)).save_pretrained(tmp_path)
+    parsed = model_config_from_hf(tmp_path)
+    assert hf_config_for(parsed).architectures == ["Qwen2ForCausalLM"]
+
+
+def test_qkv_biases_with_qk_norms_match_no_architecture() -> None:
+    with pytest.raises(ConfigError, match="add_qkv_bias and qk_layernorm"):
+        hf_config_for(ModelConfig(add_qkv_bias=True, qk_layernorm=True))
