@@ -166,6 +166,11 @@ class SchedulerConfig:
     #: Steps over which the LR decays (warmup included); None = the configured training steps.
     decay_steps: int | None = optional_int_field()
 
+    def resolved_decay_steps(self, total_steps: int) -> int:
+        """The steps the LR decays over: ``decay_steps``, else the training's ``total_steps``
+        (at least one past the warmup). Every backend's schedule uses it."""
+        return self.decay_steps or max(total_steps, self.warmup_steps + 1)
+
     def __attrs_post_init__(self) -> None:
         if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
             raise ConfigError(

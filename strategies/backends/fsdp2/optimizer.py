@@ -57,7 +57,7 @@ class LRSchedule:
     @classmethod
     def from_config(cls, config: PartsConfig, optimizer: torch.optim.Optimizer) -> LRSchedule:
         opt, schedule = config.optimizer, config.scheduler
-        decay_steps = schedule.decay_steps or max(config.total_steps, schedule.warmup_steps + 1)
+        decay_steps = schedule.resolved_decay_steps(config.total_steps)
         built = cls(
             optimizer=optimizer,
             init_lr=0.0 if schedule.warmup_steps else opt.lr,

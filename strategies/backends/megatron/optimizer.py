@@ -39,7 +39,7 @@ def build_scheduler(config: PartsConfig, optimizer: Any) -> Any:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     opt, schedule = config.optimizer, config.scheduler
-    decay_steps = schedule.decay_steps or max(config.total_steps, schedule.warmup_steps + 1)
+    decay_steps = schedule.resolved_decay_steps(config.total_steps)
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if schedule.warmup_steps else opt.lr,
