@@ -106,9 +106,12 @@ class EngineConfig:
     non_finite: NonFiniteConfig = _section(NonFiniteConfig)
     micro_batch_size: int = int_field(4)
     #: When set, micro-batches are planned by token budget (rows x longest row, padding
-    #: included) instead of ``micro_batch_size``: the fewest that fit, balanced, and the same
-    #: count on every data-parallel rank.
+    #: included; real tokens when packing) instead of ``micro_batch_size``: the fewest that
+    #: fit, balanced, and the same count on every data-parallel rank.
     max_tokens_per_micro_batch: int | None = optional_int_field()
+    #: Sequence packing: each micro-batch runs as one row holding its sequences back to back,
+    #: so no compute goes to padding (needs a backend with the ``packing`` ability).
+    packing: bool = bool_field(False)
     #: Reference models: no optimizer, no gradients; ``train_batch`` is refused.
     forward_only: bool = bool_field(False)
     seed: int = seed_field(1234)

@@ -41,7 +41,7 @@ from engine.losses.contract import (
 )
 from engine.non_finite import ZERO_GRADIENT, NonFiniteGuard
 from engine.registry import BACKENDS, DEVICES, HEADS, check_part, resolve_device
-from heads.base import PER_SEQUENCE, Head, HeadContext, check_results
+from heads.base import PER_SEQUENCE, PER_TOKEN, Head, HeadContext, check_results
 from heads.errors import ConfigError, EngineStateError
 from strategies.backends.base import (
     OFFLOAD_PARTS,
@@ -49,6 +49,7 @@ from strategies.backends.base import (
     Checkpointing,
     HuggingFaceExport,
     Offloading,
+    Packing,
     require,
 )
 from strategies.devices.base import DevicePlatform
@@ -119,6 +120,8 @@ class Engine:
             raise ConfigError(f"head {self.head.name!r} declares no outputs")
         if self.config.offload.parts():
             require(self.backend, Offloading)  # config.offload asks for it
+        if self.config.packing:
+            require(self.backend, Packing).check_packing(self.config)
         self.backend.validate(self.config, int(os.environ.get("WORLD_SIZE", "1")))
 
     def initialize(self) -> Engine:
@@ -215,7 +218,8 @@ class Engine:
             batch, fields, vocab_size=model.vocab_size, max_length=model.max_sequence_length
         )
         rows = to_jagged(checked)
-        micro_batches = split_into(rows, self.plan_micro_batches(rows).groups)
+        plan = self.plan_micro_batches(rows)
+        micro_batches = split_into(rows, plan.groups, packed=plan.packed)
         counts = self._global_counts(rows)
         produced: list[dict[str, torch.Tensor]] = [{} for _ in micro_batches]
         losses: list[float] = [0.0] * len(micro_batches)
@@ -227,9 +231,18 @@ class Engine:
         ) -> tuple[torch.Tensor, dict[str, Any]]:
             micro_batch: MicroBatch = micro_batches[index]
             data = micro_batch.data.to(device)
-            head_ctx = attrs.evolve(head_ctx, sequence_lengths=micro_batch.lengths)
-            outputs = self.head.postprocess(raw, data["input_ids"], head_ctx)
-            check_results(self.head, outputs, data["input_ids"])
+            head_ctx = attrs.evolve(
+                head_ctx, sequence_lengths=micro_batch.lengths, cu_seqlens=micro_batch.cu_seqlens
+            )
+            model_ids = micro_batch.input_ids.to(device)
+            outputs = self.head.postprocess(raw, model_ids, head_ctx)
+            check_results(self.head, outputs, model_ids, head_ctx)
+            if micro_batch.cu_seqlens is not None:  # loss functions see right-padded rows
+                declared = self.head.outputs
+                outputs = {
+                    key: micro_batch.unpack(value) if declared[key] == PER_TOKEN else value
+                    for key, value in outputs.items()
+                }
             if return_outputs:
                 produced[index] = {key: value.detach() for key, value in outputs.items()}
             if loss_function is None:
@@ -265,15 +278,16 @@ class Engine:
 
     def plan_micro_batches(self, batch: TensorDict) -> MicroBatchPlan:
         """Which sequences run together: fixed ``micro_batch_size`` groups, or token-budget
-        groups (``max_tokens_per_micro_batch``) agreed in count across data-parallel ranks."""
+        groups (``max_tokens_per_micro_batch``) agreed in count across data-parallel ranks;
+        with ``packing`` the budget counts real tokens."""
         lengths = sequence_lengths(batch)
-        budget = self.config.max_tokens_per_micro_batch
+        budget, packed = self.config.max_tokens_per_micro_batch, self.config.packing
         if budget is None:
-            return plan_fixed(lengths, self.config.micro_batch_size)
+            return plan_fixed(lengths, self.config.micro_batch_size, packed=packed)
         group = (
             self.backend.data_parallel_group() if self.backend.data_parallel_size() > 1 else None
         )
-        return plan_for_data_parallel(lengths, budget, group)
+        return plan_for_data_parallel(lengths, budget, group, packed=packed)
 
     def train_batch(
         self, batch: TensorDict, loss_function: LossFn, *, step_lr: bool = True

@@ -42,8 +42,12 @@ class HeadContext:
     tensor_parallel_group: torch.distributed.ProcessGroup | None = None
     #: First vocabulary index held by this rank's shard of the logits.
     vocab_start: int = 0
-    #: Real tokens of each row of the raw output (rows are right-padded); set by the engine.
+    #: Real tokens of each sequence of the micro-batch; set by the engine.
     sequence_lengths: torch.Tensor | None = None
+    #: Packed micro-batches: the raw output is one row holding the sequences back to back, and
+    #: these are their offsets in it (``[n + 1]``, from 0 to the row's length); set by the
+    #: engine. None: one sequence per row, right-padded.
+    cu_seqlens: torch.Tensor | None = None
 
 
 #: A result's layout: one value per token, aligned to the token it scores (``[batch, seq]``),
@@ -58,13 +62,19 @@ class Head(Protocol):
     """A model head. Built-ins: ``heads.lm.LMHead``, ``heads.value.ValueHead`` and
     ``heads.reward.RewardHead``.
 
-    ``postprocess`` receives the raw output ``[batch, seq, features]`` of the layer built from
-    ``output_spec()`` and the token ids ``[batch, seq]`` (rows right-padded; real lengths in
-    ``ctx.sequence_lengths``); it returns each result it declares in ``outputs``:
+    ``postprocess`` receives the raw output ``[rows, seq, features]`` of the layer built from
+    ``output_spec()`` and the token ids ``[rows, seq]`` in one of two layouts, described by
+    ``ctx``: one sequence per row, right-padded (real lengths in ``ctx.sequence_lengths``), or
+    packed, one row holding every sequence back to back (offsets in ``ctx.cu_seqlens``). It
+    returns each result it declares in ``outputs``:
 
-    * per token, ``[batch, seq]``, aligned with the token it scores: entry ``t`` comes from the
-      hidden state at ``t - 1`` (:func:`shift_to_scored_token`) and entry 0 of every row is 0;
-    * per sequence, ``[batch]``, taken at each row's last real token (:func:`at_last_token`).
+    * per token, ``[rows, seq]``, aligned with the token it scores: entry ``t`` comes from the
+      hidden state at ``t - 1`` and each sequence's first entry is 0, so nothing carries across
+      a sequence boundary (:func:`shift_to_scored_token` with ``ctx``);
+    * per sequence, ``[num_sequences]``, taken at each sequence's own last token
+      (:func:`at_last_token`).
+
+    Using these two helpers with ``ctx`` makes a head work in both layouts.
 
     The engine checks every micro-batch's results against the declaration
     (:func:`check_results`).
@@ -84,15 +94,26 @@ class Head(Protocol):
     ) -> dict[str, torch.Tensor]: ...
 
 
-def shift_to_scored_token(per_position: torch.Tensor) -> torch.Tensor:
-    """Move results computed at position ``t - 1`` to the token ``t`` they score (entry 0 := 0)."""
+def shift_to_scored_token(
+    per_position: torch.Tensor, ctx: HeadContext | None = None
+) -> torch.Tensor:
+    """Move results computed at position ``t - 1`` to the token ``t`` they score; each
+    sequence's first entry is 0 (every row's entry 0, and in a packed row every sequence start
+    ``ctx.cu_seqlens[:-1]``), so nothing carries across a sequence boundary."""
     shifted = torch.zeros_like(per_position)
     shifted[:, 1:] = per_position[:, :-1]
+    if ctx is not None and ctx.cu_seqlens is not None:
+        starts = ctx.cu_seqlens[:-1].to(device=per_position.device, dtype=torch.long)
+        shifted = shifted.index_fill(1, starts, 0)
     return shifted
 
 
 def at_last_token(per_position: torch.Tensor, ctx: HeadContext) -> torch.Tensor:
-    """``per_position[b, last real token of row b]`` for right-padded rows ``[batch, seq]``."""
+    """Each sequence's value at its own last token, ``[num_sequences]``: from a packed row
+    (``ctx.cu_seqlens``) or from right-padded rows ``[batch, seq]``."""
+    if ctx.cu_seqlens is not None:
+        ends = ctx.cu_seqlens[1:].to(device=per_position.device, dtype=torch.long) - 1
+        return per_position[0, ends]
     rows = torch.arange(per_position.shape[0], device=per_position.device)
     if ctx.sequence_lengths is None:
         return per_position[:, -1]
@@ -100,10 +121,15 @@ def at_last_token(per_position: torch.Tensor, ctx: HeadContext) -> torch.Tensor:
     return per_position[rows, last]
 
 
-def check_results(head: Head, results: Mapping[str, torch.Tensor], input_ids: torch.Tensor) -> None:
-    """The results are what ``head.outputs`` declares: the same keys, ``[batch, seq]`` per-token
-    results with nothing at position 0 (the shift to the scored token), ``[batch]``
-    per-sequence ones. ConfigError naming the head and the key otherwise."""
+def check_results(
+    head: Head,
+    results: Mapping[str, torch.Tensor],
+    input_ids: torch.Tensor,
+    ctx: HeadContext | None = None,
+) -> None:
+    """The results are what ``head.outputs`` declares: the same keys, ``[rows, seq]`` per-token
+    results with nothing at any sequence's first position (the shift to the scored token),
+    ``[num_sequences]`` per-sequence ones. ConfigError naming the head and the key otherwise."""
     declared = head.outputs
     where = f"head {head.name!r}"
     if not isinstance(results, Mapping):
@@ -116,18 +142,28 @@ def check_results(head: Head, results: Mapping[str, torch.Tensor], input_ids: to
             f"{sorted(results)} (missing: {missing or 'none'}, undeclared: {extra or 'none'})"
         )
     batch, length = input_ids.shape
+    packed = ctx.cu_seqlens if ctx is not None else None
+    sequences = batch if packed is None else len(packed) - 1
+    starts = (
+        packed[:-1].to(device=input_ids.device, dtype=torch.long) if packed is not None else None
+    )
     for key, granularity in declared.items():
         value = results[key]
-        expected = [batch, length] if granularity == PER_TOKEN else [batch]
+        expected = [batch, length] if granularity == PER_TOKEN else [sequences]
         if not isinstance(value, torch.Tensor) or list(value.shape) != expected:
             found = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ConfigError(
                 f"{where}: output {key!r} is declared per {granularity}, so it must have shape "
                 f"{expected} for input_ids {[batch, length]}; got {found}"
             )
-        if granularity == PER_TOKEN and bool(value[:, 0].ne(0).any()):
+        if granularity != PER_TOKEN:
+            continue
+        firsts = value[:, 0] if starts is None else value[0, starts.to(value.device)]
+        if bool(firsts.ne(0).any()):
+            place = "position 0" if starts is None else "a sequence's first position"
             raise ConfigError(
-                f"{where}: per-token output {key!r} has a value at position 0; entry t must score "
-                "token t from the hidden state at t - 1 (use heads.base.shift_to_scored_token), "
-                "so position 0 holds 0"
+                f"{where}: per-token output {key!r} has a value at {place}; entry t must score "
+                "token t from the hidden state at t - 1 and each sequence's first entry is 0 "
+                "(use heads.base.shift_to_scored_token(values, ctx), which also keeps packed "
+                "sequences apart)"
             )

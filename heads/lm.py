@@ -47,7 +47,7 @@ class LMHead:
             group=ctx.tensor_parallel_group,
             vocab_start=ctx.vocab_start,
         )
-        results = {"log_probs": shift_to_scored_token(log_probs)}
+        results = {"log_probs": shift_to_scored_token(log_probs, ctx)}
         if entropy is not None:
-            results["entropy"] = shift_to_scored_token(entropy)
+            results["entropy"] = shift_to_scored_token(entropy, ctx)
         return results

@@ -30,4 +30,4 @@ class ValueHead:
     def postprocess(
         self, raw: torch.Tensor, input_ids: torch.Tensor, ctx: HeadContext
     ) -> dict[str, torch.Tensor]:
-        return {"values": shift_to_scored_token(raw[..., 0].float())}
+        return {"values": shift_to_scored_token(raw[..., 0].float(), ctx)}

@@ -112,14 +112,24 @@ def to_padded(batch: TensorDict, *, side: str = "right", pad_id: int = 0) -> Ten
 
 @attrs.frozen(kw_only=True)
 class MicroBatch:
-    """Sequences ``indices`` of the batch, right-padded to their own longest length."""
+    """Sequences ``indices`` of the batch, right-padded to their own longest length; when
+    packed, the model also gets them back to back in one row (``packed_ids``, ``cu_seqlens``).
+    """
 
     indices: torch.Tensor
-    #: ``input_ids``, ``attention_mask`` and every other field, right-padded ``[b, s]``.
+    #: ``input_ids``, ``attention_mask`` and every other field, right-padded ``[b, s]``: what
+    #: loss functions see, whatever the model's layout.
     data: TensorDict
+    #: Packed: the sequences' tokens back to back, ``[1, T]`` (T: their real tokens).
+    packed_ids: torch.Tensor | None = None
+    #: Packed: each sequence's offset in ``packed_ids``, ``[b + 1]``, from 0 to T.
+    cu_seqlens: torch.Tensor | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:
+        """The model's input: the packed row ``[1, T]``, or the right-padded rows ``[b, s]``."""
+        if self.packed_ids is not None:
+            return self.packed_ids
         return self.data[INPUT_IDS]
 
     @property
@@ -128,8 +138,20 @@ class MicroBatch:
 
     @property
     def lengths(self) -> torch.Tensor:
-        """Real tokens of each row."""
+        """Real tokens of each sequence."""
         return self.attention_mask.sum(-1)
+
+    def unpack(self, row: torch.Tensor) -> torch.Tensor:
+        """A packed per-token result ``[1, T, ...]`` -> right-padded ``[b, s, ...]`` (0 in the
+        padding), differentiably; the layout loss functions see."""
+        if self.cu_seqlens is None:
+            raise BatchError("unpack() needs a packed micro-batch")
+        mask = self.attention_mask.to(row.device)
+        starts = self.cu_seqlens[:-1].to(device=row.device, dtype=torch.long)
+        positions = starts[:, None] + torch.arange(mask.shape[1], device=row.device)
+        gathered = row[0, positions.clamp(max=row.shape[1] - 1)]
+        keep = mask.reshape(*mask.shape, *([1] * (gathered.dim() - 2)))
+        return torch.where(keep, gathered, torch.zeros((), dtype=row.dtype, device=row.device))
 
 
 def validate_batch(
@@ -329,24 +351,32 @@ def split_fixed(batch: TensorDict, micro_batch_size: int) -> list[MicroBatch]:
     return split_into(batch, [list(range(s, min(s + micro_batch_size, total))) for s in starts])
 
 
-def split_into(batch: TensorDict, groups: Sequence[Sequence[int]]) -> list[MicroBatch]:
-    """One micro-batch per group of sequence indices, each right-padded to its own longest."""
+def split_into(
+    batch: TensorDict, groups: Sequence[Sequence[int]], *, packed: bool = False
+) -> list[MicroBatch]:
+    """One micro-batch per group of sequence indices, each right-padded to its own longest;
+    ``packed``: each also holds its sequences back to back in one row for the model."""
     rows = to_jagged(batch)
     lengths = sequence_lengths(rows)
     per_row = {name: jagged_rows(value) for name, value in fields(rows) if value.is_nested}
     micro_batches = []
     for group in groups:
         indices = torch.tensor(list(group), dtype=torch.long)
-        width = int(lengths[indices].max())
+        group_lengths = lengths[indices]
+        width = int(group_lengths.max())
         columns: dict[str, torch.Tensor] = {}
         for name, value in fields(rows):
             if name in per_row:
                 columns[name] = _pad_rows([per_row[name][i] for i in group], width, "right", 0)
             else:
                 columns[name] = value[indices]
-        columns[ATTENTION_MASK] = torch.arange(width) < lengths[indices][:, None]
+        columns[ATTENTION_MASK] = torch.arange(width) < group_lengths[:, None]
         data = TensorDict(columns, batch_size=[len(group)])
-        micro_batches.append(MicroBatch(indices=indices, data=data))
+        packing: dict[str, torch.Tensor] = {}
+        if packed:
+            packing["packed_ids"] = torch.cat([per_row[INPUT_IDS][i] for i in group])[None]
+            packing["cu_seqlens"] = torch.cat([group_lengths.new_zeros(1), group_lengths.cumsum(0)])
+        micro_batches.append(MicroBatch(indices=indices, data=data, **packing))
     return micro_batches
 
 

@@ -8,9 +8,11 @@ balances the token load across them. With data parallelism every rank must run t
 of micro-batches (pipeline schedules and DDP's gradient all-reduce count them), so
 :func:`plan_for_data_parallel` agrees on the largest count with one all-reduce and re-plans.
 
-A micro-batch's load is rows x longest row: what a right-padded micro-batch
-(:func:`engine.data.batching.split_into`) really allocates and computes. Both the count and
-the balance are exact (:mod:`engine.data.partition` says how).
+A micro-batch's load is what it really allocates and computes: rows x longest row for a
+right-padded micro-batch (:func:`engine.data.batching.split_into`), where count and balance are
+exact (:mod:`engine.data.partition`); the sum of real tokens for a packed one (``packed=True``:
+its sequences back to back in one row), where both come from bin-packing heuristics with known
+bounds (:mod:`engine.data.bin_packing`).
 
 The engine turns a plan into micro-batches with ``engine.data.batching.split_into(batch,
 plan.groups)``; ``restore_outputs`` puts their outputs back in batch order.
@@ -30,6 +32,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from engine.data.bin_packing import packed_partition
 from engine.data.partition import balanced_partition
 from heads.errors import BatchError, ConfigError
 from strategies.distributed import all_reduce_values
@@ -53,14 +56,17 @@ class MicroBatchPlan:
 
     #: Sequence indices of each micro-batch (ascending inside a group), in run order.
     groups: tuple[tuple[int, ...], ...]
-    #: Rows x longest row of each micro-batch: what a right-padded micro-batch holds, and the
-    #: load the token budget counts.
+    #: Real tokens of each micro-batch: what a packed micro-batch holds.
+    tokens: tuple[int, ...]
+    #: Rows x longest row of each micro-batch: what a right-padded micro-batch holds.
     padded_tokens: tuple[int, ...]
     #: The token budget the plan was made for (``None`` for a fixed-size plan).
     max_tokens_per_micro_batch: int | None = None
+    #: Whether the micro-batches are packed, so the budget counts real tokens (else padded).
+    packed: bool = False
 
     def __attrs_post_init__(self) -> None:
-        if len(self.groups) != len(self.padded_tokens):
+        if not len(self.groups) == len(self.tokens) == len(self.padded_tokens):
             raise BatchError("a MicroBatchPlan needs one token count per group")
         if any(not group for group in self.groups):
             raise BatchError("a MicroBatchPlan cannot have an empty micro-batch")
@@ -77,14 +83,21 @@ class MicroBatchPlan:
         return sum(len(group) for group in self.groups)
 
     @property
+    def loads(self) -> tuple[int, ...]:
+        """Each micro-batch's load as the budget counts it (real tokens when packed)."""
+        return self.tokens if self.packed else self.padded_tokens
+
+    @property
     def max_load(self) -> int:
-        return max(self.padded_tokens)
+        return max(self.loads)
 
 
 # ------------------------------------------------------------------------------ public planners
 
 
-def plan_fixed(lengths: Sequence[int] | torch.Tensor, micro_batch_size: int) -> MicroBatchPlan:
+def plan_fixed(
+    lengths: Sequence[int] | torch.Tensor, micro_batch_size: int, *, packed: bool = False
+) -> MicroBatchPlan:
     """Consecutive micro-batches of ``micro_batch_size`` sequences (the last may be shorter),
     in batch order -- the same groups as :func:`engine.data.batching.split_fixed`."""
     sizes = _lengths(lengths)
@@ -92,7 +105,7 @@ def plan_fixed(lengths: Sequence[int] | torch.Tensor, micro_batch_size: int) -> 
     groups = [
         list(range(start, min(start + size, len(sizes)))) for start in range(0, len(sizes), size)
     ]
-    return _plan(groups, sizes, budget=None, heaviest_first=False)
+    return _plan(groups, sizes, budget=None, packed=_flag(packed), heaviest_first=False)
 
 
 def plan_token_budget(
@@ -100,12 +113,14 @@ def plan_token_budget(
     max_tokens_per_micro_batch: int,
     *,
     min_num_micro_batches: int = 1,
+    packed: bool = False,
 ) -> MicroBatchPlan:
-    """Fewest micro-batches whose rows x longest row fits ``max_tokens_per_micro_batch``,
-    load-balanced.
+    """Fewest micro-batches whose load (rows x longest row; real tokens when ``packed``) fits
+    ``max_tokens_per_micro_batch``, load-balanced.
 
     The count is ``max(fewest that fit, min_num_micro_batches)``; for that count the largest
-    micro-batch load is the least possible (see the module docstring).
+    micro-batch load is the least possible (padded) or within the bin-packing bounds (packed;
+    see the module docstring).
 
     Raises :class:`BatchError` when one sequence alone exceeds the budget -- it cannot fit any
     micro-batch, and running it anyway would break the memory limit the budget stands for, so
@@ -115,6 +130,7 @@ def plan_token_budget(
     sizes = _lengths(lengths)
     budget = _positive_int(max_tokens_per_micro_batch, "max_tokens_per_micro_batch")
     minimum = _positive_int(min_num_micro_batches, "min_num_micro_batches")
+    packed = _flag(packed)
     _check_fits(sizes, budget)
     if minimum > len(sizes):
         raise BatchError(
@@ -122,8 +138,9 @@ def plan_token_budget(
             "batch; a micro-batch cannot be empty, so the batch needs at least "
             f"{minimum} sequences"
         )
-    groups = balanced_partition(sizes, budget, minimum)
-    return _plan(groups, sizes, budget=budget, heaviest_first=True)
+    partition = packed_partition if packed else balanced_partition
+    groups = partition(sizes, budget, minimum)
+    return _plan(groups, sizes, budget=budget, packed=packed, heaviest_first=True)
 
 
 def agree_on_count(
@@ -149,6 +166,7 @@ def plan_for_data_parallel(
     group: dist.ProcessGroup | None,
     *,
     device: torch.device | str | None = None,
+    packed: bool = False,
 ) -> MicroBatchPlan:
     """This rank's plan, with the same number of micro-batches on every rank of ``group``.
 
@@ -166,7 +184,7 @@ def plan_for_data_parallel(
     local: MicroBatchPlan | None = None
     try:
         sizes = _lengths(lengths)
-        local = plan_token_budget(sizes, max_tokens_per_micro_batch)
+        local = plan_token_budget(sizes, max_tokens_per_micro_batch, packed=packed)
     except (BatchError, ConfigError) as error:
         failure = error  # raised after the all-reduce, so no other rank is left waiting in it
     local_count = local.num_micro_batches if local is not None else 0
@@ -192,7 +210,9 @@ def plan_for_data_parallel(
         )
     if count == local.num_micro_batches:
         return local
-    return plan_token_budget(sizes, max_tokens_per_micro_batch, min_num_micro_batches=count)
+    return plan_token_budget(
+        sizes, max_tokens_per_micro_batch, min_num_micro_batches=count, packed=packed
+    )
 
 
 # ----------------------------------------------------------------------------------- validation
@@ -210,6 +230,12 @@ def _positive_int(value: object, name: str, *, error: type[Exception] = ConfigEr
     if number < 1:
         raise error(f"{name} must be a positive int, got {number}")
     return number
+
+
+def _flag(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"packed must be a bool, got {value!r}")
+    return value
 
 
 def _lengths(lengths: Sequence[int] | torch.Tensor) -> list[int]:
@@ -261,17 +287,22 @@ def _plan(
     sizes: Sequence[int],
     *,
     budget: int | None,
+    packed: bool,
     heaviest_first: bool,
 ) -> MicroBatchPlan:
     ordered = [sorted(group) for group in groups]
+    tokens = [sum(sizes[i] for i in group) for group in ordered]
     padded_tokens = [len(group) * max(sizes[i] for i in group) for group in ordered]
     order = list(range(len(ordered)))
     if heaviest_first:
-        order.sort(key=lambda g: (-padded_tokens[g], ordered[g][0]))
+        loads = tokens if packed else padded_tokens
+        order.sort(key=lambda g: (-loads[g], ordered[g][0]))
     return MicroBatchPlan(
         groups=tuple(tuple(ordered[g]) for g in order),
+        tokens=tuple(tokens[g] for g in order),
         padded_tokens=tuple(padded_tokens[g] for g in order),
         max_tokens_per_micro_batch=budget,
+        packed=packed,
     )
 
 

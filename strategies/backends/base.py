@@ -2,7 +2,7 @@
 abilities a backend may declare beside it.
 
 ``Backend`` is what every backend must do. An optional ability (checkpoints, Hugging Face
-export, offload) is a small Protocol here, checked with ``isinstance`` (:func:`require`): a
+export, offload, packing) is a small Protocol here, checked with ``isinstance`` (:func:`require`): a
 backend has it by implementing its methods, and asking for one a backend lacks is a
 ``ConfigError`` naming both. A backend also declares its ``kind`` (e.g. ``"megatron"``), which
 subclasses and wrappers inherit: device platforms choose what they contribute by kind, never by
@@ -32,9 +32,11 @@ if TYPE_CHECKING:
 class MicroBatch(Protocol):
     """What a backend reads of a micro-batch (structural: no upward import).
 
-    The Engine's ``engine.data.batching.MicroBatch`` fits: sequences ``indices`` of the batch with
-    their ``input_ids`` right-padded to the micro-batch's own longest sequence, ``[b, s]``, and
-    the boolean ``attention_mask`` of the real tokens, ``[b, s]``.
+    The Engine's ``engine.data.batching.MicroBatch`` fits: sequences ``indices`` of the batch
+    with the model's ``input_ids`` either right-padded to the micro-batch's own longest sequence,
+    ``[b, s]`` (``cu_seqlens`` None), or packed back to back in one row ``[1, T]`` with each
+    sequence's offset in ``cu_seqlens`` (``[b + 1]``; only for backends with :class:`Packing`);
+    and the boolean ``attention_mask`` of the real tokens of the right-padded layout, ``[b, s]``.
     """
 
     @property
@@ -43,6 +45,8 @@ class MicroBatch(Protocol):
     def input_ids(self) -> torch.Tensor: ...
     @property
     def attention_mask(self) -> torch.Tensor: ...
+    @property
+    def cu_seqlens(self) -> torch.Tensor | None: ...
 
 
 #: Called by the backend with each micro-batch's index and raw model output, on the ranks that
@@ -153,6 +157,18 @@ class Offloading(Protocol):
     def offloaded(self) -> frozenset[str]: ...
 
 
+@runtime_checkable
+class Packing(Protocol):
+    """Runs packed micro-batches: each one row holding its sequences back to back
+    (``MicroBatch.cu_seqlens``), attention never crossing a sequence boundary, positions
+    restarting at each sequence; the raw output it hands over covers the row's real tokens."""
+
+    def check_packing(self, config: PartsConfig) -> None:
+        """ConfigError when this configuration cannot run packed micro-batches (called before
+        anything is built)."""
+        ...
+
+
 #: What ``Offloading`` moves: the names ``Engine.to`` and ``OffloadConfig`` use.
 OFFLOAD_PARTS = ("model", "optimizer", "grad")
 
@@ -161,6 +177,7 @@ ABILITIES: dict[str, type] = {
     "checkpoints": Checkpointing,
     "huggingface_export": HuggingFaceExport,
     "offload": Offloading,
+    "packing": Packing,
 }
 
 

@@ -195,25 +195,30 @@ class MegatronBackend:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self._require_model()
-        check_micro_batch_count([len(mb.indices) for mb in micro_batches], self._chunks[0].config)
+        config = self._chunks[0].config
+        check_micro_batch_count([int(mb.input_ids.shape[0]) for mb in micro_batches], config)
         # Each model chunk (virtual pipeline stage) walks the micro-batches with its own iterator.
         data: list[Iterator[tuple[int, MicroBatch]]] = [
             iter(enumerate(micro_batches)) for _ in self._wrapped
         ]
         device, head_context = self._device, self._head_context
-        longest = max(int(mb.input_ids.shape[1]) for mb in micro_batches)
-        # The interleaved schedule sends one fixed activation shape: pad every micro-batch to
-        # the batch's longest sequence there (and slice the padding off before the head).
-        width = longest if len(self._wrapped) > 1 else None
+        widths = [
+            row_width(int(mb.input_ids.shape[1]), micro_batches, config) for mb in micro_batches
+        ]
 
         def forward_step(iterator: Iterator[tuple[int, MicroBatch]], model: Any) -> Any:
             index, micro_batch = next(iterator)
             input_ids = micro_batch.input_ids.to(device=device, dtype=torch.long)
-            length = input_ids.shape[1]
-            if width is not None and width > length:
-                input_ids = torch.nn.functional.pad(input_ids, (0, width - length))
-            positions = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
-            output = model(input_ids, positions, attention_mask=None)
+            length, width = input_ids.shape[1], widths[index]
+            # Padding goes at the end of each row (never inside a sequence); the head never
+            # sees it: the raw output is sliced back to ``length``.
+            input_ids = torch.nn.functional.pad(input_ids, (0, width - length))
+            if micro_batch.cu_seqlens is None:
+                positions = torch.arange(width, device=device).expand_as(input_ids)
+                output = model(input_ids, positions, attention_mask=None)
+            else:
+                packed, positions = packed_layout(micro_batch.cu_seqlens, width, device)
+                output = model(input_ids, positions, attention_mask=None, packed_seq_params=packed)
 
             def loss_func(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
                 loss, metrics = consume(index, raw[:, :length], head_context)
@@ -226,10 +231,19 @@ class MegatronBackend:
             data_iterator=data if len(data) > 1 else data[0],
             model=self._wrapped,
             num_microbatches=len(micro_batches),
-            seq_length=longest,
-            micro_batch_size=max(len(mb.indices) for mb in micro_batches),
+            seq_length=max(widths),
+            micro_batch_size=max(int(mb.input_ids.shape[0]) for mb in micro_batches),
             forward_only=forward_only,
         )
+
+    def check_packing(self, config: PartsConfig) -> None:
+        """Packed micro-batches run everywhere but with context parallelism (each sequence
+        would have to be cut into 2 x CP chunks)."""
+        if config.parallel.context_parallel_size > 1:
+            raise ConfigError(
+                "packing with context_parallel_size > 1 is not supported by the megatron "
+                "backend; turn one of them off"
+            )
 
     # -- offload -------------------------------------------------------------------------------
     def offload(self, parts: Iterable[str]) -> None:
@@ -379,6 +393,48 @@ def check_micro_batch_count(sizes: list[int], model_config: Any) -> None:
             f"pipeline_parallel_size ({pp}) micro-batches; it makes {count}. Change the batch "
             "size, micro_batch_size or max_tokens_per_micro_batch"
         )
+
+
+def row_width(length: int, micro_batches: Sequence[MicroBatch], model_config: Any) -> int:
+    """How long the model's rows for a micro-batch of ``length`` must be: the batch's longest
+    where megatron's schedule sends one fixed shape (virtual pipeline stages; and every pipeline
+    schedule for packed rows), rounded up to a multiple of the tensor-parallel size under
+    sequence parallelism (which splits the sequence dimension)."""
+    packed = micro_batches[0].cu_seqlens is not None
+    pipeline = model_config.pipeline_model_parallel_size > 1
+    virtual = model_config.virtual_pipeline_model_parallel_size is not None
+    if virtual or (packed and pipeline):
+        length = max(int(mb.input_ids.shape[1]) for mb in micro_batches)
+    if model_config.sequence_parallel:
+        multiple = model_config.tensor_model_parallel_size
+        length = -(-length // multiple) * multiple
+    return length
+
+
+def packed_layout(
+    cu_seqlens: torch.Tensor, width: int, device: torch.device
+) -> tuple[Any, torch.Tensor]:
+    """Megatron's ``PackedSeqParams`` (thd) and the position ids ``[1, width]`` of a packed row
+    of ``width`` tokens whose sequences start at ``cu_seqlens``; row padding past the last
+    sequence is one more segment, so no sequence attends to it."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    bounds = cu_seqlens.to(dtype=torch.int32)
+    if width > int(bounds[-1]):
+        bounds = torch.cat([bounds, bounds.new_tensor([width])])
+    lengths = bounds.diff()
+    longest = int(lengths.max())
+    starts = torch.repeat_interleave(bounds[:-1], lengths)
+    positions = (torch.arange(width, dtype=torch.int32) - starts).to(device, torch.long)[None]
+    bounds = bounds.to(device)
+    packed = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=bounds,
+        cu_seqlens_kv=bounds,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
+    return packed, positions
 
 
 def _finalize_without_token_scaling(

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from heads.base import OutputSpec
 from heads.errors import ConfigError
+from strategies.backends.megatron.attention import packed_dot_product_attention
 from strategies.backends.megatron.init import initialize_parameters
 from strategies.config import ParallelConfig, PartsConfig
 
@@ -111,14 +112,18 @@ def uses_transformer_engine(kind: str, parallel: ParallelConfig) -> bool:
 
 
 def layer_spec(kind: str, parallel: ParallelConfig, qk_layernorm: bool = False) -> Any:
-    """The transformer layer spec: TransformerEngine's where available, else megatron's local."""
+    """The transformer layer spec: TransformerEngine's where available, else megatron's local
+    (with a core attention that also runs packed micro-batches)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if uses_transformer_engine(kind, parallel):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
         normalization="RMSNorm", qk_layernorm=qk_layernorm
     )
+    # The local DotProductAttention refuses packed (thd) micro-batches; this one runs both.
+    spec.submodules.self_attention.submodules.core_attention = packed_dot_product_attention()
+    return spec
 
 
 class ReplicatedOutputLayer(torch.nn.Linear):

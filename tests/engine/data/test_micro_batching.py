@@ -189,6 +189,112 @@ def test_plans_4096_sequences_quickly() -> None:
     assert elapsed < 2.0  # about 5 ms on an idle CPU
 
 
+# ------------------------------------------------------------------------- packed (real tokens)
+
+
+def tokens(group: Sequence[int], lengths: Sequence[int]) -> int:
+    """Real tokens: what the group costs packed back to back in one row."""
+    return sum(lengths[i] for i in group)
+
+
+def brute_force_packed(lengths: Sequence[int], budget: int) -> tuple[int, dict[int, int]]:
+    """(fewest groups whose real tokens fit budget, {count: least max real tokens})."""
+    fewest = len(lengths)
+    best: dict[int, int] = {}
+    for partition in set_partitions(len(lengths)):
+        worst = max(tokens(g, lengths) for g in partition)
+        if worst <= budget:
+            fewest = min(fewest, len(partition))
+        best[len(partition)] = min(best.get(len(partition), worst), worst)
+    return fewest, best
+
+
+@PROPERTY
+@given(batches())
+def test_packed_plan_covers_every_sequence_once_with_real_tokens_within_budget(
+    case: tuple,
+) -> None:
+    lengths, budget, minimum = case
+    plan = plan_token_budget(lengths, budget, min_num_micro_batches=minimum, packed=True)
+    assert sorted(i for group in plan.groups for i in group) == list(range(len(lengths)))
+    assert plan.packed
+    assert plan.tokens == tuple(tokens(g, lengths) for g in plan.groups)
+    assert plan.loads == plan.tokens
+    assert plan.max_load <= budget
+    assert plan.num_micro_batches >= minimum
+    assert list(plan.tokens) == sorted(plan.tokens, reverse=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(small_batches)
+def test_packed_plan_is_within_the_ffd_and_four_thirds_bounds(case: tuple) -> None:
+    """Packing is NP-hard; the count obeys FFD's bound (<= 11/9 OPT + 6/9, Dosa 2007) and the
+    max load for that count LPT's / MULTIFIT's (<= 4/3 of the optimum for that count)."""
+    lengths, budget, minimum = case
+    fewest, best = brute_force_packed(lengths, budget)
+    plan = plan_token_budget(lengths, budget, min_num_micro_batches=minimum, packed=True)
+    assert max(fewest, minimum) <= plan.num_micro_batches
+    assert plan.num_micro_batches <= max(minimum, (11 * fewest + 6) // 9)
+    assert 3 * plan.max_load <= 4 * best[plan.num_micro_batches] + 2  # <= ceil(4/3 OPT)
+
+
+@PROPERTY
+@given(batches(max_sequences=200, max_length=2000))
+def test_packed_count_is_below_twice_the_token_lower_bound(case: tuple) -> None:
+    """Any two FFD bins together exceed the budget, so count <= 2 * ceil(total/budget) - 1."""
+    lengths, budget, _ = case
+    plan = plan_token_budget(lengths, budget, packed=True)
+    lower = math.ceil(sum(lengths) / budget)
+    assert lower <= plan.num_micro_batches <= 2 * lower - 1
+
+
+@PROPERTY
+@given(st.integers(2, 5000), st.data())
+def test_complementary_lengths_pack_perfectly(budget: int, data: st.DataObject) -> None:
+    halves = data.draw(st.lists(st.integers(1, budget // 2), min_size=1, max_size=40))
+    lengths = [x for small in halves for x in (small, budget - small)]
+    order = data.draw(st.permutations(range(len(lengths))))
+    shuffled = [lengths[i] for i in order]
+    plan = plan_token_budget(shuffled, budget, packed=True)
+    assert plan.num_micro_batches == len(halves) == sum(lengths) // budget
+
+
+@PROPERTY
+@given(batches())
+def test_packed_max_load_never_exceeds_in_order_chunking_with_the_same_count(
+    case: tuple,
+) -> None:
+    lengths, budget, minimum = case
+    plan = plan_token_budget(lengths, budget, min_num_micro_batches=minimum, packed=True)
+    naive = in_order_chunks(len(lengths), plan.num_micro_batches)
+    assert plan.max_load <= max(tokens(chunk, lengths) for chunk in naive)
+
+
+def test_packing_a_skewed_batch_balances_real_tokens() -> None:
+    lengths = [1000, 1000, 10, 10, 10, 10]
+    plan = plan_token_budget(lengths, 4096, min_num_micro_batches=2, packed=True)
+    assert max(tokens(chunk, lengths) for chunk in in_order_chunks(6, 2)) == 2010
+    assert plan.max_load == 1020
+
+
+def test_packing_4096_sequences_is_quick_and_needs_fewer_micro_batches_than_padding() -> None:
+    rng = random.Random(0)
+    lengths = [rng.randint(16, 4096) for _ in range(4096)]
+    start = time.perf_counter()
+    plan = plan_token_budget(lengths, 16384, packed=True)
+    elapsed = time.perf_counter() - start
+    assert plan.max_load <= 16384
+    assert plan.num_micro_batches < plan_token_budget(lengths, 16384).num_micro_batches
+    assert elapsed < 2.0  # about 15 ms on an idle CPU
+
+
+def test_packed_plans_refuse_over_long_sequences_and_non_bool_flags() -> None:
+    with pytest.raises(BatchError, match="sequence 3 has 5000 tokens"):
+        plan_token_budget([10, 20, 30, 5000], 4096, packed=True)
+    with pytest.raises(ConfigError, match="packed must be a bool"):
+        plan_token_budget([1], 10, packed="yes")  # type: ignore[arg-type]
+
+
 # --------------------------------------------------------------------------------- fixed size
 
 

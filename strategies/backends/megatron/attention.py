@@ -1,0 +1,78 @@
+"""Core attention for megatron's local layer spec that also runs packed (``thd``) micro-batches.
+
+Megatron's local ``DotProductAttention`` refuses ``PackedSeqParams`` (only TransformerEngine's
+attention takes the ``thd`` layout). This subclass keeps the local path for right-padded input
+and, for packed input, attends within each sequence with ``scaled_dot_product_attention``
+(causal): attention never crosses a sequence boundary and the cost grows with the sum of the
+squared sequence lengths, not the squared row length. It is device-neutral (the CPU, and GPU
+hosts without TransformerEngine); megatron's rotary embedding already restarts positions at
+each sequence in the ``thd`` layout (``cu_seqlens``).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from heads.errors import ConfigError
+
+
+@functools.cache
+def packed_dot_product_attention() -> type:
+    """The class (built once, on first use, so megatron is imported lazily)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class PackedDotProductAttention(DotProductAttention):  # type: ignore[misc]
+        """Local core attention; packed ``thd`` input is attended sequence by sequence."""
+
+        def forward(
+            self,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            attention_mask: torch.Tensor | None,
+            attn_mask_type: Any = None,
+            attention_bias: torch.Tensor | None = None,
+            packed_seq_params: Any = None,
+        ) -> torch.Tensor:
+            if packed_seq_params is None:
+                return super().forward(  # type: ignore[no-any-return]
+                    query, key, value, attention_mask, attn_mask_type, attention_bias
+                )
+            return self._packed(query, key, value, packed_seq_params)
+
+        def _packed(
+            self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any
+        ) -> torch.Tensor:
+            """``query`` ``[t, heads, dim]``, ``key``/``value`` ``[t, groups, dim]`` ->
+            ``[t, heads * dim]``, causal inside each ``cu_seqlens_q`` segment."""
+            if params.qkv_format != "thd" or self.softmax_offset is not None:
+                raise ConfigError(
+                    "packed micro-batches on megatron's local layer spec support the thd layout "
+                    "with vanilla softmax only"
+                )
+            scale = self.softmax_scale
+            if self.config.apply_query_key_layer_scaling:  # the softmax multiplies it back
+                scale *= self.layer_number
+            bounds = params.cu_seqlens_q.tolist()
+            pieces = []
+            for start, end in itertools.pairwise(bounds):
+                # [s, heads, dim] -> [heads, s, dim]
+                q, k, v = (x[start:end].transpose(0, 1) for x in (query, key, value))
+                out = F.scaled_dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    dropout_p=self.attention_dropout.p if self.training else 0.0,
+                    is_causal=True,
+                    scale=scale,
+                    enable_gqa=k.shape[0] != q.shape[0],
+                )
+                pieces.append(out.transpose(0, 1))
+            return torch.cat(pieces).reshape(query.shape[0], -1)
+
+    return PackedDotProductAttention

@@ -1,0 +1,256 @@
+"""Sequence packing: a packed micro-batch (its sequences back to back in one row) gives what
+right-padded micro-batches give -- every head's outputs, the loss and the gradients -- whatever
+the length mix, micro-batch size, token budget or padding side; backends without the ability
+refuse it by name.
+
+Multi-process layouts (TP=2, PP=2, DP=2) are in ``test_packing_parallel.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tensordict import TensorDict
+
+from engine import Engine
+from engine.data.batching import from_token_lists, split_into, to_padded
+from heads.base import HeadContext, at_last_token, shift_to_scored_token
+from heads.errors import ConfigError
+from strategies.backends.megatron.mesh import destroy_mesh
+from tests.factories import raise_outputs_loss, random_batch, tiny_model
+
+VOCAB = 64
+HEADS = {"lm": {"compute_entropy": True}, "value": {}, "reward": {}}
+#: Same seed, so the same weights; only how batches are cut and laid out differs.
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "padded": {"micro_batch_size": 1},
+    "packed-3": {"packing": True, "micro_batch_size": 3},
+    "packed-budget-24": {"packing": True, "max_tokens_per_micro_batch": 24},
+    "packed-budget-50": {"packing": True, "max_tokens_per_micro_batch": 50},
+}
+
+
+def build(head: str, **layout: Any) -> Engine:
+    config = {
+        "model": tiny_model(num_query_groups=2),
+        "seed": 5,
+        "optimizer": {"lr": 1e-3},
+        "head": HEADS[head],
+        **layout,
+    }
+    return Engine.build(head=head, device="cpu", config=config).initialize()
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[dict[tuple[str, str], Engine]]:
+    destroy_mesh()
+    yield {
+        (head, name): build(head, **layout) for head in HEADS for name, layout in LAYOUTS.items()
+    }
+    destroy_mesh()
+
+
+def gradients(engine: Engine) -> dict[str, torch.Tensor]:
+    """Each parameter's accumulated gradient (megatron keeps it in ``main_grad``)."""
+    found = {}
+    for index, module in enumerate(engine.backend.modules()):
+        for name, param in module.named_parameters():
+            grad = getattr(param, "main_grad", None)
+            grad = param.grad if grad is None else grad
+            found[f"{index}.{name}"] = grad.detach().clone()
+    return found
+
+
+def loss_and_gradients(engine: Engine, batch: TensorDict) -> tuple[float, dict[str, torch.Tensor]]:
+    with engine.train_mode():
+        engine.optimizer_zero_grad()
+        result = engine.forward_backward_batch(batch, raise_outputs_loss, return_outputs=False)
+        grads = gradients(engine)
+        engine.optimizer_zero_grad()
+    return sum(result["loss"]), grads
+
+
+def flat(values: torch.Tensor) -> torch.Tensor:
+    return values.values() if values.is_nested else values
+
+
+lengths_mixes = st.lists(st.integers(1, 24), min_size=1, max_size=9)
+
+
+@settings(
+    max_examples=10,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(lengths=lengths_mixes, side=st.sampled_from(["left", "right"]), seed=st.integers(0, 999))
+@pytest.mark.parametrize("head", list(HEADS))
+def test_packed_outputs_equal_padded_ones_for_every_layout_and_padding_side(
+    engines: dict[tuple[str, str], Engine], head: str, lengths: list[int], side: str, seed: int
+) -> None:
+    """Property: outputs do not depend on packing, micro-batch size, budget or padding side."""
+    batch = random_batch(lengths, VOCAB, seed=seed)
+    reference = engines[head, "padded"].infer_batch(batch)
+    for name in LAYOUTS:
+        for given_batch in (batch, to_padded(batch, side=side)):
+            outputs = engines[head, name].infer_batch(given_batch)
+            assert set(outputs.keys()) == set(reference.keys())
+            for key in reference.keys():
+                torch.testing.assert_close(
+                    flat(outputs[key]), flat(reference[key]), rtol=1e-5, atol=1e-5, msg=name
+                )
+
+
+@settings(
+    max_examples=6,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(lengths=st.lists(st.integers(2, 24), min_size=1, max_size=9), seed=st.integers(0, 999))
+@pytest.mark.parametrize("head", list(HEADS))
+def test_packed_loss_and_gradients_equal_padded_ones(
+    engines: dict[tuple[str, str], Engine], head: str, lengths: list[int], seed: int
+) -> None:
+    batch = random_batch(lengths, VOCAB, seed=seed)
+    loss, grads = loss_and_gradients(engines[head, "padded"], batch)
+    assert any(bool(g.abs().sum() > 0) for g in grads.values())
+    for name in LAYOUTS:
+        packed_loss, packed_grads = loss_and_gradients(engines[head, name], batch)
+        assert packed_loss == pytest.approx(loss, rel=1e-5, abs=1e-5)
+        for key, grad in grads.items():
+            torch.testing.assert_close(packed_grads[key], grad, rtol=1e-5, atol=1e-5, msg=key)
+
+
+def test_a_budget_that_splits_the_batch_unevenly_still_matches(
+    engines: dict[tuple[str, str], Engine],
+) -> None:
+    lengths = [23, 1, 20, 2, 19, 24, 3, 7, 11]  # budget 24: a full row next to mostly-empty ones
+    batch = random_batch(lengths, VOCAB, seed=3)
+    engine = engines["lm", "packed-budget-24"]
+    plan = engine.plan_micro_batches(batch)
+    assert plan.packed and plan.max_load <= 24 and len(set(plan.tokens)) > 1
+    expected = engines["lm", "padded"].infer_batch(batch)["log_probs"]
+    torch.testing.assert_close(
+        flat(engine.infer_batch(batch)["log_probs"]), flat(expected), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_packed_training_steps_follow_padded_ones() -> None:
+    destroy_mesh()
+    runs = {}
+    for name in ("padded", "packed-budget-50"):
+        engine = build("value", **LAYOUTS[name])
+        batch = random_batch([5, 17, 9, 12, 2, 20], VOCAB, seed=1)
+        with engine.train_mode():
+            runs[name] = [engine.train_batch(batch, raise_outputs_loss)["loss"] for _ in range(3)]
+    assert runs["packed-budget-50"] == pytest.approx(runs["padded"], rel=1e-5, abs=1e-6)
+    destroy_mesh()
+
+
+# --------------------------------------------------------------------------- the packed layout
+
+
+def test_a_packed_micro_batch_is_one_row_with_its_sequences_back_to_back() -> None:
+    batch = from_token_lists([[1, 2, 3], [4], [5, 6]], loss_mask=[[0, 1, 1], [0], [0, 1]])
+    (micro_batch,) = split_into(batch, [[0, 1, 2]], packed=True)
+    assert micro_batch.input_ids.tolist() == [[1, 2, 3, 4, 5, 6]]
+    assert micro_batch.cu_seqlens is not None and micro_batch.cu_seqlens.tolist() == [0, 3, 4, 6]
+    # loss functions still see right-padded rows
+    assert micro_batch.data["input_ids"].tolist() == [[1, 2, 3], [4, 0, 0], [5, 6, 0]]
+    row = torch.arange(1.0, 7.0)[None]
+    assert micro_batch.unpack(row).tolist() == [[1, 2, 3], [4, 0, 0], [5, 6, 0]]
+
+
+def test_the_shift_and_the_last_token_respect_sequence_boundaries() -> None:
+    ctx = HeadContext(cu_seqlens=torch.tensor([0, 3, 4, 6]))
+    row = torch.arange(1.0, 7.0)[None]
+    # each sequence's first token scores 0: nothing carries over from the previous sequence
+    assert shift_to_scored_token(row, ctx).tolist() == [[0, 1, 2, 0, 0, 5]]
+    assert at_last_token(row, ctx).tolist() == [3, 4, 6]
+
+
+def test_a_head_that_ignores_the_packed_layout_is_refused_naming_it() -> None:
+    from tests.test_plugins import RunningMeanHead
+
+    destroy_mesh()
+    engine = Engine.build(
+        head=RunningMeanHead(),
+        device="cpu",
+        config={"model": tiny_model(), "packing": True, "micro_batch_size": 4},
+    ).initialize()
+    with pytest.raises(ConfigError, match="'plugin-running-mean'.*first position"):
+        engine.infer_batch(random_batch([4, 6, 3], VOCAB))
+    destroy_mesh()
+
+
+def test_packed_attention_attends_within_each_sequence_only() -> None:
+    """Megatron's local core attention with packed input equals causal attention run on each
+    sequence alone (grouped-query heads included)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from strategies.backends.megatron.attention import packed_dot_product_attention
+    from strategies.backends.megatron.model import transformer_config
+
+    destroy_mesh()
+    engine = build("value")  # sets up megatron's state on the CPU
+    attention = packed_dot_product_attention()(
+        config=transformer_config(engine.config),
+        layer_number=1,
+        attn_mask_type=AttnMaskType.causal,
+        attention_type="self",
+    )
+    bounds = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
+    generator = torch.Generator().manual_seed(0)
+    heads, groups, dim = 4, 2, 8
+    query = torch.randn(13, heads, dim, generator=generator)
+    key, value = (torch.randn(13, groups, dim, generator=generator) for _ in range(2))
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=7, max_seqlen_kv=7
+    )
+    out = attention(query, key, value, None, packed_seq_params=params)
+    for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        q = query[start:end].transpose(0, 1)
+        k, v = (x[start:end].transpose(0, 1).repeat_interleave(2, 0) for x in (key, value))
+        scores = (q @ k.transpose(1, 2)) / dim**0.5
+        causal = torch.ones(end - start, end - start, dtype=torch.bool).tril()
+        alone = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+        torch.testing.assert_close(
+            out[start:end], alone.transpose(0, 1).reshape(end - start, -1), rtol=1e-5, atol=1e-6
+        )
+    destroy_mesh()
+
+
+# ------------------------------------------------------------------------------- refusals
+
+
+def test_a_backend_without_the_packing_ability_refuses_it_by_name() -> None:
+    with pytest.raises(ConfigError, match=r"the fsdp2 backend lacks the 'packing' ability"):
+        Engine.build(
+            head="lm",
+            backend="fsdp2",
+            device="cpu",
+            config={"model": tiny_model(), "packing": True},
+        )
+
+
+def test_packing_with_context_parallelism_is_refused_before_anything_is_built() -> None:
+    from engine import EngineConfig
+    from engine.registry import BACKENDS
+
+    backend = BACKENDS.create("megatron")
+    config = EngineConfig.from_dict(
+        {"model": tiny_model(), "parallel": {"context_parallel_size": 2}}
+    )
+    with pytest.raises(ConfigError, match="packing with context_parallel_size > 1"):
+        backend.check_packing(config)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_the_packing_flag_must_be_a_bool(bad: object) -> None:
+    with pytest.raises(ConfigError, match="packing"):
+        Engine.build(head="lm", device="cpu", config={"model": tiny_model(), "packing": bad})
