@@ -17,6 +17,8 @@ from engine import Engine
 from engine.data.batching import sequence_lengths
 from engine.registry import BACKENDS, DEVICES, HEADS
 from heads.base import PER_SEQUENCE
+from heads.errors import ConfigError
+from strategies.backends.base import Packing
 from strategies.backends.megatron.mesh import destroy_mesh
 from tests.factories import raise_outputs_loss, random_batch, tiny_model
 from tests.simulation import EventLog, forget_applied_repatches, make_platform
@@ -42,6 +44,7 @@ def cell_settings(draw: st.DrawFn) -> dict[str, Any]:
         ),
         "lengths": draw(st.lists(st.integers(2, 24), min_size=1, max_size=6)),
         "micro_batch_size": draw(st.integers(1, 4)),
+        "packing": draw(st.booleans()),
         "temperature": draw(st.sampled_from([0.3, 0.5, 1.0, 1.7])),
         "seed": draw(st.integers(0, 2**16)),
     }
@@ -75,18 +78,19 @@ def test_every_cell_builds_trains_to_lower_loss_and_infers_aligned_outputs(
     monkeypatch.setattr(parallel_state, "initialize_model_parallel", recording_init)
     platform, simulated = make_platform(device, log)
     head_options = {"temperature": drawn["temperature"]} if head == "lm" else {}
-    engine = Engine.build(
-        head=head,
-        backend=backend,
-        device=platform,
-        config={
-            "model": drawn["model"],
-            "micro_batch_size": drawn["micro_batch_size"],
-            "seed": drawn["seed"],
-            "optimizer": {"lr": 3e-4, "clip_grad": 0.0},
-            "head": head_options,
-        },
-    ).initialize()
+    config = {
+        "model": drawn["model"],
+        "micro_batch_size": drawn["micro_batch_size"],
+        "packing": drawn["packing"],
+        "seed": drawn["seed"],
+        "optimizer": {"lr": 3e-4, "clip_grad": 0.0},
+        "head": head_options,
+    }
+    if drawn["packing"] and not isinstance(BACKENDS.create(backend), Packing):
+        with pytest.raises(ConfigError, match=f"the {backend} backend lacks the 'packing'"):
+            Engine.build(head=head, backend=backend, device=platform, config=config)
+        config["packing"] = False
+    engine = Engine.build(head=head, backend=backend, device=platform, config=config).initialize()
 
     if simulated:
         # MindSpeed patches megatron: NPU contributes its repatch to megatron-kind backends only.

@@ -182,7 +182,7 @@ def test_a_head_that_ignores_the_packed_layout_is_refused_naming_it() -> None:
         device="cpu",
         config={"model": tiny_model(), "packing": True, "micro_batch_size": 4},
     ).initialize()
-    with pytest.raises(ConfigError, match="'plugin-running-mean'.*first position"):
+    with pytest.raises(ConfigError, match=r"'plugin-running-mean'.*first position"):
         engine.infer_batch(random_batch([4, 6, 3], VOCAB))
     destroy_mesh()
 

@@ -48,6 +48,7 @@ def assert_valid(plan: MicroBatchPlan, lengths: Sequence[int], budget: int) -> N
     assert sorted(flat) == list(range(len(lengths)))
     assert all(plan.groups)
     assert plan.padded_tokens == tuple(load(g, lengths) for g in plan.groups)
+    assert plan.tokens == tuple(sum(lengths[i] for i in g) for g in plan.groups)
     assert plan.max_tokens_per_micro_batch == budget
     assert plan.max_load <= budget
 
@@ -365,11 +366,11 @@ def test_bad_lengths_are_batch_errors(lengths: object, match: str) -> None:
 
 def test_plan_rejects_groups_that_are_not_a_partition() -> None:
     with pytest.raises(BatchError, match="exactly once"):
-        MicroBatchPlan(groups=((0, 1), (1,)), padded_tokens=(2, 1))
+        MicroBatchPlan(groups=((0, 1), (1,)), tokens=(2, 1), padded_tokens=(2, 1))
     with pytest.raises(BatchError, match="empty"):
-        MicroBatchPlan(groups=((0,), ()), padded_tokens=(1, 0))
+        MicroBatchPlan(groups=((0,), ()), tokens=(1, 0), padded_tokens=(1, 0))
     with pytest.raises(BatchError, match="one token count per group"):
-        MicroBatchPlan(groups=((0,), (1,)), padded_tokens=(1,))
+        MicroBatchPlan(groups=((0,), (1,)), tokens=(1, 1), padded_tokens=(1,))
 
 
 def test_without_a_group_counts_and_plans_stay_local() -> None:
@@ -402,6 +403,7 @@ def load(name, path):
     return module
 
 load("engine.data.partition", "engine/data/partition.py")
+load("engine.data.bin_packing", "engine/data/bin_packing.py")
 planner = load("micro_batching", "engine/data/micro_batching.py")
 agree_on_count = planner.agree_on_count
 plan_for_data_parallel = planner.plan_for_data_parallel
@@ -415,10 +417,10 @@ dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeou
 try:
     group = dist.group.WORLD
     result = {"agreed": agree_on_count(3 + 4 * rank, group), "plans": []}
-    for lengths, budget in cases:
-        local = plan_token_budget(lengths, budget).num_micro_batches
-        plan = plan_for_data_parallel(lengths, budget, group)
-        fields = ("groups", "padded_tokens", "max_tokens_per_micro_batch")
+    for lengths, budget, packed in cases:
+        local = plan_token_budget(lengths, budget, packed=packed).num_micro_batches
+        plan = plan_for_data_parallel(lengths, budget, group, packed=packed)
+        fields = ("groups", "tokens", "padded_tokens", "max_tokens_per_micro_batch", "packed")
         result["plans"].append({"local": local, **{f: getattr(plan, f) for f in fields}})
     # Rank 1 needs 5 micro-batches, rank 0 has only 2 sequences: both must raise.
     try:
@@ -439,11 +441,12 @@ finally:
 """
 
 
-def rank_cases(rank: int) -> list[tuple[list[int], int]]:
-    """Different lengths on each rank (so local counts differ), same budgets."""
+def rank_cases(rank: int) -> list[tuple[list[int], int, bool]]:
+    """Different lengths on each rank (so local counts differ), same budgets; every other case
+    packed (the budget counts real tokens)."""
     rng = random.Random(1000 + rank)
     cases = []
-    for _ in range(24):
+    for case in range(24):
         budget = rng.choice([256, 512, 1024])
         # Rank 0: many short sequences (few micro-batches); rank 1: fewer, longer ones (more
         # micro-batches, but never more than rank 0 has sequences).
@@ -451,7 +454,7 @@ def rank_cases(rank: int) -> list[tuple[list[int], int]]:
             n, low, high = rng.randint(24, 40), 1, budget // 8
         else:
             n, low, high = rng.randint(8, 20), budget // 8, budget // 2
-        cases.append(([rng.randint(low, high) for _ in range(n)], budget))
+        cases.append(([rng.randint(low, high) for _ in range(n)], budget, case % 2 == 1))
     return cases
 
 
@@ -487,9 +490,10 @@ def test_data_parallel_ranks_agree_on_the_count_and_keep_their_budget() -> None:
     local_counts = [[plan.pop("local") for plan in r["plans"]] for r in results]
     assert local_counts[0] != local_counts[1]  # the ranks really had to agree
     for rank, result in enumerate(results):
-        for (lengths, budget), fields in zip(cases[rank], result["plans"], strict=True):
+        for (lengths, budget, packed), fields in zip(cases[rank], result["plans"], strict=True):
             plan = MicroBatchPlan(**{name: _tuples(value) for name, value in fields.items()})
             assert_valid(plan, lengths, budget)
+            assert plan.packed is packed
     for case, (first, second) in enumerate(zip(*(r["plans"] for r in results), strict=True)):
         agreed = max(local_counts[0][case], local_counts[1][case])
         assert len(first["groups"]) == len(second["groups"]) == agreed
