@@ -59,6 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-length", type=positive_int, default=64, help="longest sequence")
     train.add_argument("--micro-batch-size", type=positive_int)
     train.add_argument(
+        "--max-tokens-per-micro-batch", type=positive_int, help="plan micro-batches by token budget"
+    )
+    train.add_argument(
+        "--packing",
+        action="store_true",
+        default=None,
+        help="pack each micro-batch's sequences back to back in one row (no padding computed)",
+    )
+    train.add_argument(
         "--data", help="JSON lines: input_ids (+ returns for --head value, optional loss_mask)"
     )
     train.add_argument("--output-dir", help="write metrics.jsonl and metrics.png here")

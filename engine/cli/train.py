@@ -58,6 +58,10 @@ def engine_config(args: argparse.Namespace) -> Any:
         changes["model"] = args.model
     if args.micro_batch_size:
         changes["micro_batch_size"] = args.micro_batch_size
+    if args.max_tokens_per_micro_batch:
+        changes["max_tokens_per_micro_batch"] = args.max_tokens_per_micro_batch
+    if args.packing:
+        changes["packing"] = True
     if args.seed is not None:
         changes["seed"] = args.seed
     data = config.to_dict()

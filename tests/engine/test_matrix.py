@@ -1,4 +1,5 @@
-"""Every head x backend x device cell known to the registries builds, trains and infers.
+"""Every head x backend x device cell known to the registries builds, trains and infers, packed
+or padded (a backend without the packing ability refuses packing by name).
 
 CUDA and NPU cells run *simulated* on this CPU (see tests/simulation.py) unless the hardware is
 present; then they run for real and the hook assertions that need doubles are skipped.

@@ -254,3 +254,51 @@ def test_packing_with_context_parallelism_is_refused_before_anything_is_built() 
 def test_the_packing_flag_must_be_a_bool(bad: object) -> None:
     with pytest.raises(ConfigError, match="packing"):
         Engine.build(head="lm", device="cpu", config={"model": tiny_model(), "packing": bad})
+
+
+# ------------------------------------------------------------------------- megatron row layout
+
+
+def model_config(tp: int = 1, pp: int = 1, virtual: int | None = None, sp: bool = False) -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=virtual,
+        sequence_parallel=sp,
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        (model_config(), [13, 6]),  # each row as long as its real tokens
+        (model_config(tp=2), [13, 6]),  # TP without sequence parallelism splits no sequence dim
+        (model_config(tp=4, sp=True), [16, 8]),  # sequence parallel: multiples of TP
+        (model_config(pp=2), [13, 13]),  # pipeline: one shape for every micro-batch
+        (model_config(tp=2, pp=2, sp=True), [14, 14]),
+    ],
+)
+def test_packed_rows_are_padded_at_the_end_as_megatron_requires(
+    config: Any, expected: list[int]
+) -> None:
+    from strategies.backends.megatron.backend import row_width
+
+    batch = random_batch([5, 1, 7, 6], VOCAB)
+    micro_batches = split_into(batch, [[0, 1, 2], [3]], packed=True)
+    widths = [row_width(int(mb.input_ids.shape[1]), micro_batches, config) for mb in micro_batches]
+    assert widths == expected
+
+
+def test_row_padding_is_a_segment_of_its_own_and_positions_restart_per_sequence() -> None:
+    from strategies.backends.megatron.backend import packed_layout
+
+    params, positions = packed_layout(torch.tensor([0, 3, 4, 6]), 9, torch.device("cpu"))
+    assert params.qkv_format == "thd"
+    assert params.cu_seqlens_q.tolist() == params.cu_seqlens_kv.tolist() == [0, 3, 4, 6, 9]
+    assert params.cu_seqlens_q.dtype == torch.int32
+    assert params.max_seqlen_q == params.max_seqlen_kv == 3
+    assert positions.tolist() == [[0, 1, 2, 0, 0, 1, 0, 1, 2]]
+    unpadded, _ = packed_layout(torch.tensor([0, 2, 7]), 7, torch.device("cpu"))
+    assert unpadded.cu_seqlens_q.tolist() == [0, 2, 7] and unpadded.max_seqlen_q == 5

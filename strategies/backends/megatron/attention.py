@@ -26,7 +26,7 @@ def packed_dot_product_attention() -> type:
     """The class (built once, on first use, so megatron is imported lazily)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    class PackedDotProductAttention(DotProductAttention):  # type: ignore[misc]
+    class PackedDotProductAttention(DotProductAttention):  # type: ignore[misc, unused-ignore]
         """Local core attention; packed ``thd`` input is attended sequence by sequence."""
 
         def forward(
@@ -40,7 +40,7 @@ def packed_dot_product_attention() -> type:
             packed_seq_params: Any = None,
         ) -> torch.Tensor:
             if packed_seq_params is None:
-                return super().forward(  # type: ignore[no-any-return]
+                return super().forward(  # type: ignore[no-any-return, unused-ignore]
                     query, key, value, attention_mask, attn_mask_type, attention_bias
                 )
             return self._packed(query, key, value, packed_seq_params)

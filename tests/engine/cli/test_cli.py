@@ -41,6 +41,18 @@ def test_train_prints_one_metrics_line_per_step_and_learns(head: str, backend: s
     assert "tokens/s" in result.stdout
 
 
+def test_train_with_packing_learns_and_a_backend_without_it_refuses_by_name() -> None:
+    packed = ("train", "--head", "value", "--steps", "10", "--seed", "3", "--packing")
+    result = run(*packed, "--max-tokens-per-micro-batch", "128")
+    assert result.returncode == 0, result.stderr[-2000:]
+    losses = [float(m.group(3)) for m in map(STEP_LINE.match, result.stdout.splitlines()) if m]
+    assert len(losses) == 10
+    assert sum(losses[-3:]) < sum(losses[:3])
+    refused = run(*packed, "--backend", "fsdp2")
+    assert refused.returncode == 2
+    assert "the fsdp2 backend lacks the 'packing' ability" in refused.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
