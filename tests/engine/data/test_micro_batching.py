@@ -12,7 +12,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -77,12 +77,15 @@ def set_partitions(n: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
     return tuple(found)
 
 
-def brute_force(lengths: Sequence[int], budget: int) -> tuple[int, dict[int, int]]:
-    """(fewest groups within budget, {count: least possible max load with that many groups})."""
+def brute_force(
+    lengths: Sequence[int], budget: int, cost: Callable[[Sequence[int], Sequence[int]], int] = load
+) -> tuple[int, dict[int, int]]:
+    """(fewest groups within budget, {count: least possible max load with that many groups}),
+    a group's load being ``cost(group, lengths)`` (default: padded)."""
     fewest = len(lengths)
     best: dict[int, int] = {}
     for partition in set_partitions(len(lengths)):
-        worst = max(load(g, lengths) for g in partition)
+        worst = max(cost(g, lengths) for g in partition)
         if worst <= budget:
             fewest = min(fewest, len(partition))
         best[len(partition)] = min(best.get(len(partition), worst), worst)
@@ -198,18 +201,6 @@ def tokens(group: Sequence[int], lengths: Sequence[int]) -> int:
     return sum(lengths[i] for i in group)
 
 
-def brute_force_packed(lengths: Sequence[int], budget: int) -> tuple[int, dict[int, int]]:
-    """(fewest groups whose real tokens fit budget, {count: least max real tokens})."""
-    fewest = len(lengths)
-    best: dict[int, int] = {}
-    for partition in set_partitions(len(lengths)):
-        worst = max(tokens(g, lengths) for g in partition)
-        if worst <= budget:
-            fewest = min(fewest, len(partition))
-        best[len(partition)] = min(best.get(len(partition), worst), worst)
-    return fewest, best
-
-
 @PROPERTY
 @given(batches())
 def test_packed_plan_covers_every_sequence_once_with_real_tokens_within_budget(
@@ -232,7 +223,7 @@ def test_packed_plan_is_within_the_ffd_and_four_thirds_bounds(case: tuple) -> No
     """Packing is NP-hard; the count obeys FFD's bound (<= 11/9 OPT + 6/9, Dosa 2007) and the
     max load for that count LPT's / MULTIFIT's (<= 4/3 of the optimum for that count)."""
     lengths, budget, minimum = case
-    fewest, best = brute_force_packed(lengths, budget)
+    fewest, best = brute_force(lengths, budget, tokens)
     plan = plan_token_budget(lengths, budget, min_num_micro_batches=minimum, packed=True)
     assert max(fewest, minimum) <= plan.num_micro_batches
     assert plan.num_micro_batches <= max(minimum, (11 * fewest + 6) // 9)
