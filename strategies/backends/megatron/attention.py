@@ -61,8 +61,9 @@ def packed_dot_product_attention() -> type:
             bounds = params.cu_seqlens_q.tolist()
             pieces = []
             for start, end in itertools.pairwise(bounds):
-                # [s, heads, dim] -> [heads, s, dim]
-                q, k, v = (x[start:end].transpose(0, 1) for x in (query, key, value))
+                # [s, heads, dim] -> [1, heads, s, dim]: 4-D input lets the CPU pick its fused
+                # (flash) kernel, which also skips the causal half
+                q, k, v = (x[start:end].transpose(0, 1)[None] for x in (query, key, value))
                 out = F.scaled_dot_product_attention(
                     q,
                     k,
@@ -70,9 +71,9 @@ def packed_dot_product_attention() -> type:
                     dropout_p=self.attention_dropout.p if self.training else 0.0,
                     is_causal=True,
                     scale=scale,
-                    enable_gqa=k.shape[0] != q.shape[0],
+                    enable_gqa=k.shape[1] != q.shape[1],
                 )
-                pieces.append(out.transpose(0, 1))
+                pieces.append(out[0].transpose(0, 1))
             return torch.cat(pieces).reshape(query.shape[0], -1)
 
     return PackedDotProductAttention
