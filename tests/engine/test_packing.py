@@ -283,12 +283,11 @@ def model_config(tp: int = 1, pp: int = 1, virtual: int | None = None, sp: bool 
 def test_packed_rows_are_padded_at_the_end_as_megatron_requires(
     config: Any, expected: list[int]
 ) -> None:
-    from strategies.backends.megatron.backend import row_width
+    from strategies.backends.megatron.backend import row_widths
 
     batch = random_batch([5, 1, 7, 6], VOCAB)
     micro_batches = split_into(batch, [[0, 1, 2], [3]], packed=True)
-    widths = [row_width(int(mb.input_ids.shape[1]), micro_batches, config) for mb in micro_batches]
-    assert widths == expected
+    assert row_widths(micro_batches, config) == expected
 
 
 def test_row_padding_is_a_segment_of_its_own_and_positions_restart_per_sequence() -> None:

@@ -202,9 +202,7 @@ class MegatronBackend:
             iter(enumerate(micro_batches)) for _ in self._wrapped
         ]
         device, head_context = self._device, self._head_context
-        widths = [
-            row_width(int(mb.input_ids.shape[1]), micro_batches, config) for mb in micro_batches
-        ]
+        widths = row_widths(micro_batches, config)
 
         def forward_step(iterator: Iterator[tuple[int, MicroBatch]], model: Any) -> Any:
             index, micro_batch = next(iterator)
@@ -212,7 +210,8 @@ class MegatronBackend:
             length, width = input_ids.shape[1], widths[index]
             # Padding goes at the end of each row (never inside a sequence); the head never
             # sees it: the raw output is sliced back to ``length``.
-            input_ids = torch.nn.functional.pad(input_ids, (0, width - length))
+            if width > length:
+                input_ids = torch.nn.functional.pad(input_ids, (0, width - length))
             if micro_batch.cu_seqlens is None:
                 positions = torch.arange(width, device=device).expand_as(input_ids)
                 output = model(input_ids, positions, attention_mask=None)
@@ -395,20 +394,18 @@ def check_micro_batch_count(sizes: list[int], model_config: Any) -> None:
         )
 
 
-def row_width(length: int, micro_batches: Sequence[MicroBatch], model_config: Any) -> int:
-    """How long the model's rows for a micro-batch of ``length`` must be: the batch's longest
-    where megatron's schedule sends one fixed shape (virtual pipeline stages; and every pipeline
-    schedule for packed rows), rounded up to a multiple of the tensor-parallel size under
-    sequence parallelism (which splits the sequence dimension)."""
+def row_widths(micro_batches: Sequence[MicroBatch], model_config: Any) -> list[int]:
+    """How long the model's rows must be for each micro-batch: its own length, or the batch's
+    longest where megatron's schedule sends one fixed shape (virtual pipeline stages; and every
+    pipeline schedule for packed rows), rounded up to a multiple of the tensor-parallel size
+    under sequence parallelism (which splits the sequence dimension)."""
+    lengths = [int(mb.input_ids.shape[1]) for mb in micro_batches]
     packed = micro_batches[0].cu_seqlens is not None
     pipeline = model_config.pipeline_model_parallel_size > 1
-    virtual = model_config.virtual_pipeline_model_parallel_size is not None
-    if virtual or (packed and pipeline):
-        length = max(int(mb.input_ids.shape[1]) for mb in micro_batches)
-    if model_config.sequence_parallel:
-        multiple = model_config.tensor_model_parallel_size
-        length = -(-length // multiple) * multiple
-    return length
+    if model_config.virtual_pipeline_model_parallel_size is not None or (packed and pipeline):
+        lengths = [max(lengths)] * len(lengths)
+    multiple = model_config.tensor_model_parallel_size if model_config.sequence_parallel else 1
+    return [-(-length // multiple) * multiple for length in lengths]
 
 
 def packed_layout(
