@@ -7,13 +7,15 @@ on the same state, two variants alternate ``--repeats`` times (order flipped eve
 that drift hits both alike; medians printed):
 
 * engine: ``engine.save_checkpoint(fresh_dir)`` (megatron ``dist_checkpointing`` torch_dist
-  files for model + optimizer, scheduler JSON, RNG states, then fsync + xxh3-128 checksum of
-  every file, ``manifest.json`` and an atomic rename), timed, and the bytes of the published
-  ``global_step_N/`` directory (every file, manifest included); then
+  files for model + optimizer, written in-process and checksummed (xxh3-128) as written, then
+  fsynced; scheduler JSON, RNG states; then fsync of every file, read-back checksums of the
+  small files not checksummed while written, ``manifest.json`` and an atomic rename), timed, and
+  the bytes of the published ``global_step_N/`` directory (every file, manifest included); then
   ``engine.load_checkpoint(fresh_dir)`` (manifest check, checksum of every file, then restore),
   timed. The lines also show the time spent in the manifest write (``_write_manifest``: fsync +
-  checksums) and in the load's verification (``verify_files``: checksums), the checkpoint's safety
-  net, which the baseline has no counterpart for.
+  read-back checksums) and in the load's verification (``verify_files``: checksums), the
+  checkpoint's safety net, which the baseline has no counterpart for. The engine fsyncs its
+  files; the baseline does only with ``--fsync-baseline``.
 * torch.save: the inner model chunks' ``state_dict()`` (``engine.backend.modules()``), the
   optimizer's ``state_dict()`` and the LR scheduler's ``state_dict()`` in one dict written
   with ``torch.save`` to a fresh file (no fsync unless ``--fsync-baseline``), timed, and its
@@ -142,7 +144,8 @@ def measure(model: str, args: argparse.Namespace, parent: Path) -> None:
     label = f"model={model:5s} ({params / 1e6:.1f}M params)"
     fsync = " + fsync" if args.fsync_baseline else ""
     print(
-        f"{label} save: engine {engine_m['save_s'] * 1e3:8.1f} ms [manifest: fsync + checksums "
+        f"{label} save: engine {engine_m['save_s'] * 1e3:8.1f} ms [manifest: fsync + read-back "
+        f"checksums "
         f"{engine_m['manifest_s'] * 1e3:.1f} ms; first engine save {first['save_s'] * 1e3:.0f} ms, "
         f"not counted], torch.save{fsync} {torch_m['save_s'] * 1e3:8.1f} ms, ratio "
         f"{engine_m['save_s'] / torch_m['save_s']:.2f} (median of {args.repeats})"

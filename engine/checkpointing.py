@@ -4,8 +4,10 @@ published whole.
 A save writes into a temporary sibling (``.tmp-global_step_{N}-<random>``); after every rank
 has written its part, rank 0 fsyncs the files, writes ``manifest.json`` last (format version,
 engine config, head, model shape, step, parallel layout, every file's size and checksum) and
-renames the directory into place. A directory without a readable manifest is not a
-checkpoint, so a save killed at any point leaves the previous checkpoint as the latest.
+renames the directory into place. A file the backend checksummed while writing it (its
+``save_state`` says which) is not read back; its size on disk must match what was written.
+A directory without a readable manifest is not a checkpoint, so a save killed at any point
+leaves the previous checkpoint as the latest.
 Loading verifies the manifest (version, head, model shape, sizes and checksums) before any
 state changes. What is in the files is the backend's business (its ``Checkpointing``
 ability); this module receives that ability and a description of the engine (head, backend,
@@ -14,7 +16,6 @@ model, layout, config), never the Engine itself.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -23,22 +24,26 @@ import shutil
 import signal
 import socket
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import psutil
-import xxhash
 
 from heads.errors import CheckpointError, ConfigError
 from strategies.backends.base import Checkpointing
 from strategies.config import ModelConfig
-from strategies.distributed import barrier, from_rank_zero, rank
-from strategies.publish import fsync_path, publish_directory
+from strategies.distributed import barrier, from_rank_zero, merged_dicts, rank
+from strategies.publish import (
+    CHECKSUMS,
+    WRITE_CHECKSUM,
+    FileChecksums,
+    file_checksum,
+    fsync_path,
+    publish_directory,
+)
 
 #: 2: files are checksummed with xxh3-128 (version 1 manifests, with sha256, still load).
 FORMAT_VERSION = 2
-#: The checksum a manifest entry carries, by the first format version that uses it.
-_CHECKSUMS: dict[str, Callable[[], Any]] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 MANIFEST = "manifest.json"
 STEP_PREFIX = "global_step_"
 _STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d+)$")
@@ -78,14 +83,14 @@ def save_checkpoint(
         )
         os.makedirs(staging)
     staging = from_rank_zero(staging)
-    state.save_state(staging)
+    written = merged_dicts(state.save_state(staging) or {})
     _stage("after_state")
     barrier()
     error = None
     if rank() == 0:
         try:
             _stage("before_manifest")
-            _write_manifest(staging, _describe(engine, global_step))
+            _write_manifest(staging, _describe(engine, global_step), written)
             _stage("before_rename")
             publish_directory(staging, target)
             if max_ckpt_to_keep is not None:
@@ -214,10 +219,10 @@ def verify_files(directory: str, manifest: dict[str, Any]) -> None:
                 f"checkpoint file {path} has {size} bytes, the manifest says {entry['size']} "
                 "(truncated or overwritten)"
             )
-        algorithm = next((name for name in _CHECKSUMS if name in entry), None)
+        algorithm = next((name for name in CHECKSUMS if name in entry), None)
         if algorithm is None:
             raise CheckpointError(f"the manifest of {directory} gives {name} no checksum")
-        if _checksum(path, algorithm) != entry[algorithm]:
+        if file_checksum(path, algorithm) != entry[algorithm]:
             raise CheckpointError(f"checkpoint file {path} is corrupted ({algorithm} mismatch)")
 
 
@@ -265,16 +270,24 @@ def _check_compatible(directory: str, manifest: dict[str, Any], ours: dict[str, 
         )
 
 
-def _write_manifest(directory: str, description: dict[str, Any]) -> None:
+def _write_manifest(directory: str, description: dict[str, Any], written: FileChecksums) -> None:
+    """fsync every file and record its size and checksum (from ``written`` where the writer
+    checksummed it, else read back), then write the manifest."""
     files = {}
     for folder, _, names in os.walk(directory):
         for name in names:
             path = os.path.join(folder, name)
+            relative = os.path.relpath(path, directory)
             fsync_path(path)
-            files[os.path.relpath(path, directory)] = {
-                "size": os.path.getsize(path),
-                "xxh3_128": _checksum(path, "xxh3_128"),
-            }
+            size = os.path.getsize(path)
+            entry = written.get(relative)
+            if entry is None:
+                entry = {"size": size, WRITE_CHECKSUM: file_checksum(path)}
+            elif entry["size"] != size:
+                raise CheckpointError(
+                    f"{path} has {size} bytes on disk, but {entry['size']} were written"
+                )
+            files[relative] = entry
         fsync_path(folder)
     manifest = {**description, "files": dict(sorted(files.items()))}
     path = os.path.join(directory, MANIFEST)
@@ -283,14 +296,6 @@ def _write_manifest(directory: str, description: dict[str, Any]) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     fsync_path(directory)
-
-
-def _checksum(path: str, algorithm: str) -> str:
-    digest = _CHECKSUMS[algorithm]()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-    return str(digest.hexdigest())
 
 
 def _stage(name: str) -> None:

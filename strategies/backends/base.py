@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
     from strategies.config import ParallelConfig, PartsConfig
+    from strategies.publish import FileChecksums
 
 
 class MicroBatch(Protocol):
@@ -119,8 +120,10 @@ class Backend(Protocol):
 class Checkpointing(Protocol):
     """Ability: save and restore the model, optimizer, LR schedule and RNG states."""
 
-    def save_state(self, directory: str) -> None:
-        """Write this rank's part of the state into ``directory`` (collective)."""
+    def save_state(self, directory: str) -> FileChecksums | None:
+        """Write this rank's part of the state into ``directory`` (collective). May return the
+        size and checksum of files it checksummed while writing them (paths relative to
+        ``directory``), which spares reading them back; the others are read back."""
         ...
 
     def load_state(self, directory: str, *, same_layout: bool) -> None:

@@ -407,3 +407,62 @@ def test_a_version_1_checkpoint_with_sha256_checksums_still_loads(
     _damage_flip(_largest_file(saved))
     with pytest.raises(CheckpointError, match="sha256 mismatch"):
         _engine().load_checkpoint(saved)
+
+
+class _WritesOneFile:
+    """A ``Checkpointing`` part that writes ``state.bin`` and reports the given entry for it."""
+
+    def __init__(self, entry: dict[str, Any] | None) -> None:
+        self.entry = entry
+
+    def save_state(self, directory: str) -> dict[str, dict[str, Any]] | None:
+        Path(directory, "state.bin").write_bytes(b"weights")
+        return None if self.entry is None else {"state.bin": self.entry}
+
+    def load_state(self, directory: str, *, same_layout: bool) -> None:
+        raise AssertionError("not loaded here")
+
+
+def _description() -> dict[str, Any]:
+    from strategies.config import ModelConfig
+
+    return {"head": "lm", "backend": "fake", "model": ModelConfig(**tiny_model()),
+            "parallel": {}, "config": {}}  # fmt: skip
+
+
+def test_a_file_checksummed_while_written_is_not_read_back_and_others_are(tmp_path: Path) -> None:
+    from engine.checkpointing import save_checkpoint
+    from strategies.publish import file_checksum
+
+    written = {"size": 7, "xxh3_128": "checksum-of-the-bytes-as-written"}
+    saved = Path(save_checkpoint(_WritesOneFile(written), _description(), str(tmp_path), 1, None))
+    assert json.loads((saved / MANIFEST).read_text())["files"] == {"state.bin": written}
+    saved = Path(save_checkpoint(_WritesOneFile(None), _description(), str(tmp_path), 2, None))
+    assert json.loads((saved / MANIFEST).read_text())["files"] == {
+        "state.bin": {"size": 7, "xxh3_128": file_checksum(saved / "state.bin")}
+    }
+
+
+def test_a_file_whose_size_on_disk_is_not_what_was_written_fails_the_save(tmp_path: Path) -> None:
+    from engine.checkpointing import save_checkpoint
+
+    short = {"size": 5, "xxh3_128": "0"}
+    with pytest.raises(CheckpointError, match="has 7 bytes on disk, but 5 were written"):
+        save_checkpoint(_WritesOneFile(short), _description(), str(tmp_path), 1, None)
+    assert complete_checkpoints(str(tmp_path)) == []
+
+
+@pytest.mark.timeout(120)
+def test_megatron_writes_one_model_file_per_rank_with_the_checksum_of_its_bytes(
+    fresh_mesh: None, tmp_path: Path
+) -> None:
+    from strategies.publish import file_checksum
+
+    engine = _engine()
+    _train(engine, "lm", range(1))
+    saved = Path(engine.save_checkpoint(tmp_path))
+    files = json.loads((saved / MANIFEST).read_text())["files"]
+    assert [name for name in files if name.endswith(".distcp")] == ["dist/__0_0.distcp"]
+    for name, entry in files.items():
+        assert entry == {"size": (saved / name).stat().st_size,
+                         "xxh3_128": file_checksum(saved / name)}, name  # fmt: skip

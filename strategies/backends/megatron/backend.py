@@ -28,6 +28,7 @@ from strategies.backends.megatron.optimizer import build_optimizer, build_schedu
 from strategies.config import ParallelConfig, PartsConfig
 from strategies.megatron_version import check_megatron_version
 from strategies.offload import OffloadedParts
+from strategies.publish import FileChecksums
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -328,12 +329,12 @@ class MegatronBackend:
     def modules(self) -> list[torch.nn.Module]:
         return list(self._chunks)
 
-    def save_state(self, directory: str) -> None:
+    def save_state(self, directory: str) -> FileChecksums:
         """Model, optimizer, LR schedule and RNG states into ``directory`` (collective)."""
         from strategies.backends.megatron.checkpoint import save_state
 
         self._require_model()
-        save_state(self._chunks, self._optimizer, self._scheduler, directory)
+        return save_state(self._chunks, self._optimizer, self._scheduler, directory)
 
     def load_state(self, directory: str, *, same_layout: bool) -> None:
         """Restore ``save_state``'s directory, resharded to this layout (collective)."""

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from strategies.distributed import barrier, rank
+from strategies.publish import FileChecksums
 from strategies.rng import rng_states, set_rng_states
 
 _PR_SET_PDEATHSIG = 1
@@ -36,13 +37,12 @@ _OPTIMIZER_METADATA = {
 
 
 def _use_forked_results_queue() -> None:
-    """Give megatron's checkpoint writer its results queue from a *forked* Manager that dies
-    with this process.
+    """Give megatron's checkpoint writer its results queue (through which the write step hands
+    its results to megatron's finalisation) from a *forked* Manager that dies with this process.
 
     Megatron creates it from a spawn-context Manager, which re-imports the user's ``__main__``:
-    a plain script without an ``if __name__ == "__main__":`` guard would run again in it. Its
-    writer processes are forked anyway, so a forked Manager changes nothing else. A Manager
-    outlives a SIGKILLed parent (adopted by PID 1) unless told to die with it.
+    a plain script without an ``if __name__ == "__main__":`` guard would run again in it. A
+    Manager outlives a SIGKILLed parent (adopted by PID 1) unless told to die with it.
     """
     from multiprocessing.managers import SyncManager
 
@@ -64,10 +64,13 @@ def die_with_parent() -> None:
 
 def save_state(
     chunks: Sequence[torch.nn.Module], optimizer: Any, scheduler: Any, directory: str
-) -> None:
+) -> FileChecksums:
     """Write the model ``chunks`` (the unwrapped modules), ``optimizer`` and ``scheduler``
-    (None for a forward-only engine) and this rank's RNG states under ``directory``."""
+    (None for a forward-only engine) and this rank's RNG states under ``directory``. Returns
+    the size and checksum of the files this rank checksummed while writing them."""
     from megatron.core import dist_checkpointing
+
+    from strategies.backends.megatron.checkpoint_writer import ChecksummingSaveStrategy
 
     model_dir = os.path.join(directory, MODEL_DIR)
     if rank() == 0:
@@ -78,11 +81,13 @@ def save_state(
         _materialize_optimizer_state(optimizer)
     state = _sharded_state(chunks, optimizer, loading=False)
     _use_forked_results_queue()
-    dist_checkpointing.save(state, model_dir)
+    strategy = ChecksummingSaveStrategy()
+    dist_checkpointing.save(state, model_dir, sharded_strategy=strategy)
     if rank() == 0 and scheduler is not None:
         with open(os.path.join(directory, SCHEDULER_FILE), "w") as handle:
             json.dump(scheduler.state_dict(), handle)
     torch.save(_rng_states(), os.path.join(directory, RNG_DIR, f"rank_{rank()}.pt"))
+    return {f"{MODEL_DIR}/{name}": entry for name, entry in strategy.checksums.items()}
 
 
 def load_state(
