@@ -7,7 +7,8 @@ engine config, head, model shape, step, parallel layout, every file's size and c
 renames the directory into place. A file the backend checksummed while writing it (its
 ``save_state`` says which) is not read back; its size on disk must match what was written.
 A directory without a readable manifest is not a checkpoint, so a save killed at any point
-leaves the previous checkpoint as the latest.
+leaves the previous checkpoint as the latest. An asynchronous save (:func:`start_async_save`)
+publishes the same way from a background thread once every rank's files are on disk.
 Loading verifies the manifest (version, head, model shape, sizes and checksums) before any
 state changes. What is in the files is the backend's business (its ``Checkpointing``
 ability); this module receives that ability and a description of the engine (head, backend,
@@ -16,13 +17,17 @@ model, layout, config), never the Engine itself.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import pickle
 import re
 import secrets
 import shutil
 import signal
 import socket
+import threading
+import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -30,9 +35,9 @@ from typing import Any
 import psutil
 
 from heads.errors import CheckpointError, ConfigError
-from strategies.backends.base import Checkpointing
+from strategies.backends.base import AsyncCheckpointing, Checkpointing, StagedSave
 from strategies.config import ModelConfig
-from strategies.distributed import barrier, from_rank_zero, merged_dicts, rank
+from strategies.distributed import barrier, from_rank_zero, merged_dicts, rank, world_size
 from strategies.publish import (
     CHECKSUMS,
     WRITE_CHECKSUM,
@@ -69,6 +74,156 @@ def save_checkpoint(
 ) -> str:
     """Write ``state`` to ``root/global_step_{global_step}`` (collective); ``engine`` describes
     the engine (``head``, ``backend``, ``model``, ``parallel``, ``config``). Returns the path."""
+    target, staging = _begin_save(root, global_step, max_ckpt_to_keep)
+    written = merged_dicts(state.save_state(staging) or {})
+    _stage("after_state")
+    barrier()
+    error = None
+    if rank() == 0:
+        error = _publish(staging, target, _describe(engine, global_step), written, max_ckpt_to_keep)
+    error = from_rank_zero(error)
+    if error is not None:
+        raise CheckpointError(error)
+    return target
+
+
+def start_async_save(
+    state: AsyncCheckpointing,
+    engine: Mapping[str, Any],
+    root: str,
+    global_step: int,
+    max_ckpt_to_keep: int | None,
+) -> AsyncSave:
+    """:func:`save_checkpoint`, returning once the state is staged (collective: planning, and
+    the state copied out of the model and optimizer); a background thread writes the files.
+    Every rank's thread leaves a marker in the temporary directory when its files are on disk;
+    rank 0's then finishes the save, writes the manifest and publishes the directory, as a
+    synchronous save does (no collectives in the background). Before its next save or load
+    every rank calls :func:`finish_async_save`; a process exit waits for it too."""
+    target, staging = _begin_save(root, global_step, max_ckpt_to_keep)
+    staged = state.stage_state(staging)
+    return AsyncSave(staged, staging, target, _describe(engine, global_step), max_ckpt_to_keep)
+
+
+def finish_async_save(save: AsyncSave) -> str:
+    """Wait for ``save`` (collective); CheckpointError on every rank if any rank's part or the
+    publishing failed. Returns the published directory."""
+    error = save.wait()
+    errors = merged_dicts({str(rank()): error} if error is not None else {})
+    if errors:
+        raise CheckpointError(errors.get("0") or next(iter(errors.values())))
+    return save.target
+
+
+class AsyncSave:
+    """A save in flight (see :func:`start_async_save`): this rank's background thread."""
+
+    def __init__(
+        self,
+        staged: StagedSave,
+        staging: str,
+        target: str,
+        description: dict[str, Any],
+        max_ckpt_to_keep: int | None,
+    ) -> None:
+        self.target = target
+        self._error: str | None = None
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(staged, staging, description, max_ckpt_to_keep, rank(), world_size()),
+            name=f"checkpoint-save-{os.path.basename(target)}",
+        )
+        _IN_FLIGHT.add(self)
+        self._thread.start()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> str | None:
+        """Block until this rank's part (on rank 0: the whole save) is done; its error, if any
+        (rank 0's names any rank that failed)."""
+        self._thread.join()
+        _IN_FLIGHT.discard(self)
+        return self._error
+
+    def _run(
+        self,
+        staged: StagedSave,
+        staging: str,
+        description: dict[str, Any],
+        max_ckpt_to_keep: int | None,
+        this_rank: int,
+        ranks: int,
+    ) -> None:
+        try:
+            outcome: tuple[FileChecksums, Any] | str = staged.write()
+            _stage("after_state")
+        except Exception as failure:
+            outcome = f"rank {this_rank} could not write its files: {failure!r}"
+            self._error = f"cannot write the checkpoint {self.target}: {outcome}"
+        if this_rank != 0:
+            try:
+                _write_marker(staging, this_rank, outcome)
+            except OSError as failure:
+                self._error = f"cannot write the checkpoint {self.target}: {failure}"
+            return
+        try:
+            parts = [outcome, *(_read_marker(staging, peer) for peer in range(1, ranks))]
+            failed = [part for part in parts if isinstance(part, str)]
+            if failed:
+                raise CheckpointError("; ".join(failed))
+            written = [part for part in parts if not isinstance(part, str)]
+            staged.finish([result for _, result in written])
+            checksums = {name: entry for files, _ in written for name, entry in files.items()}
+            self._error = _publish(staging, self.target, description, checksums, max_ckpt_to_keep)
+        except Exception as failure:
+            self._error = f"cannot write the checkpoint {self.target}: {failure}"
+        if self._error is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+#: Saves whose thread nobody has waited for yet (a process exit waits for them).
+_IN_FLIGHT: set[AsyncSave] = set()
+#: How long rank 0's thread waits for another rank's files of an asynchronous save.
+PEER_TIMEOUT_S = 1800.0
+_MARKER = ".written-rank-{}"
+
+
+@atexit.register
+def _wait_at_exit() -> None:
+    """A process exits only once its in-flight saves are done; a failure is raised here."""
+    errors = [error for save in list(_IN_FLIGHT) if (error := save.wait()) is not None]
+    if errors:
+        raise CheckpointError("; ".join(errors))
+
+
+def _write_marker(staging: str, this_rank: int, outcome: Any) -> None:
+    """This rank's part of an asynchronous save (or why it failed), for rank 0's thread: the
+    marker's existence says that the rank's files are on disk."""
+    path = os.path.join(staging, _MARKER.format(this_rank))
+    with open(f"{path}.partial", "wb") as handle:
+        pickle.dump(outcome, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.rename(f"{path}.partial", path)
+
+
+def _read_marker(staging: str, peer: int) -> Any:
+    """Wait for ``peer``'s marker; its content (the marker is removed: not a checkpoint file)."""
+    path = os.path.join(staging, _MARKER.format(peer))
+    deadline = time.monotonic() + PEER_TIMEOUT_S
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"rank {peer} did not finish writing in {PEER_TIMEOUT_S:.0f} s")
+        time.sleep(0.01)
+    with open(path, "rb") as handle:
+        outcome = pickle.load(handle)
+    os.remove(path)
+    return outcome
+
+
+def _begin_save(root: str, global_step: int, max_ckpt_to_keep: int | None) -> tuple[str, str]:
+    """The target directory and the temporary one a save writes (made by rank 0; collective)."""
     if max_ckpt_to_keep is not None and max_ckpt_to_keep < 1:
         raise ConfigError(f"max_ckpt_to_keep must be >= 1 or None; got {max_ckpt_to_keep}")
     root = os.path.abspath(os.fspath(root))
@@ -82,26 +237,29 @@ def save_checkpoint(
             root, f".tmp-{STEP_PREFIX}{global_step}-{owner}-{secrets.token_hex(4)}"
         )
         os.makedirs(staging)
-    staging = from_rank_zero(staging)
-    written = merged_dicts(state.save_state(staging) or {})
-    _stage("after_state")
-    barrier()
-    error = None
-    if rank() == 0:
-        try:
-            _stage("before_manifest")
-            _write_manifest(staging, _describe(engine, global_step), written)
-            _stage("before_rename")
-            publish_directory(staging, target)
-            if max_ckpt_to_keep is not None:
-                for _, old in complete_checkpoints(root)[:-max_ckpt_to_keep]:
-                    shutil.rmtree(old, ignore_errors=True)
-        except (OSError, CheckpointError) as failure:
-            error = f"cannot write the checkpoint {target}: {failure}"
-    error = from_rank_zero(error)
-    if error is not None:
-        raise CheckpointError(error)
-    return target
+    return target, from_rank_zero(staging)
+
+
+def _publish(
+    staging: str,
+    target: str,
+    description: dict[str, Any],
+    written: FileChecksums,
+    max_ckpt_to_keep: int | None,
+) -> str | None:
+    """On rank 0: manifest, rename into place, retention. Why it failed, or None."""
+    try:
+        _stage("before_manifest")
+        _write_manifest(staging, description, written)
+        _stage("before_rename")
+        publish_directory(staging, target)
+        if max_ckpt_to_keep is not None:
+            root = os.path.dirname(target)
+            for _, old in complete_checkpoints(root)[:-max_ckpt_to_keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    except (OSError, CheckpointError) as failure:
+        return f"cannot write the checkpoint {target}: {failure}"
+    return None
 
 
 def load_checkpoint(state: Checkpointing, engine: Mapping[str, Any], path: str) -> tuple[str, int]:

@@ -11,7 +11,7 @@ import contextlib
 import os
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -45,6 +45,7 @@ from heads.base import PER_SEQUENCE, PER_TOKEN, Head, HeadContext, check_results
 from heads.errors import ConfigError, EngineStateError
 from strategies.backends.base import (
     OFFLOAD_PARTS,
+    AsyncCheckpointing,
     Backend,
     Checkpointing,
     HuggingFaceExport,
@@ -53,6 +54,9 @@ from strategies.backends.base import (
     require,
 )
 from strategies.devices.base import DevicePlatform
+
+if TYPE_CHECKING:
+    from engine.checkpointing import AsyncSave
 from strategies.distributed import all_reduce_values, world_size
 
 
@@ -83,6 +87,7 @@ class Engine:
         #: Optimizer steps taken (restored by ``load_checkpoint``; names checkpoint directories).
         self.global_step = 0
         self._guard = NonFiniteGuard(self.config.non_finite)
+        self._save_in_flight: AsyncSave | None = None
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -422,19 +427,45 @@ class Engine:
         path: str | os.PathLike[str],
         global_step: int | None = None,
         max_ckpt_to_keep: int | None = None,
+        *,
+        async_save: bool = False,
     ) -> str:
         """Save model, optimizer, LR schedule and RNG states to ``path/global_step_{N}/``
         (N: ``global_step``, default ``self.global_step``), published atomically; keep only the
-        newest ``max_ckpt_to_keep``. Collective: every rank calls it. Returns the directory."""
+        newest ``max_ckpt_to_keep``. Collective: every rank calls it. Returns the directory.
+
+        With ``async_save`` (a backend with the ``async_checkpoints`` ability) it returns once
+        the state is copied to host memory; the files are written in the background and the
+        directory appears when complete. The next save or load, :meth:`wait_for_checkpoint`
+        and the process's exit wait for it, and raise CheckpointError if it failed."""
         from engine import checkpointing
 
         self._require_initialized("save_checkpoint")
         state = require(self.backend, Checkpointing)
         self._require_resident("save_checkpoint", OFFLOAD_PARTS)
+        self.wait_for_checkpoint()
         step = self.global_step if global_step is None else global_step
-        return checkpointing.save_checkpoint(
-            state, self._checkpoint_description(), os.fspath(path), step, max_ckpt_to_keep
+        description = self._checkpoint_description()
+        if not async_save:
+            return checkpointing.save_checkpoint(
+                state, description, os.fspath(path), step, max_ckpt_to_keep
+            )
+        self._save_in_flight = checkpointing.start_async_save(
+            require(self.backend, AsyncCheckpointing),
+            description,
+            os.fspath(path),
+            step,
+            max_ckpt_to_keep,
         )
+        return self._save_in_flight.target
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Block until the asynchronous save in flight (if any) is published; CheckpointError
+        if it failed. Collective. Returns its directory."""
+        from engine import checkpointing
+
+        save, self._save_in_flight = self._save_in_flight, None
+        return None if save is None else checkpointing.finish_async_save(save)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> str:
         """Restore a checkpoint: ``path`` is a root (its newest complete checkpoint) or one
@@ -446,6 +477,7 @@ class Engine:
         self._require_initialized("load_checkpoint")
         state = require(self.backend, Checkpointing)
         self._require_resident("load_checkpoint", OFFLOAD_PARTS)
+        self.wait_for_checkpoint()
         directory, self.global_step = checkpointing.load_checkpoint(
             state, self._checkpoint_description(), os.fspath(path)
         )

@@ -132,6 +132,34 @@ class Checkpointing(Protocol):
         ...
 
 
+class StagedSave(Protocol):
+    """A save whose collective part is done and whose state is copied out of the model and
+    optimizer: what is left only writes files, so it may run in a background thread while
+    training goes on."""
+
+    def write(self) -> tuple[FileChecksums, Any]:
+        """Write this rank's files (no collectives). Returns the size and checksum of those it
+        checksummed while writing, and what :meth:`finish` needs from this rank (picklable:
+        it may travel between processes through a file)."""
+        ...
+
+    def finish(self, parts: Sequence[Any]) -> None:
+        """On rank 0 after every rank's ``write``, given each rank's part in rank order: write
+        what needs them all (e.g. the index of where each tensor went). No collectives."""
+        ...
+
+
+@runtime_checkable
+class AsyncCheckpointing(Checkpointing, Protocol):
+    """Ability: a save that blocks only while the state is staged (``save_checkpoint(...,
+    async_save=True)``)."""
+
+    def stage_state(self, directory: str) -> StagedSave:
+        """Everything of ``save_state`` that needs the other ranks or the live state
+        (collective), the rest left to the returned :class:`StagedSave`."""
+        ...
+
+
 @runtime_checkable
 class HuggingFaceExport(Protocol):
     """Ability: the weights under Hugging Face names (e.g. for a rollout engine)."""
@@ -178,6 +206,7 @@ OFFLOAD_PARTS = ("model", "optimizer", "grad")
 #: Every optional ability, by the name errors and ``python -m engine matrix`` show.
 ABILITIES: dict[str, type] = {
     "checkpoints": Checkpointing,
+    "async_checkpoints": AsyncCheckpointing,
     "huggingface_export": HuggingFaceExport,
     "offload": Offloading,
     "packing": Packing,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -176,30 +177,37 @@ def test_a_checkpoint_of_another_head_or_model_shape_is_refused_naming_both(
         wider.load_checkpoint(saved)
 
 
-def save_then_die(root: str, stage: str) -> None:
-    """Save step 1 normally, train, then die at ``stage`` while saving step 2; the processes
-    the saves started are listed in ``root/children.json`` first."""
+def save_then_die(root: str, stage: str, async_save: bool = False) -> None:
+    """Save step 1, train, then die at ``stage`` while saving step 2 (with ``async_save``: in
+    the background, while training goes on); the processes the saves started are listed in
+    ``root/children.json`` first."""
     import psutil
 
     engine = _engine()
     _train(engine, "lm", range(1))
-    engine.save_checkpoint(root)
+    engine.save_checkpoint(root, async_save=async_save)
     _train(engine, "lm", range(1, 2))
     children = [child.pid for child in psutil.Process().children(recursive=True)]
     Path(root, "children.json").write_text(json.dumps(children))
     os.environ[KILL_AT_ENV] = stage
-    engine.save_checkpoint(root)
+    engine.save_checkpoint(root, async_save=async_save)
+    if async_save:
+        _train(engine, "lm", range(2, 40))
+        engine.wait_for_checkpoint()
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("stage", ["after_state", "before_manifest", "before_rename"])
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_as_latest(
-    fresh_mesh: None, tmp_path: Path, stage: str
+    fresh_mesh: None, tmp_path: Path, stage: str, async_save: bool
 ) -> None:
     import psutil
 
     with pytest.raises(RankFailure, match="exited -9"):
-        run_ranks(save_then_die, 1, str(tmp_path), stage, timeout=180, leave_children=True)
+        run_ranks(
+            save_then_die, 1, str(tmp_path), stage, async_save, timeout=180, leave_children=True
+        )
     assert [step for step, _ in complete_checkpoints(str(tmp_path))] == [1]
     leftovers = [name for name in os.listdir(tmp_path) if name.startswith(".tmp-global_step_2-")]
     assert leftovers
@@ -219,17 +227,22 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_as_latest(
     assert not any(name in os.listdir(tmp_path) for name in leftovers)
 
 
-def train_save_and_infer(root: str, parallel: dict[str, Any]) -> dict[str, Any]:
-    """Train 2 steps and save (or, where there is a checkpoint, load it); infer; train."""
+def train_save_and_infer(
+    root: str, parallel: dict[str, Any], async_save: bool = False
+) -> dict[str, Any]:
+    """Train 2 steps and save (or, where there is a checkpoint, load it); infer; train (with
+    ``async_save``, while the save is in flight)."""
     engine = _engine(parallel=parallel)
     if os.listdir(root):
         engine.load_checkpoint(root)
     else:
         _train(engine, "lm", range(2))
-        engine.save_checkpoint(root)
+        engine.save_checkpoint(root, async_save=async_save)
     log_probs = engine.infer_batch(random_batch(LENGTHS, 64, seed=9))
     outputs = None if log_probs is None else log_probs["log_probs"].values().clone()
-    return {"log_probs": outputs, "losses": _train(engine, "lm", range(2, 4))}
+    losses = _train(engine, "lm", range(2, 4))
+    engine.wait_for_checkpoint()
+    return {"log_probs": outputs, "losses": losses}
 
 
 @pytest.mark.timeout(300)
@@ -466,3 +479,124 @@ def test_megatron_writes_one_model_file_per_rank_with_the_checksum_of_its_bytes(
     for name, entry in files.items():
         assert entry == {"size": (saved / name).stat().st_size,
                          "xxh3_128": file_checksum(saved / name)}, name  # fmt: skip
+
+
+@pytest.fixture
+def gated_async_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Asynchronous saves write their model files only once the returned event is set."""
+    from strategies.backends.megatron.checkpoint_writer import ChecksummingSaveStrategy
+
+    gate = threading.Event()
+    write = ChecksummingSaveStrategy.write_staged
+
+    def gated(self: ChecksummingSaveStrategy) -> Any:
+        assert gate.wait(timeout=60), "the test never opened the gate"
+        return write(self)
+
+    monkeypatch.setattr(ChecksummingSaveStrategy, "write_staged", gated)
+    return gate
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["plain", "distributed"])
+def test_training_goes_on_during_an_async_save_and_resuming_from_it_is_bit_exact(
+    fresh_mesh: None,
+    tmp_path: Path,
+    gated_async_writes: threading.Event,
+    distributed_optimizer: bool,
+) -> None:
+    config = _config(use_distributed_optimizer=distributed_optimizer)
+    original = Engine.build(head="lm", device="cpu", config=config).initialize()
+    _train(original, "lm", range(2))
+    saved = original.save_checkpoint(tmp_path, async_save=True)
+    assert saved == str(tmp_path / "global_step_2")
+    expected_losses = _train(original, "lm", range(2, 4))  # while the save is in flight
+    assert complete_checkpoints(str(tmp_path)) == []  # nothing published before it is written
+    gated_async_writes.set()
+    assert original.wait_for_checkpoint() == saved
+    assert [name for name in os.listdir(tmp_path)] == ["global_step_2"]
+
+    resumed = Engine.build(head="lm", device="cpu", config=config).initialize()
+    assert resumed.load_checkpoint(tmp_path) == saved
+    assert resumed.global_step == 2
+    assert _train(resumed, "lm", range(2, 4)) == expected_losses
+    _assert_same_weights(_weights(resumed), _weights(original))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "surfaced_by", ["wait_for_checkpoint", "save_checkpoint", "load_checkpoint"]
+)
+def test_a_failed_background_write_raises_checkpoint_error_at_the_next_checkpoint_call(
+    fresh_mesh: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, surfaced_by: str
+) -> None:
+    from strategies.backends.megatron.checkpoint_writer import ChecksummingSaveStrategy
+
+    engine = _engine()
+    _train(engine, "lm", range(1))
+    engine.save_checkpoint(tmp_path)
+
+    def fail(self: ChecksummingSaveStrategy) -> Any:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ChecksummingSaveStrategy, "write_staged", fail)
+    engine.save_checkpoint(tmp_path, global_step=2, async_save=True)
+    _train(engine, "lm", range(1, 2))
+    calls = {
+        "wait_for_checkpoint": lambda: engine.wait_for_checkpoint(),
+        "save_checkpoint": lambda: engine.save_checkpoint(tmp_path, global_step=3),
+        "load_checkpoint": lambda: engine.load_checkpoint(tmp_path),
+    }
+    with pytest.raises(CheckpointError, match=r"rank 0 could not write its files: .*No space left"):
+        calls[surfaced_by]()
+    assert os.listdir(tmp_path) == ["global_step_1"]  # the failed save's directory is gone
+    assert engine.wait_for_checkpoint() is None  # raised once
+    monkeypatch.undo()
+    assert engine.save_checkpoint(tmp_path, async_save=True) == str(tmp_path / "global_step_2")
+    assert engine.load_checkpoint(tmp_path) == str(tmp_path / "global_step_2")
+
+
+@pytest.mark.timeout(120)
+def test_process_exit_waits_for_an_async_save_and_raises_its_error(
+    fresh_mesh: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import subprocess
+    import sys
+
+    from engine import checkpointing
+    from strategies.backends.megatron.checkpoint_writer import ChecksummingSaveStrategy
+
+    script = (
+        "from tests.engine.test_checkpoint import _engine; import sys; "
+        "_engine().save_checkpoint(sys.argv[1], async_save=True)"
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, timeout=100,
+                   cwd=root, env={**os.environ, "PYTHONPATH": root})  # fmt: skip
+    assert [step for step, _ in complete_checkpoints(str(tmp_path))] == [0]
+
+    def fail(self: ChecksummingSaveStrategy) -> Any:
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(ChecksummingSaveStrategy, "write_staged", fail)
+    _engine().save_checkpoint(tmp_path, global_step=1, async_save=True)
+    with pytest.raises(CheckpointError, match="disk gone"):
+        checkpointing._wait_at_exit()  # what the process runs at exit (atexit)
+    assert not checkpointing._IN_FLIGHT
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.multiprocess
+def test_an_async_save_by_two_ranks_is_published_whole_and_resumes_bit_exactly(
+    tmp_path: Path,
+) -> None:
+    root, parallel = str(tmp_path), {"tensor_parallel_size": 2}
+    saved = run_ranks(train_save_and_infer, 2, root, parallel, True, timeout=240)
+    assert os.listdir(root) == ["global_step_2"]
+    files = json.loads((tmp_path / "global_step_2" / MANIFEST).read_text())["files"]
+    assert sorted(name for name in files if name.endswith(".distcp")) == [
+        "dist/__0_0.distcp", "dist/__1_0.distcp"
+    ]  # fmt: skip
+    resumed = run_ranks(train_save_and_infer, 2, root, parallel, timeout=240)
+    for before, after in zip(saved, resumed, strict=True):
+        assert before["losses"] == after["losses"]

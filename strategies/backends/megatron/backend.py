@@ -16,7 +16,7 @@ from typing_extensions import override
 from heads.base import Head, HeadContext
 from heads.errors import BatchError, ConfigError, EngineStateError
 from heads.validation import bool_field, of_type, one_of
-from strategies.backends.base import MicroBatch, MicroBatchConsumer
+from strategies.backends.base import MicroBatch, MicroBatchConsumer, StagedSave
 from strategies.backends.megatron import mesh, offload
 from strategies.backends.megatron.model import (
     build_gpt_model,
@@ -335,6 +335,14 @@ class MegatronBackend:
 
         self._require_model()
         return save_state(self._chunks, self._optimizer, self._scheduler, directory)
+
+    def stage_state(self, directory: str) -> StagedSave:
+        """``save_state``'s collective part and a copy of the state; the model files are left to
+        the returned save (for ``save_checkpoint(..., async_save=True)``)."""
+        from strategies.backends.megatron.checkpoint import stage_state
+
+        self._require_model()
+        return stage_state(self._chunks, self._optimizer, self._scheduler, directory)
 
     def load_state(self, directory: str, *, same_layout: bool) -> None:
         """Restore ``save_state``'s directory, resharded to this layout (collective)."""

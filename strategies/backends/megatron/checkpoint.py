@@ -14,13 +14,17 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import attrs
 import torch
 
 from strategies.distributed import barrier, rank
 from strategies.publish import FileChecksums
 from strategies.rng import rng_states, set_rng_states
+
+if TYPE_CHECKING:
+    from strategies.backends.megatron.checkpoint_writer import ChecksummingSaveStrategy
 
 _PR_SET_PDEATHSIG = 1
 MODEL_DIR = "dist"
@@ -68,9 +72,48 @@ def save_state(
     """Write the model ``chunks`` (the unwrapped modules), ``optimizer`` and ``scheduler``
     (None for a forward-only engine) and this rank's RNG states under ``directory``. Returns
     the size and checksum of the files this rank checksummed while writing them."""
-    from megatron.core import dist_checkpointing
-
     from strategies.backends.megatron.checkpoint_writer import ChecksummingSaveStrategy
+
+    strategy = ChecksummingSaveStrategy()
+    _save(chunks, optimizer, scheduler, directory, strategy)
+    return _model_checksums(strategy.checksums)
+
+
+def stage_state(
+    chunks: Sequence[torch.nn.Module], optimizer: Any, scheduler: Any, directory: str
+) -> StagedModelSave:
+    """``save_state`` up to the model files: planned (collective), the tensors copied out of
+    the model and optimizer, the LR schedule and RNG states written; the model files are left
+    to the returned save."""
+    from strategies.backends.megatron.checkpoint_writer import ChecksummingSaveStrategy
+
+    strategy = ChecksummingSaveStrategy(staged=True)
+    _save(chunks, optimizer, scheduler, directory, strategy)
+    return StagedModelSave(strategy)
+
+
+@attrs.frozen
+class StagedModelSave:
+    """The model files of a staged save (``strategies.backends.base.StagedSave``)."""
+
+    strategy: ChecksummingSaveStrategy
+
+    def write(self) -> tuple[FileChecksums, Any]:
+        results = self.strategy.write_staged()
+        return _model_checksums(self.strategy.checksums), results
+
+    def finish(self, parts: Sequence[Any]) -> None:
+        self.strategy.finish_staged(parts)
+
+
+def _save(
+    chunks: Sequence[torch.nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    directory: str,
+    strategy: ChecksummingSaveStrategy,
+) -> None:
+    from megatron.core import dist_checkpointing
 
     model_dir = os.path.join(directory, MODEL_DIR)
     if rank() == 0:
@@ -81,13 +124,17 @@ def save_state(
         _materialize_optimizer_state(optimizer)
     state = _sharded_state(chunks, optimizer, loading=False)
     _use_forked_results_queue()
-    strategy = ChecksummingSaveStrategy()
-    dist_checkpointing.save(state, model_dir, sharded_strategy=strategy)
+    dist_checkpointing.save(
+        state, model_dir, sharded_strategy=strategy, async_sharded_save=strategy.staged
+    )
     if rank() == 0 and scheduler is not None:
         with open(os.path.join(directory, SCHEDULER_FILE), "w") as handle:
             json.dump(scheduler.state_dict(), handle)
     torch.save(_rng_states(), os.path.join(directory, RNG_DIR, f"rank_{rank()}.pt"))
-    return {f"{MODEL_DIR}/{name}": entry for name, entry in strategy.checksums.items()}
+
+
+def _model_checksums(checksums: FileChecksums) -> FileChecksums:
+    return {f"{MODEL_DIR}/{name}": entry for name, entry in checksums.items()}
 
 
 def load_state(

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from torch.distributed.checkpoint.filesystem import _write_item
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.storage import WriteResult
 
 from strategies.publish import ChecksummedFile, FileChecksums
 
@@ -33,17 +37,28 @@ class ChecksummingSaveStrategy(TorchDistSaveShardedStrategy):
     """torch_dist saves, one file per rank written in this process (see the module).
     ``checksums`` holds what the latest write produced. Megatron's plan caching
     (``cached_metadata``) is left off: it saved ~10 ms a save here and reuses a plan without
-    checking the state's structure."""
+    checking the state's structure.
 
-    def __init__(self) -> None:
+    With ``staged=True``, ``dist_checkpointing.save(..., async_sharded_save=True)`` only plans
+    (collective) and copies the tensors to write out of the live state; :meth:`write_staged`
+    (any thread, no collectives) and, on rank 0 with every rank's results,
+    :meth:`finish_staged` do the rest."""
+
+    def __init__(self, *, staged: bool = False) -> None:
         super().__init__("torch_dist", 1, thread_count=1)
+        self.staged = staged
         self.checksums: FileChecksums = {}
+        self._writer: FileSystemWriterAsync | None = None
+        self._global_metadata: Metadata | None = None
 
     def _get_save_and_finalize_callbacks(self, writer: Any, save_state_dict_ret: Any) -> Any:
         request: AsyncRequest = super()._get_save_and_finalize_callbacks(
             writer, save_state_dict_ret
         )
         self.checksums = {}
+        self._writer, self._global_metadata = writer, save_state_dict_ret[1]
+        if self.staged:
+            writer.write_buckets = [_copied(bucket) for bucket in writer.write_buckets]
         if request.async_fn is None:  # nothing to write on this rank
             return request
         return request._replace(
@@ -51,22 +66,49 @@ class ChecksummingSaveStrategy(TorchDistSaveShardedStrategy):
         )
 
     def _write(self, writer: FileSystemWriterAsync) -> None:
-        """Megatron's write step for ``writer``'s buckets, here, checksumming each file; the
-        results go where megatron's finalisation reads them."""
-        results: dict[int, Any] = {}
+        """Megatron's write step for ``writer``'s buckets, here; the results go where
+        megatron's finalisation reads them."""
         try:
-            for index, (path, key, (bytes_data, tensor_data)) in enumerate(writer.write_buckets):
-                with ChecksummedFile(path) as stream:
-                    results[index] = [
-                        _write_item(writer.transforms, stream, data, item, key, **_ITEM_FORMAT)
-                        for item, data in [*bytes_data, *[(i, _on_cpu(t)) for i, t in tensor_data]]
-                    ]
-                    stream.sync()
-                self.checksums[os.path.basename(path)] = stream.entry()
+            results = self._write_buckets(writer)
         except Exception as error:  # megatron's finalisation raises it on every rank
             writer.results_queue.put(error)
             return
         writer.results_queue.put(results)
+
+    def _write_buckets(self, writer: FileSystemWriterAsync) -> dict[int, list[WriteResult]]:
+        """Write each bucket's file, checksumming it (into ``checksums``)."""
+        results: dict[int, list[WriteResult]] = {}
+        for index, (path, key, (bytes_data, tensor_data)) in enumerate(writer.write_buckets):
+            with ChecksummedFile(path) as stream:
+                results[index] = [
+                    _write_item(writer.transforms, stream, data, item, key, **_ITEM_FORMAT)
+                    for item, data in [*bytes_data, *[(i, _on_cpu(t)) for i, t in tensor_data]]
+                ]
+                stream.sync()
+            self.checksums[os.path.basename(path)] = stream.entry()
+        return results
+
+    def write_staged(self) -> list[WriteResult]:
+        """This rank's file of a staged save; returns where each item went."""
+        if self._writer is None:
+            raise RuntimeError("write_staged() before a staged dist_checkpointing.save")
+        return [r for part in self._write_buckets(self._writer).values() for r in part]
+
+    def finish_staged(self, results: Sequence[list[WriteResult]]) -> None:
+        """On rank 0: the index of every rank's items (``.metadata``), then megatron's
+        ``metadata.json`` (what its loader checks first)."""
+        if self._writer is None or self._global_metadata is None:
+            raise RuntimeError("finish_staged() on a rank that did not plan the save")
+        self._writer.finish(self._global_metadata, list(results))
+        config = CheckpointingConfig(self.backend, self.version)
+        save_config(config, str(self._writer.checkpoint_id))
+
+
+def _copied(bucket: Any) -> Any:
+    """A write bucket whose tensors are host copies, not the live state's."""
+    path, key, (bytes_data, tensor_data) = bucket
+    copies = [(item, tensor.detach().to("cpu", copy=True)) for item, tensor in tensor_data]
+    return path, key, (bytes_data, copies)
 
 
 def _on_cpu(tensor: torch.Tensor) -> torch.Tensor:

@@ -127,12 +127,15 @@ def test_matrix_lists_every_cell_and_why_npu_cannot_run_here() -> None:
         for backend in ("megatron", "fsdp2")
         for device in ("cpu", "cuda", "npu")
     }
+    common = ["checkpoints", "huggingface_export", "offload"]
+    assert report["backend_abilities"]["fsdp2"] == common
+    assert report["backend_abilities"]["megatron"] == [
+        "checkpoints",
+        "async_checkpoints",
+        *common[1:],
+        "packing",
+    ]
     for backend in ("megatron", "fsdp2"):
-        assert report["backend_abilities"][backend] == [
-            "checkpoints",
-            "huggingface_export",
-            "offload",
-        ]
         assert cells[("value", backend, "cpu")]["runs_here"]
     npu = cells[("value", "megatron", "npu")]
     assert not npu["runs_here"]
