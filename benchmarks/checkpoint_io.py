@@ -16,6 +16,11 @@ that drift hits both alike; medians printed):
   read-back checksums) and in the load's verification (``verify_files``: checksums), the
   checkpoint's safety net, which the baseline has no counterpart for. The engine fsyncs its
   files; the baseline does only with ``--fsync-baseline``.
+* engine async: ``engine.save_checkpoint(fresh_dir, async_save=True)``, timed (the time a
+  training loop is blocked: planning, the state copied to host memory, the small files), then
+  ``engine.wait_for_checkpoint()`` at once: the total from the call until the checkpoint is
+  published (the files written in the background). Nothing trains meanwhile, so the total is
+  what the background work costs on an idle machine.
 * torch.save: the inner model chunks' ``state_dict()`` (``engine.backend.modules()``), the
   optimizer's ``state_dict()`` and the LR scheduler's ``state_dict()`` in one dict written
   with ``torch.save`` to a fresh file (no fsync unless ``--fsync-baseline``), timed, and its
@@ -53,7 +58,7 @@ from engine.losses import sft_loss
 from strategies.publish import fsync_path
 from tests.factories import random_batch
 
-VARIANTS = ("engine", "torch.save")
+VARIANTS = ("engine", "engine async", "torch.save")
 MIB = 1024 * 1024
 #: Time spent inside the engine's manifest write and file verification during one round.
 PARTS: dict[str, float] = {}
@@ -81,6 +86,17 @@ def engine_round(engine: Engine, root: Path) -> dict[str, float]:
         "manifest_s": PARTS.get("manifest_s", 0.0),
         "verify_s": PARTS.get("verify_s", 0.0),
     }
+
+
+def engine_async_round(engine: Engine, root: Path) -> dict[str, float]:
+    """One asynchronous save into the fresh directory ``root``, waited for at once."""
+    start = time.perf_counter()
+    engine.save_checkpoint(root, async_save=True)
+    blocked_s = time.perf_counter() - start
+    engine.wait_for_checkpoint()
+    total_s = time.perf_counter() - start
+    shutil.rmtree(root)
+    return {"blocked_s": blocked_s, "total_s": total_s}
 
 
 def torch_round(engine: Engine, root: Path, fsync: bool) -> dict[str, float]:
@@ -126,9 +142,11 @@ def measure(model: str, args: argparse.Namespace, parent: Path) -> None:
 
     rounds: dict[str, Callable[[], dict[str, float]]] = {
         "engine": lambda: engine_round(engine, fresh()),
+        "engine async": lambda: engine_async_round(engine, fresh()),
         "torch.save": lambda: torch_round(engine, fresh(), args.fsync_baseline),
     }
     first = rounds["engine"]()  # warm-up, not counted
+    rounds["engine async"]()
     rounds["torch.save"]()
     runs: dict[str, list[dict[str, float]]] = {variant: [] for variant in VARIANTS}
     for repeat in range(args.repeats):
@@ -155,6 +173,13 @@ def measure(model: str, args: argparse.Namespace, parent: Path) -> None:
         f"{engine_m['verify_s'] * 1e3:.1f} ms], torch.load + load_state_dict "
         f"{torch_m['load_s'] * 1e3:8.1f} ms, ratio {engine_m['load_s'] / torch_m['load_s']:.2f} "
         f"(median of {args.repeats})"
+    )
+    async_m = m["engine async"]
+    print(
+        f"{label} async save: blocked {async_m['blocked_s'] * 1e3:8.1f} ms (ratio "
+        f"{async_m['blocked_s'] / torch_m['save_s']:.2f} to torch.save), published after "
+        f"{async_m['total_s'] * 1e3:8.1f} ms (written in the background; median of "
+        f"{args.repeats})"
     )
     print(
         f"{label} size: engine {engine_m['bytes'] / MIB:8.2f} MiB ({int(engine_m['bytes']):,} B), "
