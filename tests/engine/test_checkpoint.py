@@ -187,6 +187,7 @@ def save_then_die(root: str, stage: str, async_save: bool = False) -> None:
     _train(engine, "lm", range(1))
     engine.save_checkpoint(root, async_save=async_save)
     _train(engine, "lm", range(1, 2))
+    engine.wait_for_checkpoint()  # the stage to die at is for the next save only
     children = [child.pid for child in psutil.Process().children(recursive=True)]
     Path(root, "children.json").write_text(json.dumps(children))
     os.environ[KILL_AT_ENV] = stage

@@ -58,6 +58,8 @@ class MegatronBackend:
     _scheduler: Any = attrs.field(default=None, init=False)
     _device: torch.device = attrs.field(factory=lambda: torch.device("cpu"), init=False)
     _head_context: HeadContext = attrs.field(factory=HeadContext, init=False)
+    #: Host copies of the state an asynchronous save writes, reused by the next one.
+    _staging_buffers: dict[Any, torch.Tensor] = attrs.field(factory=dict, init=False)
 
     # -- checks --------------------------------------------------------------------------------
     def required_capabilities(self, config: PartsConfig) -> frozenset[str]:
@@ -342,7 +344,9 @@ class MegatronBackend:
         from strategies.backends.megatron.checkpoint import stage_state
 
         self._require_model()
-        return stage_state(self._chunks, self._optimizer, self._scheduler, directory)
+        return stage_state(
+            self._chunks, self._optimizer, self._scheduler, directory, self._staging_buffers
+        )
 
     def load_state(self, directory: str, *, same_layout: bool) -> None:
         """Restore ``save_state``'s directory, resharded to this layout (collective)."""

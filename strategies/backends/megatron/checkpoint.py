@@ -80,14 +80,18 @@ def save_state(
 
 
 def stage_state(
-    chunks: Sequence[torch.nn.Module], optimizer: Any, scheduler: Any, directory: str
+    chunks: Sequence[torch.nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    directory: str,
+    buffers: dict[Any, torch.Tensor],
 ) -> StagedModelSave:
     """``save_state`` up to the model files: planned (collective), the tensors copied out of
-    the model and optimizer, the LR schedule and RNG states written; the model files are left
-    to the returned save."""
+    the model and optimizer into ``buffers`` (host memory kept between saves), the LR schedule
+    and RNG states written; the model files are left to the returned save."""
     from strategies.backends.megatron.checkpoint_writer import ChecksummingSaveStrategy
 
-    strategy = ChecksummingSaveStrategy(staged=True)
+    strategy = ChecksummingSaveStrategy(staging_buffers=buffers)
     _save(chunks, optimizer, scheduler, directory, strategy)
     return StagedModelSave(strategy)
 
