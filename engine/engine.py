@@ -363,7 +363,7 @@ class Engine:
         values = {"loss": loss, "grad_norm": grad_norm, "lr": self.backend.current_lr()}
         reason = self._guard.reason_to_skip(values)
         if reason is None:
-            self.backend.optimizer_step()
+            self.backend.optimizer_step(grad_norm)
             self.global_step += 1
         else:
             self.backend.optimizer_zero_grad()

@@ -94,8 +94,9 @@ class Backend(Protocol):
         rank of the model); changes no weights. The Engine steps only when it is finite."""
         ...
 
-    def optimizer_step(self) -> float:
-        """Clip and apply gradients; return the global gradient norm before clipping."""
+    def optimizer_step(self, grad_norm: float) -> None:
+        """Clip the gradients by ``grad_norm`` (what ``grad_norm()`` measured of these very
+        gradients, finite) and apply them; the norm is not measured again."""
         ...
 
     def lr_scheduler_step(self) -> float:

@@ -270,7 +270,7 @@ def enable_megatron_cpu_compat() -> None:
     names = (  # imported up front so that their `torch` global gets the view now
         "tensor_parallel", "tensor_parallel.random", "tensor_parallel.data",
         "transformer.utils", "fusions.fused_softmax", "pipeline_parallel.schedules",
-        "optimizer", "optimizer.optimizer", "optimizer.distrib_optimizer",
+        "optimizer", "optimizer.optimizer", "optimizer.distrib_optimizer", "optimizer.clip_grads",
         "models.common.language_module.language_module", "models.gpt.gpt_model",
         "distributed", "dist_checkpointing", "dist_checkpointing.serialization",
         "dist_checkpointing.strategies.torch", "dist_checkpointing.strategies.fully_parallel",
@@ -307,6 +307,8 @@ def enable_megatron_cpu_compat() -> None:
         opt.FP32Optimizer, opt.ChainedOptimizer, dopt.DistributedOptimizer,
     ):  # fmt: skip
         _wrap_methods(cls, _OPTIMIZER_METHODS)
+    clip = mod["optimizer.clip_grads"]  # the megatron backend clips by a norm it measured
+    clip.clip_grad_by_total_norm_fp32 = run_scoped(clip.clip_grad_by_total_norm_fp32)
     opt_pkg = mod["optimizer"]
     opt_pkg.get_megatron_optimizer = run_scoped(opt_pkg.get_megatron_optimizer)
     lm = mod["models.common.language_module.language_module"].LanguageModule

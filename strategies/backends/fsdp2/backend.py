@@ -7,7 +7,6 @@ backend is cheap.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar, cast
 
@@ -22,7 +21,12 @@ from heads.validation import bool_field, int_field, one_of
 from strategies.backends.base import MicroBatch, MicroBatchConsumer
 from strategies.backends.fsdp2 import sharding
 from strategies.backends.fsdp2.model import CausalModel, build_causal_model
-from strategies.backends.fsdp2.optimizer import LRSchedule, build_optimizer, clip_gradients
+from strategies.backends.fsdp2.optimizer import (
+    LRSchedule,
+    build_optimizer,
+    clip_gradients,
+    gradient_norm,
+)
 from strategies.config import ParallelConfig, PartsConfig
 from strategies.hf.architecture import hf_config_for
 from strategies.offload import OffloadedParts
@@ -150,20 +154,13 @@ class Fsdp2Backend:
         self._require_optimizer().zero_grad(set_to_none=True)
 
     def grad_norm(self) -> float:
-        """The global gradient norm, measured without clipping (max_norm 0)."""
         self._require_optimizer()
-        return clip_gradients(self._require_model().parameters(), 0.0)
+        return gradient_norm(self._require_model().parameters())
 
-    def optimizer_step(self) -> float:
-        """Clip by the global norm and step; a non-finite norm skips the step on every rank
-        (the norm is global, so all ranks agree) and drops the gradients."""
+    def optimizer_step(self, grad_norm: float) -> None:
         optimizer = self._require_optimizer()
-        norm = clip_gradients(self._require_model().parameters(), self._clip_grad)
-        if math.isfinite(norm):
-            optimizer.step()
-        else:
-            optimizer.zero_grad(set_to_none=True)
-        return norm
+        clip_gradients(self._require_model().parameters(), self._clip_grad, grad_norm)
+        optimizer.step()
 
     def lr_scheduler_step(self) -> float:
         self._require_optimizer()  # the schedule is built with it

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -108,22 +108,31 @@ class LRSchedule:
         self.step(0)
 
 
-def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> float:
-    """The global L2 norm of the gradients (over every shard of every rank); when it is finite
-    and ``max_norm > 0``, scale them by ``max_norm / (norm + 1e-6)`` where that is below 1."""
+def gradient_norm(parameters: Iterable[torch.nn.Parameter]) -> float:
+    """The global L2 norm of the gradients (over every shard of every rank); 0.0 without any."""
     from torch.distributed.tensor import DTensor
 
-    params = [param for param in parameters if param.grad is not None]
-    if not params:
+    grads = [param.grad for param in parameters if param.grad is not None]
+    if not grads:
         return 0.0
-    grads = [param.grad for param in params if param.grad is not None]
     total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     if isinstance(total, DTensor):
         total = total.full_tensor()
-    norm = float(total)
-    if max_norm > 0 and math.isfinite(norm):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return norm
+    return float(total)
+
+
+def clip_gradients(
+    parameters: Iterable[torch.nn.Parameter], max_norm: float, grad_norm: float
+) -> None:
+    """With ``max_norm > 0``, scale the gradients by ``max_norm / (grad_norm + 1e-6)`` where that
+    is below 1; ``grad_norm`` is their :func:`gradient_norm`, so it is not measured again."""
+    params = [param for param in parameters if param.grad is not None]
+    if max_norm <= 0 or not params:
+        return
+    grad = cast(torch.Tensor, params[0].grad)
+    # The dtype get_total_norm gives the norm (the gradients'), so the factor is the same.
+    total = torch.tensor(grad_norm, dtype=grad.dtype, device=grad.device)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
 
 
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

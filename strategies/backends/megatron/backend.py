@@ -24,7 +24,11 @@ from strategies.backends.megatron.model import (
     transformer_config,
     uses_transformer_engine,
 )
-from strategies.backends.megatron.optimizer import build_optimizer, build_scheduler
+from strategies.backends.megatron.optimizer import (
+    build_optimizer,
+    build_scheduler,
+    step_with_grad_norm,
+)
 from strategies.config import ParallelConfig, PartsConfig
 from strategies.megatron_version import check_megatron_version
 from strategies.offload import OffloadedParts
@@ -288,10 +292,9 @@ class MegatronBackend:
         self._optimizer.prepare_grads()  # gradients where the norm reads them (no loss scaler)
         return float(self._optimizer.get_grad_norm())
 
-    def optimizer_step(self) -> float:
+    def optimizer_step(self, grad_norm: float) -> None:
         self._require_optimizer()
-        _, grad_norm, _ = self._optimizer.step()
-        return float("nan") if grad_norm is None else float(grad_norm)
+        step_with_grad_norm(self._optimizer, grad_norm)
 
     def lr_scheduler_step(self) -> float:
         self._require_optimizer()

@@ -53,3 +53,29 @@ def build_scheduler(config: PartsConfig, optimizer: Any) -> Any:
         wd_incr_steps=decay_steps,
         wd_incr_style="constant",
     )
+
+
+def step_with_grad_norm(optimizer: Any, grad_norm: float) -> None:
+    """Megatron's ``optimizer.step()`` for gradients already prepared (``prepare_grads``) and
+    measured (``get_grad_norm``, giving ``grad_norm``), as the backend's ``grad_norm`` does:
+    clip by that norm where ``clip_grad > 0`` and step, without measuring the norm again.
+
+    The same work as megatron 0.16's ``ChainedOptimizer.step`` (and, for one optimizer,
+    ``FP32Optimizer`` / ``MixedPrecisionOptimizer.step``) after its norm; zero counting is
+    never asked for here (``log_num_zeros_in_grad`` stays off).
+    """
+    from megatron.core.optimizer import ChainedOptimizer, clip_grads
+
+    chained = isinstance(optimizer, ChainedOptimizer)
+    for part in optimizer.chained_optimizers if chained else [optimizer]:
+        if getattr(part, "is_stub_optimizer", False):  # a rank holding none of its parameters
+            continue
+        parameters = part.get_parameters()
+        if part.config.clip_grad > 0.0 and parameters:
+            clip_grads.clip_grad_by_total_norm_fp32(
+                parameters,
+                max_norm=part.config.clip_grad,
+                total_norm=grad_norm,
+                use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+            )
+    optimizer.step_with_ready_grads()

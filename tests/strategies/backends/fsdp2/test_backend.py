@@ -195,6 +195,20 @@ def test_train_batch_reports_the_lr_it_used_and_the_unclipped_grad_norm() -> Non
     assert used[1]["grad_norm"] > 1e-3
 
 
+def test_a_clipped_step_leaves_the_weights_torchs_clip_grad_norm_leaves() -> None:
+    """The step reuses the gradient norm the non-finite guard measured; ``clip_grad_norm_``
+    measures it again. Same norm, same clipped weights, bit for bit."""
+    config: dict[str, Any] = {"optimizer": {"lr": 1e-2, "clip_grad": 0.05}}
+    ours = build(**config)
+    grad_norm = ours.train_batch(BATCHES[0], sft_loss)["grad_norm"]
+    theirs = build(**config)
+    theirs.forward_backward_batch(BATCHES[0], sft_loss)
+    their_norm = torch.nn.utils.clip_grad_norm_(theirs.backend.modules()[0].parameters(), 0.05)
+    theirs.backend._optimizer.step()
+    assert grad_norm == float(their_norm) > 0.05  # the clip engaged
+    assert max_diff(weights(ours), weights(theirs)) == 0.0
+
+
 # -- options -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "options",

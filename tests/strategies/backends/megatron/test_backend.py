@@ -77,6 +77,32 @@ def test_grad_clipping_bounds_the_update_and_reports_the_unclipped_norm(fresh_me
     assert metrics["grad_norm"] > 1e-3
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"backend": {"use_distributed_optimizer": True}}, {"dtype": "bfloat16"}],
+    ids=["plain", "distributed-optimizer", "bfloat16"],
+)
+def test_a_clipped_step_leaves_the_weights_megatrons_own_optimizer_step_leaves(
+    fresh_mesh: None, options: dict[str, Any]
+) -> None:
+    """The step reuses the gradient norm the non-finite guard measured; megatron's
+    ``optimizer.step()`` measures it again. Same norm, same clipped weights, bit for bit."""
+    config = {"model": tiny_model(), "optimizer": {"lr": 1e-2, "clip_grad": 0.05}, **options}
+    batch = random_batch([6, 11, 3, 9], 64)
+    ours = Engine.build(head="lm", device="cpu", config=config).initialize()
+    grad_norm = ours.train_batch(batch, sft_loss)["grad_norm"]
+    theirs = Engine.build(head="lm", device="cpu", config=config).initialize()
+    theirs.forward_backward_batch(batch, sft_loss)
+    _, their_norm, _ = theirs.backend._optimizer.step()
+    assert grad_norm == their_norm > 0.05  # the clip engaged
+    pairs = zip(ours.backend.modules(), theirs.backend.modules(), strict=True)
+    for our_chunk, their_chunk in pairs:
+        for (name, mine), other in zip(
+            our_chunk.named_parameters(), their_chunk.parameters(), strict=True
+        ):
+            assert torch.equal(mine, other), name
+
+
 def test_a_forward_only_engine_builds_no_optimizer_and_keeps_weights(fresh_mesh: None) -> None:
     reference = Engine.build(
         head="lm", device="cpu", config={"model": tiny_model(), "forward_only": True}
