@@ -23,6 +23,8 @@ from engine.data.batching import (
     MicroBatch,
     fields,
     first_non_finite,
+    is_jagged,
+    jagged_values,
     restore_outputs,
     sequence_lengths,
     split_into,
@@ -529,8 +531,8 @@ class Engine:
         names = [SCORED_TOKENS, SEQUENCES]
         values = [float((lengths - 1).sum()), float(len(lengths))]
         for name, value in fields(rows):
-            if name.endswith("mask") and value.is_nested:
+            if name.endswith("mask") and is_jagged(value):
                 names.append(name)
-                values.append(float(value.values().float().sum()))
+                values.append(float(jagged_values(value).float().sum()))
         totals = all_reduce_values(values, group=self.backend.data_parallel_group())
         return dict(zip(names, totals, strict=True))

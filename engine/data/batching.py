@@ -10,12 +10,12 @@ the input order.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Iterator, Sequence
 
 import attrs
 import torch
 from tensordict import TensorDict
+from torch.nested._internal.nested_tensor import NestedTensor
 
 from heads.errors import BatchError
 
@@ -44,6 +44,20 @@ def from_token_lists(
     return TensorDict(columns, batch_size=[len(ids)])
 
 
+def is_jagged(value: torch.Tensor) -> bool:
+    """Whether ``value`` is a jagged nested tensor (``is_nested`` asks torch's Python dispatch,
+    ~30 us a call on a jagged tensor; the engine asks several times a step)."""
+    return isinstance(value, NestedTensor)
+
+
+def jagged_values(values: torch.Tensor) -> torch.Tensor:
+    """A jagged nested tensor's buffer ``[N, ...]`` (all rows' tokens), as torch stores it:
+    ``values()`` goes through torch's Python dispatch (~60 us a call), this is an attribute
+    read (as ``offsets()`` is)."""
+    buffer: torch.Tensor = values._values  # type: ignore[attr-defined]
+    return buffer
+
+
 def jagged_offsets(values: torch.Tensor) -> torch.Tensor:
     """Row offsets ``[B + 1]`` of a jagged nested tensor."""
     offsets: torch.Tensor = values.offsets()  # type: ignore[attr-defined]
@@ -55,17 +69,10 @@ def jagged_lengths(values: torch.Tensor) -> torch.Tensor:
     return jagged_offsets(values).diff()
 
 
-def jagged_rows(values: torch.Tensor) -> list[torch.Tensor]:
-    """The rows of a jagged nested tensor as views of its buffer (cheaper than indexing it)."""
-    flat = values.values()
-    bounds = jagged_offsets(values).tolist()
-    return [flat[start:end] for start, end in itertools.pairwise(bounds)]
-
-
 def sequence_lengths(batch: TensorDict) -> torch.Tensor:
     """Number of real tokens of each sequence."""
     ids = _field(batch, INPUT_IDS)
-    if ids.is_nested:
+    if is_jagged(ids):
         return jagged_lengths(ids)
     if ATTENTION_MASK in batch.keys():
         return _field(batch, ATTENTION_MASK).bool().sum(-1)
@@ -75,7 +82,7 @@ def sequence_lengths(batch: TensorDict) -> torch.Tensor:
 def to_jagged(batch: TensorDict) -> TensorDict:
     """Padded (left or right) + ``attention_mask`` -> jagged; per-sequence fields kept."""
     ids = _field(batch, INPUT_IDS)
-    if ids.is_nested:
+    if is_jagged(ids):
         return batch
     mask = _padding_mask(batch)
     columns: dict[str, torch.Tensor] = {}
@@ -94,14 +101,14 @@ def to_padded(batch: TensorDict, *, side: str = "right", pad_id: int = 0) -> Ten
     if side not in ("left", "right"):
         raise BatchError(f"padding side must be 'left' or 'right', got {side!r}")
     ids = _field(batch, INPUT_IDS)
-    if not ids.is_nested:
+    if not is_jagged(ids):
         return batch
     lengths = jagged_lengths(ids)
     columns: dict[str, torch.Tensor] = {}
     for name, value in fields(batch):
-        if value.is_nested:
+        if is_jagged(value):
             fill = pad_id if name == INPUT_IDS else 0
-            columns[name] = _pad_rows(jagged_rows(value), int(lengths.max()), side, fill)
+            columns[name] = _padded(value, int(lengths.max()), side, fill)
         else:
             columns[name] = value
     positions = torch.arange(int(lengths.max()))
@@ -192,7 +199,7 @@ def validate_batch(
     ids = _field(batch, INPUT_IDS)
     if ids.dtype not in (torch.int64, torch.int32):
         raise BatchError(f"'input_ids' must be int64 or int32 token ids, got {ids.dtype}")
-    if ids.is_nested and ids.layout != torch.jagged:
+    if not is_jagged(ids) and ids.is_nested:
         raise BatchError("jagged 'input_ids' must use torch.jagged layout (see jagged(rows))")
     if ids.dim() != 2:
         shape = f"{ids.dim()} jagged dims" if ids.is_nested else f"shape {list(ids.shape)}"
@@ -245,9 +252,9 @@ def first_non_finite(batch: TensorDict) -> str | None:
 def _real_tokens(batch: TensorDict, ids: torch.Tensor) -> torch.Tensor | None:
     """The padded batch's real-token mask ``[B, L]`` (checked); None for a jagged batch."""
     if ATTENTION_MASK not in batch.keys():
-        return None if ids.is_nested else torch.ones(ids.shape, dtype=torch.bool)
+        return None if is_jagged(ids) else torch.ones(ids.shape, dtype=torch.bool)
     mask = _field(batch, ATTENTION_MASK)
-    if ids.is_nested:
+    if is_jagged(ids):
         padding = _buffer(mask) == 0
         if bool(padding.any()):
             raise BatchError(
@@ -275,13 +282,14 @@ def _real_tokens(batch: TensorDict, ids: torch.Tensor) -> torch.Tensor | None:
 
 def _check_layout(name: str, value: torch.Tensor, ids: torch.Tensor) -> None:
     """Per-token fields in the layout of ``input_ids``; per-sequence ones a value per row."""
-    if value.is_nested:
-        if not ids.is_nested:
+    jagged = is_jagged(value)
+    if jagged or value.is_nested:  # is_nested is cheap on all but jagged tensors
+        if not is_jagged(ids):
             raise BatchError(
                 f"field {name!r} is jagged but 'input_ids' is padded: give every per-token "
                 "field in the layout of 'input_ids' (to_jagged / to_padded convert a batch)"
             )
-        if value.layout != torch.jagged:
+        if not jagged:
             raise BatchError(f"jagged field {name!r} must use torch.jagged layout")
         have, want = jagged_lengths(value), jagged_lengths(ids)
         if not torch.equal(have, want):
@@ -290,8 +298,8 @@ def _check_layout(name: str, value: torch.Tensor, ids: torch.Tensor) -> None:
                 f"per-token field {name!r} has {int(have[row])} values in row {row}, where "
                 f"'input_ids' has {int(want[row])} tokens; per-token rows must match input_ids"
             )
-    elif value.dim() > 1 and (ids.is_nested or value.shape[:2] != ids.shape):
-        per_token = "jagged" if ids.is_nested else f"{list(ids.shape)}, padded"
+    elif value.dim() > 1 and (is_jagged(ids) or value.shape[:2] != ids.shape):
+        per_token = "jagged" if is_jagged(ids) else f"{list(ids.shape)}, padded"
         raise BatchError(
             f"field {name!r} has shape {list(value.shape)}: per-token fields are {per_token} "
             f"like 'input_ids', and per-sequence fields hold one value per row "
@@ -301,11 +309,11 @@ def _check_layout(name: str, value: torch.Tensor, ids: torch.Tensor) -> None:
 
 def _check_binary(name: str, value: torch.Tensor, real: torch.Tensor | None) -> None:
     """A mask holds only 0 and 1 (at real tokens: padding positions are dropped anyway)."""
-    if value.dtype == torch.bool:
-        return
     flat = _buffer(value)
+    if flat.dtype == torch.bool:
+        return
     ok = (flat == 0) | (flat == 1)
-    per_entry = 1 if value.is_nested or value.dim() == 1 else 2  # reduce trailing dims
+    per_entry = 1 if is_jagged(value) or value.dim() == 1 else 2  # reduce trailing dims
     bad = ~ok.reshape(*ok.shape[:per_entry], -1).all(-1)
     if real is not None and bad.dim() == 2:
         bad &= real
@@ -321,17 +329,17 @@ def _check_binary(name: str, value: torch.Tensor, real: torch.Tensor | None) -> 
 
 def _buffer(value: torch.Tensor) -> torch.Tensor:
     """A jagged tensor's values ``[N, ...]`` (all rows' tokens), or the tensor itself."""
-    return value.values() if value.is_nested else value
+    return jagged_values(value) if is_jagged(value) else value
 
 
 def _locate(value: torch.Tensor, bad: torch.Tensor) -> str:
     """Where the first True of ``bad`` is and what ``value`` holds there ("row r, token t holds
     v"); ``bad`` runs over a jagged tensor's buffer ``[N]``, a padded ``[B, L]`` or rows ``[B]``."""
     first = bad.nonzero()[0].tolist()
-    if value.is_nested:
+    if is_jagged(value):
         offsets = jagged_offsets(value)
         row = int(torch.searchsorted(offsets, torch.tensor(first[0]), right=True)) - 1
-        held = value.values()[first[0]]
+        held = jagged_values(value)[first[0]]
         return f"row {row}, token {first[0] - int(offsets[row])} holds {_show(held)}"
     place = f"row {first[0]}" + (f", position {first[1]}" if len(first) > 1 else "")
     return f"{place} holds {_show(value[tuple(first)])}"
@@ -358,23 +366,30 @@ def split_into(
     ``packed``: each also holds its sequences back to back in one row for the model."""
     rows = to_jagged(batch)
     lengths = sequence_lengths(rows)
-    per_row = {name: jagged_rows(value) for name, value in fields(rows) if value.is_nested}
+    sizes, longest = lengths.tolist(), int(lengths.max())
+    # Every field padded once to the longest sequence; each micro-batch takes its rows of it.
+    padded = {
+        name: _padded(value, longest, "right", 0)
+        for name, value in fields(rows)
+        if is_jagged(value)
+    }
+    real = torch.arange(longest) < lengths[:, None]
     micro_batches = []
     for group in groups:
         indices = torch.tensor(list(group), dtype=torch.long)
-        group_lengths = lengths[indices]
-        width = int(group_lengths.max())
+        width = max(sizes[i] for i in group)
         columns: dict[str, torch.Tensor] = {}
         for name, value in fields(rows):
-            if name in per_row:
-                columns[name] = _pad_rows([per_row[name][i] for i in group], width, "right", 0)
+            if name in padded:
+                columns[name] = padded[name][indices, :width]
             else:
                 columns[name] = value[indices]
-        columns[ATTENTION_MASK] = torch.arange(width) < group_lengths[:, None]
+        columns[ATTENTION_MASK] = real[indices, :width]
         data = TensorDict(columns, batch_size=[len(group)])
         packing: dict[str, torch.Tensor] = {}
-        if packed:
-            packing["packed_ids"] = torch.cat([per_row[INPUT_IDS][i] for i in group])[None]
+        if packed:  # the real tokens of the right-padded rows, row after row
+            group_lengths = lengths[indices]
+            packing["packed_ids"] = columns[INPUT_IDS][columns[ATTENTION_MASK]][None]
             packing["cu_seqlens"] = torch.cat([group_lengths.new_zeros(1), group_lengths.cumsum(0)])
         micro_batches.append(MicroBatch(indices=indices, data=data, **packing))
     return micro_batches
@@ -440,11 +455,17 @@ def _is_per_token(value: torch.Tensor, ids: torch.Tensor) -> bool:
     return value.dim() >= 2 and value.shape[:2] == ids.shape[:2]
 
 
-def _pad_rows(rows: Sequence[torch.Tensor], width: int, side: str, fill: float) -> torch.Tensor:
-    out = rows[0].new_full((len(rows), width, *rows[0].shape[1:]), fill)
-    for i, row in enumerate(rows):
-        if side == "right":
-            out[i, : row.shape[0]] = row
-        else:
-            out[i, width - row.shape[0] :] = row
-    return out
+def _padded(value: torch.Tensor, width: int, side: str, fill: float) -> torch.Tensor:
+    """A jagged tensor as ``[B, width, ...]``, each row padded with ``fill`` on ``side``: one
+    gather from its buffer rather than a copy per row."""
+    flat, offsets = jagged_values(value), jagged_offsets(value)
+    lengths = offsets.diff()[:, None]
+    positions = torch.arange(width, device=offsets.device)
+    if side == "left":
+        positions = positions - (width - lengths)
+        padding = positions < 0
+    else:
+        padding = positions >= lengths
+    index = (offsets[:-1, None] + positions).clamp_(0, len(flat) - 1)
+    padding = padding.reshape(*padding.shape, *[1] * (flat.dim() - 1))
+    return flat[index].masked_fill_(padding, fill)
