@@ -18,7 +18,8 @@ redundantly on every rank, so the upstream gradients are identical across the gr
 Memory strategy (``V`` = local vocabulary, ``C`` = chunk size in tokens, ``N`` = tokens):
 
 * forward: two float32 ``[C, V]`` work buffers (one without entropy) plus ``O(N)`` statistics;
-* saved for backward: the logits themselves (no copy), the targets and 2-3 float32 per token;
+* saved for backward: the logits themselves (no copy), each target's local column (and whether
+  another rank holds it) and 2-3 float32 per token;
 * backward: the gradient (one logits-sized tensor in the logits' dtype, which autograd needs
   anyway; for float32 logits the work is done in its storage) plus one float32 ``[C, V]``
   buffer for the probabilities when the entropy has a gradient, and one more when the logits
@@ -130,10 +131,10 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: dist.ProcessGroup | None) 
 def _target_index(
     targets: torch.Tensor, vocab_start: int, vocab_local: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local column of each target (clamped into range) and whether this rank holds it."""
-    local = targets - vocab_start
-    in_shard = (local >= 0) & (local < vocab_local)
-    return local.clamp(0, vocab_local - 1), in_shard
+    """Local column of each target (clamped into range) and whether another rank holds it."""
+    local = targets - vocab_start if vocab_start else targets
+    column = local.clamp(0, vocab_local - 1)
+    return column, column != local
 
 
 class _LogProbsAndEntropy(torch.autograd.Function):
@@ -167,8 +168,8 @@ class _LogProbsAndEntropy(torch.autograd.Function):
 
         # stats rows: S, target logit x_t (0 when another rank holds it), W
         stats = torch.empty(3 if compute_entropy else 2, n_tokens, dtype=f32, device=device)
-        idx, in_shard = _target_index(targets.reshape(-1), vocab_start, vocab_local)
-        stats[1] = flat.gather(1, idx.unsqueeze(1)).squeeze(1).to(f32).masked_fill_(~in_shard, 0)
+        idx, elsewhere = _target_index(targets.reshape(-1), vocab_start, vocab_local)
+        stats[1] = flat.gather(1, idx.unsqueeze(1)).squeeze(1).masked_fill_(elsewhere, 0)
 
         rows = min(chunk, n_tokens)
         shifted_buf = torch.empty(rows, vocab_local, dtype=f32, device=device)
@@ -192,15 +193,17 @@ class _LogProbsAndEntropy(torch.autograd.Function):
         _all_reduce(stats, dist.ReduceOp.SUM, group)
 
         log_sum = stats[0].log()
-        log_probs = (stats[1] - row_max).div_(temp).sub_(log_sum)
+        log_probs = stats[1].sub_(row_max)
+        if temp != 1.0:
+            log_probs.div_(temp)
+        log_probs.sub_(log_sum)
         entropy = log_sum - stats[2] / stats[0] if compute_entropy else None
 
-        saved = [logits, targets, row_max, log_sum]
+        saved = [logits, idx, elsewhere, row_max, log_sum]
         if entropy is not None:
             saved.append(entropy)
         ctx.save_for_backward(*saved)
         ctx.temp = temp
-        ctx.vocab_start = vocab_start
         ctx.chunk = chunk
         ctx.set_materialize_grads(False)
         shape = logits.shape[:-1]
@@ -211,7 +214,7 @@ class _LogProbsAndEntropy(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        logits, targets, row_max, log_sum, *rest = ctx.saved_tensors
+        logits, idx, elsewhere, row_max, log_sum, *rest = ctx.saved_tensors
         no_grads = (None,) * 6
         if all(g is None for g in grads):
             return (None, *no_grads)
@@ -225,23 +228,20 @@ class _LogProbsAndEntropy(torch.autograd.Function):
 
         # dx = p * (base + slope * log p) + onehot(t) * g_lp / T, with per-token
         # base = -(g_lp + g_h H) / T and slope = -g_h / T.
-        zeros = torch.zeros(n_tokens, dtype=f32, device=device)
-        g_lp = zeros if grads[0] is None else grads[0].reshape(-1).to(f32)
+        if grads[0] is None:
+            g_lp = torch.zeros(n_tokens, dtype=f32, device=device)
+        else:
+            g_lp = grads[0].reshape(-1).to(f32)
         g_h = None if len(grads) < 2 or grads[1] is None else grads[1].reshape(-1).to(f32)
-        base = -g_lp / temp
+        base = torch.div(g_lp, -temp)
         slope = None
         if g_h is not None:
             base.sub_(g_h * rest[0] / temp)
             slope = -g_h / temp
-
-        # The target column gets its one-hot term added in float32 before any rounding to the
-        # logits' dtype (p_t * base ~ -g_lp / T cancels it when p_t ~ 1).
-        idx, in_shard = _target_index(targets.reshape(-1), ctx.vocab_start, vocab_local)
-        log_p_t = flat.gather(1, idx.unsqueeze(1)).squeeze(1).to(f32).sub_(row_max)
+        # The one-hot term, added in float32 before any rounding to the logits' dtype
+        # (p_t * base ~ -g_lp / T cancels it when p_t ~ 1); 0 where another rank holds t.
+        target_grad = (g_lp / temp).masked_fill_(elsewhere, 0).unsqueeze(1)
         neg_log_sum = -log_sum
-        log_p_t = torch.add(neg_log_sum, log_p_t, alpha=1.0 / temp).clamp_min_(_LOG_FLOOR)
-        target_grad = base.clone() if slope is None else torch.addcmul(base, slope, log_p_t)
-        target_grad.mul_(log_p_t.exp()).add_(g_lp / temp)
 
         grad = torch.empty(flat.shape, dtype=logits.dtype, device=device)
         rows = min(chunk, n_tokens)
@@ -255,16 +255,19 @@ class _LogProbsAndEntropy(torch.autograd.Function):
             work = out if work_buf is None else work_buf[: end - start]
             log_p = torch.sub(flat[start:end], row_max[start:end, None], out=work)
             log_p = torch.add(neg_log_sum[start:end, None], log_p, alpha=1.0 / temp, out=work)
+            col = idx[start:end, None]
             if slope is None:
-                torch.mul(log_p.exp_(), base[start:end, None], out=out)
+                probs, coef = log_p.exp_(), base[start:end, None]
+                coef_at_target = coef
             else:
                 assert prob_buf is not None
                 log_p.clamp_min_(_LOG_FLOOR)
                 probs = torch.exp(log_p, out=prob_buf[: end - start])
                 coef = torch.addcmul(base[start:end, None], slope[start:end, None], log_p, out=work)
-                torch.mul(coef, probs, out=out)
-            col = idx[start:end, None]
-            current = out.gather(1, col)
-            fixed = target_grad[start:end, None].to(out.dtype)
-            out.scatter_(1, col, torch.where(in_shard[start:end, None], fixed, current))
+                coef_at_target = coef.gather(1, col)
+            if work_buf is None:  # float32: the product is not rounded, add the term in place
+                torch.mul(probs, coef, out=out).scatter_add_(1, col, target_grad[start:end])
+                continue
+            fixed = probs.gather(1, col).mul_(coef_at_target).add_(target_grad[start:end])
+            torch.mul(probs, coef, out=out).scatter_(1, col, fixed.to(out.dtype))
         return (grad.view(logits.shape), *no_grads)
