@@ -197,8 +197,9 @@ def validate_batch(
                 f"field {name!r} is a {type(batch.get(name)).__name__}; a batch holds tensors only"
             )
     ids = _field(batch, INPUT_IDS)
-    if ids.dtype not in (torch.int64, torch.int32):
-        raise BatchError(f"'input_ids' must be int64 or int32 token ids, got {ids.dtype}")
+    dtype = _buffer(ids).dtype
+    if dtype not in (torch.int64, torch.int32):
+        raise BatchError(f"'input_ids' must be int64 or int32 token ids, got {dtype}")
     if not is_jagged(ids) and ids.is_nested:
         raise BatchError("jagged 'input_ids' must use torch.jagged layout (see jagged(rows))")
     if ids.dim() != 2:
@@ -291,6 +292,8 @@ def _check_layout(name: str, value: torch.Tensor, ids: torch.Tensor) -> None:
             )
         if not jagged:
             raise BatchError(f"jagged field {name!r} must use torch.jagged layout")
+        if torch.equal(jagged_offsets(value), jagged_offsets(ids)):
+            return  # the same rows (the usual case, one comparison)
         have, want = jagged_lengths(value), jagged_lengths(ids)
         if not torch.equal(have, want):
             row = int((have != want).nonzero()[0])
