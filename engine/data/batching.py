@@ -103,17 +103,10 @@ def to_padded(batch: TensorDict, *, side: str = "right", pad_id: int = 0) -> Ten
     ids = _field(batch, INPUT_IDS)
     if not is_jagged(ids):
         return batch
-    lengths = jagged_lengths(ids)
-    columns: dict[str, torch.Tensor] = {}
-    for name, value in fields(batch):
-        if is_jagged(value):
-            fill = pad_id if name == INPUT_IDS else 0
-            columns[name] = _padded(value, int(lengths.max()), side, fill)
-        else:
-            columns[name] = value
-    positions = torch.arange(int(lengths.max()))
-    mask = positions < lengths[:, None]
-    columns[ATTENTION_MASK] = mask if side == "right" else mask.flip(-1)
+    width = int(jagged_lengths(ids).max())
+    padded, real = _padded_fields(batch, width, side, pad_id)
+    columns = {name: padded.get(name, value) for name, value in fields(batch)}
+    columns[ATTENTION_MASK] = real
     return TensorDict(columns, batch_size=batch.batch_size)
 
 
@@ -218,15 +211,18 @@ def validate_batch(
         if name.endswith("mask"):
             _check_binary(name, value, real if name != ATTENTION_MASK else None)
     lengths = sequence_lengths(batch)
-    if bool((lengths < 1).any()):
+    shortest, longest = (int(bound) for bound in torch.aminmax(lengths))
+    if shortest < 1:
         raise BatchError(f"sequence(s) {lengths.eq(0).nonzero().flatten().tolist()} are empty")
-    if max_length is not None and int(lengths.max()) > max_length:
+    if max_length is not None and longest > max_length:
         row = int(lengths.argmax())
         raise BatchError(
             f"sequence {row} has {int(lengths[row])} tokens, more than "
             f"ModelConfig.max_sequence_length ({max_length})"
         )
-    if vocab_size is not None:
+    if vocab_size is not None and not _ids_within(
+        _buffer(ids) if real is None else ids[real], vocab_size
+    ):
         outside = (_buffer(ids) < 0) | (_buffer(ids) >= vocab_size)
         if real is not None:
             outside &= real
@@ -236,6 +232,12 @@ def validate_batch(
                 f"{_locate(ids, outside)}"
             )
     return batch
+
+
+def _ids_within(tokens: torch.Tensor, vocab_size: int) -> bool:
+    """Whether every token id lies in ``[0, vocab_size)`` (one pass; the caller finds where not)."""
+    smallest, largest = (int(bound) for bound in torch.aminmax(tokens))
+    return smallest >= 0 and largest < vocab_size
 
 
 def first_non_finite(batch: TensorDict) -> str | None:
@@ -315,9 +317,10 @@ def _check_binary(name: str, value: torch.Tensor, real: torch.Tensor | None) -> 
     flat = _buffer(value)
     if flat.dtype == torch.bool:
         return
-    ok = (flat == 0) | (flat == 1)
-    per_entry = 1 if is_jagged(value) or value.dim() == 1 else 2  # reduce trailing dims
-    bad = ~ok.reshape(*ok.shape[:per_entry], -1).all(-1)
+    bad = (flat != 0) & (flat != 1)
+    per_entry = 1 if is_jagged(value) or value.dim() == 1 else 2
+    if bad.dim() > per_entry:  # an entry with trailing dims is bad where any of its values is
+        bad = bad.reshape(*bad.shape[:per_entry], -1).any(-1)
     if real is not None and bad.dim() == 2:
         bad &= real
     if bool(bad.any()):
@@ -371,12 +374,7 @@ def split_into(
     lengths = sequence_lengths(rows)
     sizes, longest = lengths.tolist(), int(lengths.max())
     # Every field padded once to the longest sequence; each micro-batch takes its rows of it.
-    padded = {
-        name: _padded(value, longest, "right", 0)
-        for name, value in fields(rows)
-        if is_jagged(value)
-    }
-    real = torch.arange(longest) < lengths[:, None]
+    padded, real = _padded_fields(rows, longest, "right")
     micro_batches = []
     for group in groups:
         indices = torch.tensor(list(group), dtype=torch.long)
@@ -458,10 +456,37 @@ def _is_per_token(value: torch.Tensor, ids: torch.Tensor) -> bool:
     return value.dim() >= 2 and value.shape[:2] == ids.shape[:2]
 
 
-def _padded(value: torch.Tensor, width: int, side: str, fill: float) -> torch.Tensor:
-    """A jagged tensor as ``[B, width, ...]``, each row padded with ``fill`` on ``side``: one
-    gather from its buffer rather than a copy per row."""
-    flat, offsets = jagged_values(value), jagged_offsets(value)
+def _padded_fields(
+    batch: TensorDict, width: int, side: str, pad_id: int = 0
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Every jagged field of ``batch`` as ``[B, width, ...]``, padded on ``side`` (``input_ids``
+    with ``pad_id``, the rest with 0), and the real-token mask ``[B, width]``.
+
+    One gather per field from its buffer rather than a copy per row; where to gather is worked
+    out once for all the fields laid out like ``input_ids``.
+    """
+    shared = jagged_offsets(_field(batch, INPUT_IDS))
+    index, padding = _gather_index(shared, width, side)
+    columns: dict[str, torch.Tensor] = {}
+    for name, value in fields(batch):
+        if not is_jagged(value):
+            continue
+        flat, offsets = jagged_values(value), jagged_offsets(value)
+        where, skip = (
+            (index, padding)
+            if torch.equal(offsets, shared)
+            else _gather_index(offsets, width, side)
+        )
+        skip = skip.reshape(*skip.shape, *[1] * (flat.dim() - 1))
+        columns[name] = flat[where].masked_fill_(skip, pad_id if name == INPUT_IDS else 0)
+    return columns, ~padding
+
+
+def _gather_index(
+    offsets: torch.Tensor, width: int, side: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a ``[B, width]`` layout of jagged rows with ``offsets``, padded on ``side``: the
+    buffer position each entry reads (clamped into the buffer), and which entries are padding."""
     lengths = offsets.diff()[:, None]
     positions = torch.arange(width, device=offsets.device)
     if side == "left":
@@ -469,6 +494,5 @@ def _padded(value: torch.Tensor, width: int, side: str, fill: float) -> torch.Te
         padding = positions < 0
     else:
         padding = positions >= lengths
-    index = (offsets[:-1, None] + positions).clamp_(0, len(flat) - 1)
-    padding = padding.reshape(*padding.shape, *[1] * (flat.dim() - 1))
-    return flat[index].masked_fill_(padding, fill)
+    last = max(int(offsets[-1]) - 1, 0)
+    return (offsets[:-1, None] + positions).clamp_(0, last), padding
