@@ -11,6 +11,7 @@ the input order.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from typing import cast
 
 import attrs
 import torch
@@ -54,8 +55,7 @@ def jagged_values(values: torch.Tensor) -> torch.Tensor:
     """A jagged nested tensor's buffer ``[N, ...]`` (all rows' tokens), as torch stores it:
     ``values()`` goes through torch's Python dispatch (~60 us a call), this is an attribute
     read (as ``offsets()`` is)."""
-    buffer: torch.Tensor = values._values  # type: ignore[attr-defined]
-    return buffer
+    return cast(NestedTensor, values)._values
 
 
 def jagged_offsets(values: torch.Tensor) -> torch.Tensor:
