@@ -10,13 +10,12 @@ the input order.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable, Iterator, Sequence
-from typing import cast
 
 import attrs
 import torch
 from tensordict import TensorDict
-from torch.nested._internal.nested_tensor import NestedTensor
 
 from heads.errors import BatchError
 
@@ -45,17 +44,34 @@ def from_token_lists(
     return TensorDict(columns, batch_size=[len(ids)])
 
 
+def _jagged_class() -> type | None:
+    """torch's jagged tensor class; it is private, so None (and the slower public checks) if a
+    torch version moves it."""
+    try:
+        module = importlib.import_module("torch.nested._internal.nested_tensor")
+    except ImportError:  # pragma: no cover - depends on the torch version
+        return None
+    found = getattr(module, "NestedTensor", None)
+    return found if isinstance(found, type) else None
+
+
+_JaggedClass = _jagged_class()
+
+
 def is_jagged(value: torch.Tensor) -> bool:
     """Whether ``value`` is a jagged nested tensor (``is_nested`` asks torch's Python dispatch,
     ~30 us a call on a jagged tensor; the engine asks several times a step)."""
-    return isinstance(value, NestedTensor)
+    if _JaggedClass is None:  # pragma: no cover - depends on the torch version
+        return bool(value.is_nested and value.layout == torch.jagged)
+    return isinstance(value, _JaggedClass)
 
 
 def jagged_values(values: torch.Tensor) -> torch.Tensor:
     """A jagged nested tensor's buffer ``[N, ...]`` (all rows' tokens), as torch stores it:
     ``values()`` goes through torch's Python dispatch (~60 us a call), this is an attribute
     read (as ``offsets()`` is)."""
-    return cast(NestedTensor, values)._values
+    buffer = getattr(values, "_values", None)
+    return buffer if isinstance(buffer, torch.Tensor) else values.values()
 
 
 def jagged_offsets(values: torch.Tensor) -> torch.Tensor:
