@@ -11,11 +11,12 @@ that drift hits both alike; medians printed):
   fsynced; scheduler JSON, RNG states; then fsync of every file, read-back checksums of the
   small files not checksummed while written, ``manifest.json`` and an atomic rename), timed, and
   the bytes of the published ``global_step_N/`` directory (every file, manifest included); then
-  ``engine.load_checkpoint(fresh_dir)`` (manifest check, checksum of every file, then restore),
-  timed. The lines also show the time spent in the manifest write (``_write_manifest``: fsync +
-  read-back checksums) and in the load's verification (``verify_files``: checksums), the
-  checkpoint's safety net, which the baseline has no counterpart for. The engine fsyncs its
-  files; the baseline does only with ``--fsync-baseline``.
+  ``engine.load_checkpoint(fresh_dir)`` (manifest check, checksum of every file, then restore,
+  each model file read through one memory map), timed. The lines also show the time spent in
+  the manifest write (``_write_manifest``: fsync + read-back checksums) and in the load's
+  verification (``verify_files``: checksums), the checkpoint's safety net, which the baseline
+  has no counterpart for. The engine fsyncs its files; the baseline does only with
+  ``--fsync-baseline``.
 * engine async: ``engine.save_checkpoint(fresh_dir, async_save=True)``, timed (the time a
   training loop is blocked: planning, the state copied to host memory, the small files), then
   ``engine.wait_for_checkpoint()`` at once: the total from the call until the checkpoint is

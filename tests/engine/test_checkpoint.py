@@ -601,3 +601,57 @@ def test_an_async_save_by_two_ranks_is_published_whole_and_resumes_bit_exactly(
     resumed = run_ranks(train_save_and_infer, 2, root, parallel, timeout=240)
     for before, after in zip(saved, resumed, strict=True):
         assert before["losses"] == after["losses"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("writer", ["engine", "megatron"])
+def test_the_mapped_reader_restores_what_torchs_reader_does_from_either_writer(
+    fresh_mesh: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
+) -> None:
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        TorchDistLoadShardedStrategy,
+        TorchDistSaveShardedStrategy,
+    )
+
+    from strategies.backends.megatron import checkpoint_reader, checkpoint_writer
+
+    class _MegatronWriter(TorchDistSaveShardedStrategy):
+        """megatron's own writer, as older checkpoints were written (nothing checksummed)."""
+
+        staged = False
+        checksums: dict[str, Any] = {}  # noqa: RUF012 (never written)
+
+        def __init__(self) -> None:
+            super().__init__("torch_dist", 1)
+
+    if writer == "megatron":
+        monkeypatch.setattr(checkpoint_writer, "ChecksummingSaveStrategy", _MegatronWriter)
+    config = _config(use_distributed_optimizer=True)
+    trained = Engine.build(head="lm", device="cpu", config=config).initialize()
+    _train(trained, "lm", range(2))
+    trained.save_checkpoint(tmp_path)
+
+    def loaded() -> dict[str, Any]:
+        engine = Engine.build(head="lm", device="cpu", config=config).initialize()
+        engine.load_checkpoint(tmp_path)
+        return _full_state(engine)
+
+    mapped = loaded()
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint_reader, "MappedLoadStrategy", TorchDistLoadShardedStrategy)
+        by_torch = loaded()
+    with monkeypatch.context() as patch:  # every item through torch.load, as for odd items
+
+        def not_plain(*_: Any) -> Any:
+            raise checkpoint_reader._NotPlain
+
+        patch.setattr(checkpoint_reader, "_stored_tensor", not_plain)
+        fallback = loaded()
+    with monkeypatch.context() as patch:  # typed views of the mapping, as when resharding
+        patch.setattr(checkpoint_reader, "_takes_bytes", lambda *_: False)
+        typed = loaded()
+    for part in ("weights", "optimizer"):
+        for name, value in by_torch[part].items():
+            for other in (mapped, fallback, typed):
+                assert torch.equal(value, other[part][name]), f"{part} {name}"
+    _assert_same_weights(_weights(trained), mapped["weights"])

@@ -154,6 +154,8 @@ def load_state(
     another one there is no rank to take them from)."""
     from megatron.core import dist_checkpointing
 
+    from strategies.backends.megatron.checkpoint_reader import MappedLoadStrategy
+
     scheduler_path = os.path.join(directory, SCHEDULER_FILE)
     # A forward-only engine's checkpoint has neither optimizer nor scheduler state.
     if not os.path.exists(scheduler_path):
@@ -162,7 +164,9 @@ def load_state(
         if optimizer is not None:
             _materialize_optimizer_state(optimizer)
         template = _sharded_state(chunks, optimizer, loading=True)
-        loaded = dist_checkpointing.load(template, os.path.join(directory, MODEL_DIR))
+        loaded = dist_checkpointing.load(
+            template, os.path.join(directory, MODEL_DIR), sharded_strategy=MappedLoadStrategy()
+        )
         for key, chunk in zip(_model_keys(chunks), chunks, strict=True):
             chunk.load_state_dict(loaded[key])
         if optimizer is not None:
