@@ -20,6 +20,7 @@ from tensordict import TensorDict
 
 from engine.config import EngineConfig, coerce_config
 from engine.data.batching import (
+    INPUT_IDS,
     MicroBatch,
     fields,
     first_non_finite,
@@ -238,13 +239,17 @@ class Engine:
         ) -> tuple[torch.Tensor, dict[str, Any]]:
             micro_batch: MicroBatch = micro_batches[index]
             data = micro_batch.data.to(device)
+            packed = micro_batch.cu_seqlens
             head_ctx = attrs.evolve(
-                head_ctx, sequence_lengths=micro_batch.lengths, cu_seqlens=micro_batch.cu_seqlens
+                head_ctx,
+                sequence_lengths=micro_batch.lengths,
+                cu_seqlens=None if packed is None else packed.to(device),
             )
-            model_ids = micro_batch.input_ids.to(device)
+            # the ids the model ran on: the padded ones are already on the device with ``data``
+            model_ids = data[INPUT_IDS] if packed is None else micro_batch.input_ids.to(device)
             outputs = self.head.postprocess(raw, model_ids, head_ctx)
             check_results(self.head, outputs, model_ids, head_ctx)
-            if micro_batch.cu_seqlens is not None:  # loss functions see right-padded rows
+            if packed is not None:  # loss functions see right-padded rows
                 declared = self.head.outputs
                 outputs = {
                     key: micro_batch.unpack(value) if declared[key] == PER_TOKEN else value

@@ -162,12 +162,11 @@ class MicroBatch:
         padding), differentiably; the layout loss functions see."""
         if self.cu_seqlens is None:
             raise BatchError("unpack() needs a packed micro-batch")
-        mask = self.attention_mask.to(row.device)
-        starts = self.cu_seqlens[:-1].to(device=row.device, dtype=torch.long)
-        positions = starts[:, None] + torch.arange(mask.shape[1], device=row.device)
-        gathered = row[0, positions.clamp(max=row.shape[1] - 1)]
-        keep = mask.reshape(*mask.shape, *([1] * (gathered.dim() - 2)))
-        return torch.where(keep, gathered, torch.zeros((), dtype=row.dtype, device=row.device))
+        # worked out on the host, where cu_seqlens lives: no device sync
+        index, padding = _gather_index(self.cu_seqlens, int(self.attention_mask.shape[1]), "right")
+        gathered = row[0, index.to(row.device)]
+        padding = padding.reshape(*padding.shape, *[1] * (gathered.dim() - 2))
+        return gathered.masked_fill(padding.to(row.device), 0)
 
 
 def validate_batch(
