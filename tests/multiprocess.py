@@ -15,6 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+#: ``torchrun`` with two ranks on this host, then ``-m`` (the module to run follows). Standalone:
+#: torchrun picks its own rendezvous port, so parallel runs never race for one.
+TORCHRUN_TWO_RANKS = (
+    sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+)  # fmt: skip
+
 _LAUNCHER = """
 import os, pickle, sys, traceback
 sys.path.insert(0, {root!r})

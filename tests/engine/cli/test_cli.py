@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.multiprocess import TORCHRUN_TWO_RANKS
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -90,18 +92,9 @@ def test_a_config_file_sets_engine_settings_and_the_command_line_wins(tmp_path: 
 
 @pytest.mark.multiprocess
 def test_train_runs_under_torchrun_with_tensor_parallelism() -> None:
-    torchrun = (
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-    )
     result = run(
         "train", "--head", "value", "--steps", "3", "--tensor-parallel-size", "2",
-        launcher=torchrun,
+        launcher=TORCHRUN_TWO_RANKS,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tp=2" in result.stdout
@@ -109,8 +102,7 @@ def test_train_runs_under_torchrun_with_tensor_parallelism() -> None:
 
 
 def test_train_runs_under_torchrun_with_fsdp2_data_parallelism() -> None:
-    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m")
-    result = run("train", "--backend", "fsdp2", "--steps", "3", launcher=torchrun)
+    result = run("train", "--backend", "fsdp2", "--steps", "3", launcher=TORCHRUN_TWO_RANKS)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "backend=fsdp2" in result.stdout and "dp=2" in result.stdout
     assert len([line for line in result.stdout.splitlines() if STEP_LINE.match(line)]) == 3

@@ -31,6 +31,7 @@ from engine.cli.demo.rollout import (
 from engine.losses import GRPO
 from heads.errors import ConfigError
 from tests.engine.cli.test_cli import ROOT, run
+from tests.multiprocess import TORCHRUN_TWO_RANKS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 #: A short run: small batches, a checkpoint every second iteration.
@@ -201,19 +202,10 @@ def test_ctrl_c_saves_the_finished_iteration_and_exits_cleanly(tmp_path: Path) -
     ids=["tp2", "pp2", "dp2"],
 )
 def test_demo_runs_under_torchrun(tmp_path: Path, layout: tuple[str, ...]) -> None:
-    torchrun = (
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-    )
     out = tmp_path / "run"
     result = run(
         "demo", "--config", short_config(tmp_path), "--steps", "2", "--output-dir", str(out),
-        *layout, launcher=torchrun,
+        *layout, launcher=TORCHRUN_TWO_RANKS,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 process(es)" in result.stdout
