@@ -9,12 +9,9 @@ the two-process vocab-parallel check (see ``test_two_vocab_parallel_ranks_match_
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,9 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from heads.vocab_parallel import MIN_TEMPERATURE, log_probs_and_entropy
-from tests.multiprocess import communicate_all, rendezvous_store, worker_env
+from tests.multiprocess import run_ranks
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -365,76 +361,48 @@ PARALLEL_CASES = [
 RANK_TIMEOUT_S = 120
 
 
-def _run_rank(rank: int, world: int, port: int) -> None:
-    """One rank of the vocab-parallel check: compare its shard's results and gradients with the
-    plain full-vocabulary computation (all ranks build the same full logits from the seed)."""
+def vocab_parallel_rank() -> int:
+    """One rank of the vocab-parallel check (started by ``run_ranks``): compare its shard's
+    results and gradients with the plain full-vocabulary computation (all ranks build the same
+    full logits from the seed). Returns how many cases it checked."""
     import torch.distributed as dist
 
-    timeout = timedelta(seconds=RANK_TIMEOUT_S)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-    try:
-        for seed, shape, vocab, split, dtype, temperature, with_h, chunk in PARALLEL_CASES:
-            logits, targets = make_case(seed, shape, vocab, DTYPES[dtype])
-            weights = loss_weights(seed, shape)
-            start, end = (0, split) if rank == 0 else (split, vocab)
-            shard = logits[..., start:end].clone().requires_grad_(True)
-            ours = log_probs_and_entropy(
-                shard,
-                targets,
-                temperature=temperature,
-                compute_entropy=with_h,
-                group=dist.group.WORLD,
-                vocab_start=start,
-                chunk_size=chunk,
-            )
-            which = "both" if with_h else "log_probs"
-            grad = grads_of(shard, ours, weights, which)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=RANK_TIMEOUT_S))
+    rank = dist.get_rank()
+    for seed, shape, vocab, split, dtype, temperature, with_h, chunk in PARALLEL_CASES:
+        logits, targets = make_case(seed, shape, vocab, DTYPES[dtype])
+        weights = loss_weights(seed, shape)
+        start, end = (0, split) if rank == 0 else (split, vocab)
+        shard = logits[..., start:end].clone().requires_grad_(True)
+        ours = log_probs_and_entropy(
+            shard,
+            targets,
+            temperature=temperature,
+            compute_entropy=with_h,
+            group=dist.group.WORLD,
+            vocab_start=start,
+            chunk_size=chunk,
+        )
+        which = "both" if with_h else "log_probs"
+        grad = grads_of(shard, ours, weights, which)
 
-            full = logits.float().requires_grad_(True)
-            plain = plain_log_probs_and_entropy(full, targets, temperature)
-            expected_grad = grads_of(full, plain, weights, which)[..., start:end]
+        full = logits.float().requires_grad_(True)
+        plain = plain_log_probs_and_entropy(full, targets, temperature)
+        expected_grad = grads_of(full, plain, weights, which)[..., start:end]
 
-            assert_close_scaled(ours[0], plain[0], rtol=1e-5)
-            if with_h:
-                assert ours[1] is not None
-                assert_close_scaled(ours[1], plain[1], rtol=1e-5)
-            else:
-                assert ours[1] is None
-            assert grad.dtype == shard.dtype
-            assert_close_scaled(grad, expected_grad, rtol=1e-5 if dtype == "float32" else 1e-2)
-    finally:
-        dist.destroy_process_group()
+        assert_close_scaled(ours[0], plain[0], rtol=1e-5)
+        if with_h:
+            assert ours[1] is not None
+            assert_close_scaled(ours[1], plain[1], rtol=1e-5)
+        else:
+            assert ours[1] is None
+        assert grad.dtype == shard.dtype
+        assert_close_scaled(grad, expected_grad, rtol=1e-5 if dtype == "float32" else 1e-2)
+    return len(PARALLEL_CASES)
 
 
 @pytest.mark.multiprocess
 def test_two_vocab_parallel_ranks_match_full_vocab() -> None:
 
-    world = 2
-    # The test holds the rendezvous store on a port the OS picks, so no other process can take
-    # the port between choosing and binding it; the ranks connect to it as clients.
-    store = rendezvous_store(world, RANK_TIMEOUT_S)
-    port = store.port
-    env = worker_env()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(rank), str(world), str(port)],
-            env=env,
-            cwd=REPO_ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    outputs = communicate_all(procs, RANK_TIMEOUT_S, "vocab-parallel rank")
-    for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{output}"
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--worker":
-        torch.set_num_threads(1)
-        _run_rank(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
-    else:
-        sys.exit(f"usage: {sys.argv[0]} --worker RANK WORLD PORT")
+    assert run_ranks(vocab_parallel_rank, 2, timeout=RANK_TIMEOUT_S) == [len(PARALLEL_CASES)] * 2

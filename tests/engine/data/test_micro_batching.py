@@ -6,15 +6,11 @@ the data-parallel agreement runs in two real gloo processes.
 
 from __future__ import annotations
 
-import json
 import math
 import random
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,9 +26,7 @@ from engine.data.micro_batching import (
     plan_token_budget,
 )
 from heads.errors import BatchError, ConfigError
-from tests.multiprocess import communicate_all, rendezvous_store, worker_env
-
-REPO_ROOT = Path(__file__).resolve().parents[3]
+from tests.multiprocess import run_ranks
 
 # -------------------------------------------------------------------------------------- helpers
 
@@ -374,45 +368,24 @@ def test_without_a_group_counts_and_plans_stay_local() -> None:
 
 # -------------------------------------------------------------------- data parallel (2 ranks)
 
-# The two ranks finish in about 3 s (mostly importing torch); the limit only stops a hang.
-RANK_TIMEOUT_S = 60
+# The two ranks finish in a few seconds (mostly imports); the limit only stops a hang.
+RANK_TIMEOUT_S = 120
 
-# A lean rank: cases come as JSON in argv, plans go to stdout. It loads the planner and the
-# partition it imports by path, skipping pytest, hypothesis and the engine package's imports
-# (half the start-up time).
-RANK_PROGRAM = """
-import importlib.util, json, sys
-from datetime import timedelta
-import torch.distributed as dist
-from heads.errors import BatchError
 
-def load(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+def plan_on_rank(cases_per_rank: list[list[tuple[list[int], int, bool]]]) -> dict[str, Any]:
+    """One data-parallel rank (started by ``run_ranks``): agree on counts and plan this rank's
+    cases over the world group, then hit the two collective errors."""
+    from datetime import timedelta
 
-load("engine.data.partition", "engine/data/partition.py")
-load("engine.data.bin_packing", "engine/data/bin_packing.py")
-planner = load("micro_batching", "engine/data/micro_batching.py")
-agree_on_count = planner.agree_on_count
-plan_for_data_parallel = planner.plan_for_data_parallel
-plan_token_budget = planner.plan_token_budget
+    import torch.distributed as dist
 
-rank, world, port, limit = (int(arg) for arg in sys.argv[1:5])
-cases = json.loads(sys.argv[5])
-timeout = timedelta(seconds=limit)
-store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
-dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-try:
-    group = dist.group.WORLD
-    result = {"agreed": agree_on_count(3 + 4 * rank, group), "plans": []}
-    for lengths, budget, packed in cases:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=RANK_TIMEOUT_S))
+    rank, group = dist.get_rank(), dist.group.WORLD
+    result: dict[str, Any] = {"agreed": agree_on_count(3 + 4 * rank, group), "plans": []}
+    for lengths, budget, packed in cases_per_rank[rank]:
         local = plan_token_budget(lengths, budget, packed=packed).num_micro_batches
         plan = plan_for_data_parallel(lengths, budget, group, packed=packed)
-        fields = ("groups", "tokens", "padded_tokens", "max_tokens_per_micro_batch", "packed")
-        result["plans"].append({"local": local, **{f: getattr(plan, f) for f in fields}})
+        result["plans"].append((local, plan))
     # Rank 1 needs 5 micro-batches, rank 0 has only 2 sequences: both must raise.
     try:
         plan_for_data_parallel([10, 10] if rank == 0 else [100] * 5, 100, group)
@@ -426,10 +399,7 @@ try:
     except BatchError as error:
         result["over_long"] = str(error)
     result["after_error"] = agree_on_count(1 + rank, group)  # nobody was left hanging
-    print("RESULT " + json.dumps(result), flush=True)
-finally:
-    dist.destroy_process_group()
-"""
+    return result
 
 
 def rank_cases(rank: int) -> list[tuple[list[int], int, bool]]:
@@ -453,49 +423,23 @@ def rank_cases(rank: int) -> list[tuple[list[int], int, bool]]:
 def test_data_parallel_ranks_agree_on_the_count_and_keep_their_budget() -> None:
 
     world = 2
-    # The test holds the store on a port the OS picks; the ranks connect to it as clients.
-    store = rendezvous_store(world, RANK_TIMEOUT_S)
-    env = worker_env()
     cases = [rank_cases(rank) for rank in range(world)]
-    argv = [str(world), str(store.port), str(RANK_TIMEOUT_S)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK_PROGRAM, str(rank), *argv, json.dumps(cases[rank])],
-            env=env,
-            cwd=REPO_ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    outputs = communicate_all(procs, RANK_TIMEOUT_S, "data-parallel rank")
-    results = []
-    for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{output}"
-        line = next(line for line in output.splitlines() if line.startswith("RESULT "))
-        results.append(json.loads(line.removeprefix("RESULT ")))
+    results = run_ranks(plan_on_rank, world, cases, timeout=RANK_TIMEOUT_S)
 
     assert [r["agreed"] for r in results] == [7, 7]
     assert [r["after_error"] for r in results] == [2, 2]
-    local_counts = [[plan.pop("local") for plan in r["plans"]] for r in results]
+    local_counts = [[local for local, _ in r["plans"]] for r in results]
     assert local_counts[0] != local_counts[1]  # the ranks really had to agree
     for rank, result in enumerate(results):
-        for (lengths, budget, packed), fields in zip(cases[rank], result["plans"], strict=True):
-            plan = MicroBatchPlan(**{name: _tuples(value) for name, value in fields.items()})
+        for (lengths, budget, packed), (_, plan) in zip(cases[rank], result["plans"], strict=True):
             assert_valid(plan, lengths, budget)
             assert plan.packed is packed
     for case, (first, second) in enumerate(zip(*(r["plans"] for r in results), strict=True)):
         agreed = max(local_counts[0][case], local_counts[1][case])
-        assert len(first["groups"]) == len(second["groups"]) == agreed
+        assert first[1].num_micro_batches == second[1].num_micro_batches == agreed
     for r in results:
         assert r["error"] is not None
         assert "need 5 micro-batches" in r["error"]
         assert "at least 5 sequences" in r["error"]
     assert "sequence 1 has 500 tokens" in results[0]["over_long"]
     assert "another data-parallel rank could not plan" in results[1]["over_long"]
-
-
-def _tuples(value: Any) -> Any:
-    """JSON lists back to the tuples a MicroBatchPlan holds."""
-    return tuple(_tuples(item) for item in value) if isinstance(value, list) else value
