@@ -299,7 +299,12 @@ class Engine:
         group = (
             self.backend.data_parallel_group() if self.backend.data_parallel_size() > 1 else None
         )
-        return plan_for_data_parallel(lengths, budget, group, packed=packed)
+        multiple = (
+            require(self.backend, Packing).packed_micro_batch_multiple(self.config) if packed else 1
+        )
+        return plan_for_data_parallel(
+            lengths, budget, group, packed=packed, count_multiple=multiple
+        )
 
     def train_batch(
         self, batch: TensorDict, loss_function: LossFn, *, step_lr: bool = True

@@ -167,22 +167,26 @@ def plan_for_data_parallel(
     *,
     device: torch.device | str | None = None,
     packed: bool = False,
+    count_multiple: int = 1,
 ) -> MicroBatchPlan:
     """This rank's plan, with the same number of micro-batches on every rank of ``group``.
 
     Plans locally, agrees on the largest count (one all-reduce, which also carries the smallest
-    number of sequences of any rank and whether any rank failed), and re-plans with that count
-    as the minimum. Every rank must call it. Errors are collective, so that no rank is left
-    waiting in a later collective: when a rank's own planning fails (say an over-long
-    sequence) it raises its error and the others raise a :class:`BatchError` pointing to it;
-    when the agreed count exceeds the sequences of some rank, every rank raises the same
-    :class:`BatchError` -- micro-batches cannot be empty, so each rank needs at least that many
-    sequences.
+    number of sequences of any rank and whether any rank failed), rounds it up to a multiple of
+    ``count_multiple`` (a schedule that runs micro-batches in groups, e.g. megatron's
+    interleaved pipeline), and re-plans with that count as the minimum. Every rank must call
+    it. Errors are collective, so that no rank is left waiting in a later collective: when a
+    rank's own planning fails (say an over-long sequence) it raises its error and the others
+    raise a :class:`BatchError` pointing to it; when the agreed count exceeds the sequences of
+    some rank, every rank raises the same :class:`BatchError` -- micro-batches cannot be empty,
+    so each rank needs at least that many sequences.
     """
     failure: BatchError | ConfigError | None = None
     sizes: list[int] = []
     local: MicroBatchPlan | None = None
+    multiple = 1
     try:
+        multiple = _positive_int(count_multiple, "count_multiple")
         sizes = _lengths(lengths)
         local = plan_token_budget(sizes, max_tokens_per_micro_batch, packed=packed)
     except (BatchError, ConfigError) as error:
@@ -199,11 +203,14 @@ def plan_for_data_parallel(
             "why); every rank stops here so that none waits in a later collective"
         )
     fewest = -negative_fewest
+    needed = count
+    count = -(-count // multiple) * multiple
     if count > fewest:
+        rounded = f", rounded up to a multiple of {multiple}" if count != needed else ""
         raise BatchError(
             f"the data-parallel ranks need {count} micro-batches (the most any rank needs for "
-            f"max_tokens_per_micro_batch={max_tokens_per_micro_batch}), but a rank has only "
-            f"{fewest} sequence(s) (this rank: {len(sizes)}); every rank runs the same number "
+            f"max_tokens_per_micro_batch={max_tokens_per_micro_batch}{rounded}), but a rank has "
+            f"only {fewest} sequence(s) (this rank: {len(sizes)}); every rank runs the same number "
             f"of micro-batches and none may be empty, so each rank needs at least {count} "
             "sequences: spread the sequences more evenly over the ranks, give each rank more "
             "sequences, or raise max_tokens_per_micro_batch"

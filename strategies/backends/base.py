@@ -200,6 +200,11 @@ class Packing(Protocol):
         anything is built)."""
         ...
 
+    def packed_micro_batch_multiple(self, config: PartsConfig) -> int:
+        """The number of packed micro-batches in a batch must be a multiple of this (1: any
+        number); the engine's token-budget planner rounds its count up to it."""
+        ...
+
 
 #: What ``Offloading`` moves: the names ``Engine.to`` and ``OffloadConfig`` use.
 OFFLOAD_PARTS = ("model", "optimizer", "grad")

@@ -251,6 +251,16 @@ class MegatronBackend:
                 "backend; turn one of them off"
             )
 
+    def packed_micro_batch_multiple(self, config: PartsConfig) -> int:
+        """Megatron's interleaved (virtual pipeline) schedule runs micro-batches in groups of
+        PP; packed rows all have one length under PP, so only the count has to come out even."""
+        parallel = config.parallel
+        return (
+            1
+            if parallel.virtual_pipeline_parallel_size is None
+            else parallel.pipeline_parallel_size
+        )
+
     # -- offload -------------------------------------------------------------------------------
     def offload(self, parts: Iterable[str]) -> None:
         """Move ``parts`` (model, optimizer, grad) to host memory; their device storage is freed."""

@@ -358,6 +358,22 @@ def test_plan_rejects_groups_that_are_not_a_partition() -> None:
         MicroBatchPlan(groups=((0,), (1,)), tokens=(1, 1), padded_tokens=(1,))
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_count_multiple_rounds_the_count_up(packed: bool) -> None:
+    lengths = [20] * 6  # three micro-batches fit the budget, padded or packed
+    assert plan_for_data_parallel(lengths, 40, None, packed=packed).num_micro_batches == 3
+    plan = plan_for_data_parallel(lengths, 40, None, packed=packed, count_multiple=2)
+    assert plan.num_micro_batches == 4
+    assert_valid(plan, lengths, 40)
+    assert plan_for_data_parallel(lengths, 40, None, packed=packed, count_multiple=3) == (
+        plan_for_data_parallel(lengths, 40, None, packed=packed)
+    )
+    with pytest.raises(BatchError, match=r"need 4 micro-batches .*rounded up to a multiple of 2"):
+        plan_for_data_parallel([30, 30, 30], 40, None, packed=packed, count_multiple=2)
+    with pytest.raises(ConfigError, match="count_multiple must be a positive int, got 0"):
+        plan_for_data_parallel(lengths, 40, None, packed=packed, count_multiple=0)
+
+
 def test_without_a_group_counts_and_plans_stay_local() -> None:
     assert agree_on_count(5, None) == 5
     lengths = [7, 3, 9, 1]
