@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -419,7 +419,8 @@ class Engine:
         each stage yields its own layers."""
         self._require_initialized("get_per_tensor_param")
         self._require_resident("get_per_tensor_param", ("model",))
-        return require(self.backend, HuggingFaceExport).export_hf(self.config)
+        weights = require(self.backend, HuggingFaceExport).export_hf(self.config)
+        return _WhileResident(weights, lambda: self._require_resident(WHILE_ITERATING, ("model",)))
 
     def save_hf(self, directory: str | os.PathLike[str]) -> None:
         """Write a causal-LM Hugging Face checkpoint (safetensors + config.json) to
@@ -546,3 +547,21 @@ class Engine:
                 values.append(float(jagged_values(value).float().sum()))
         totals = all_reduce_values(values, group=self.backend.data_parallel_group())
         return dict(zip(names, totals, strict=True))
+
+
+WHILE_ITERATING = "get_per_tensor_param() (while its iterator is in use)"
+
+
+class _WhileResident(Iterator[tuple[str, torch.Tensor]]):
+    """``items``, calling ``check`` before each one: an offload between two tensors (say on
+    leaving ``eval_mode``) raises EngineStateError instead of reading freed storage, and after
+    ``to("device")`` the same iterator goes on."""
+
+    def __init__(
+        self, items: Iterator[tuple[str, torch.Tensor]], check: Callable[[], None]
+    ) -> None:
+        self._items, self._check = items, check
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        self._check()
+        return next(self._items)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from engine import Engine
 from engine.losses import sft_loss, value_regression_loss
@@ -93,3 +94,19 @@ def test_configured_offload_happens_on_leaving_train_and_eval_mode(fresh_mesh: N
 def test_to_rejects_an_unknown_destination(fresh_mesh: None) -> None:
     with pytest.raises(ConfigError, match="to\\(\\) takes 'cpu'"):
         _engine("lm").to("gpu")
+
+
+def test_an_offload_while_exporting_weights_is_refused_until_the_model_is_back(
+    fresh_mesh: None,
+) -> None:
+    engine = _engine("lm")
+    expected = {name: tensor.clone() for name, tensor in engine.get_per_tensor_param()}
+    weights = engine.get_per_tensor_param()
+    got = dict([next(weights)])
+    engine.to("cpu", optimizer=False, grad=False)
+    with pytest.raises(EngineStateError, match=r"while its iterator is in use.*offloaded"):
+        next(weights)
+    engine.to("device", optimizer=False, grad=False)
+    got.update((name, tensor.clone()) for name, tensor in weights)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
