@@ -44,13 +44,17 @@ class AdaptiveKLController:
     target: float = float_field(6.0, positive)
     horizon: int = int_field(10_000)
 
-    def update(self, current_kl: float, n_steps: int) -> None:
+    def check_horizon(self, n_steps: int, name: str = "AdaptiveKLController.horizon") -> None:
+        """ConfigError unless ``horizon`` exceeds ``MAX_ERROR`` x ``n_steps`` (the samples per
+        update); ``name``: what the error calls the horizon."""
         if n_steps * MAX_ERROR >= self.horizon:
             raise ConfigError(
-                f"AdaptiveKLController.horizon ({self.horizon}) must exceed {MAX_ERROR:g} x "
-                f"the samples per update ({n_steps}), or one update can zero or flip the "
-                "coefficient"
+                f"{name} ({self.horizon}) must exceed {MAX_ERROR:g} x the samples per update "
+                f"({n_steps}), or one update can zero or flip the coefficient"
             )
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        self.check_horizon(n_steps)
         error = min(max(current_kl / self.target - 1.0, -MAX_ERROR), MAX_ERROR)
         self.value *= 1.0 + error * n_steps / self.horizon
 

@@ -12,6 +12,7 @@ import attrs
 
 from engine.config import EngineConfig, read_yaml_mapping, structure
 from engine.losses import ADVANTAGE_ESTIMATORS, KL_TYPES, AdvantageEstimator
+from engine.losses.kl_control import AdaptiveKLController
 from engine.losses.registries import policy_loss_field
 from heads.errors import ConfigError
 from heads.validation import float_field, int_field, of_type, one_of, positive, seed_field
@@ -132,6 +133,11 @@ class DemoConfig:
                 f"algorithm {self.algorithm!r} compares the responses to one prompt: "
                 f"task.group_size must be >= 2, got {self.group_size}"
             )
+        ppo = self.ppo
+        if ppo.kl_placement == "reward" and ppo.kl_controller == "adaptive":
+            AdaptiveKLController(
+                value=ppo.kl_coeff, target=ppo.kl_target, horizon=ppo.kl_horizon
+            ).check_horizon(self.prompts * self.group_size, "ppo.kl_horizon")
         configs = {role: self.engine_config(role) for role in self.roles}
         model = configs["actor"].model
         if model.max_sequence_length < self.task.prompt_length + self.task.response_length:

@@ -379,6 +379,16 @@ def test_critic_free_settings_that_cannot_work_are_refused() -> None:
         DemoConfig.from_dict({"ppo": {"policy_loss": "cipso"}})
 
 
+def test_an_adaptive_kl_horizon_too_short_for_one_update_is_refused_up_front() -> None:
+    adaptive = {"kl_placement": "reward", "kl_controller": "adaptive", "kl_horizon": 12}
+    # 16 prompts x 4 responses = 64 samples per update; 0.2 x 64 >= 12
+    with pytest.raises(ConfigError, match=r"ppo\.kl_horizon \(12\) must exceed 0\.2 x .*\(64\)"):
+        DemoConfig.from_dict({"algorithm": "grpo", "ppo": adaptive})
+    assert DemoConfig.from_dict({"algorithm": "grpo", "ppo": {**adaptive, "kl_horizon": 13}})
+    # only the adaptive controller on the reward uses the horizon
+    assert DemoConfig.from_dict({"algorithm": "grpo", "ppo": {**adaptive, "kl_placement": "loss"}})
+
+
 def test_each_prompt_is_repeated_group_size_times_with_its_group_id() -> None:
     prompts = torch.tensor([[5, 0], [7, 1]])
     rows, group_ids = in_groups(prompts, 3)
