@@ -33,11 +33,18 @@ from collections.abc import Mapping
 from typing import Any
 
 import psutil
+from torch.distributed.checkpoint.api import CheckpointException
 
 from heads.errors import CheckpointError, ConfigError
 from strategies.backends.base import AsyncCheckpointing, Checkpointing, StagedSave
 from strategies.config import ModelConfig
-from strategies.distributed import barrier, from_rank_zero, merged_dicts, rank, world_size
+from strategies.distributed import (
+    collective_timeout,
+    from_rank_zero,
+    merged_dicts,
+    rank,
+    world_size,
+)
 from strategies.publish import (
     CHECKSUMS,
     WRITE_CHECKSUM,
@@ -59,6 +66,9 @@ _STAGING_DIR = re.compile(
 #: Test hook: the saving process SIGKILLs itself when it reaches the named stage
 #: (``after_state``, ``before_manifest``, ``before_rename``).
 KILL_AT_ENV = "COMPOSABLE_ENGINE_CHECKPOINT_KILL_AT"
+#: What a failed write raises: torch's ``CheckpointException`` (megatron's too) is a
+#: BaseException, which ``except Exception`` lets through.
+_WRITE_FAILURES = (Exception, CheckpointException)
 _MODEL_SHAPE_FIELDS = (
     "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
     "ffn_hidden_size", "head_dim", "tie_embeddings", "add_qkv_bias", "qk_layernorm",
@@ -75,9 +85,12 @@ def save_checkpoint(
     """Write ``state`` to ``root/global_step_{global_step}`` (collective); ``engine`` describes
     the engine (``head``, ``backend``, ``model``, ``parallel``, ``config``). Returns the path."""
     target, staging = _begin_save(root, global_step, max_ckpt_to_keep)
-    written = merged_dicts(state.save_state(staging) or {})
+    try:
+        written, failure = state.save_state(staging) or {}, None
+    except _WRITE_FAILURES as raised:
+        written, failure = {}, raised
+    written = _written_everywhere(target, staging, written, failure)
     _stage("after_state")
-    barrier()
     error = None
     if rank() == 0:
         error = _publish(staging, target, _describe(engine, global_step), written, max_ckpt_to_keep)
@@ -101,8 +114,32 @@ def start_async_save(
     synchronous save does (no collectives in the background). Before its next save or load
     every rank calls :func:`finish_async_save`; a process exit waits for it too."""
     target, staging = _begin_save(root, global_step, max_ckpt_to_keep)
-    staged = state.stage_state(staging)
+    staged: StagedSave | None = None
+    try:
+        staged, failure = state.stage_state(staging), None
+    except _WRITE_FAILURES as raised:
+        failure = raised
+    _written_everywhere(target, staging, {}, failure)  # no rank waits for one that failed
+    assert staged is not None
     return AsyncSave(staged, staging, target, _describe(engine, global_step), max_ckpt_to_keep)
+
+
+def _written_everywhere(
+    target: str, staging: str, written: FileChecksums, failure: BaseException | None
+) -> FileChecksums:
+    """Every rank's ``written`` merged (collective). If any rank's part of the save failed
+    (``failure``), CheckpointError on every rank, naming each failed rank, and the temporary
+    directory is removed."""
+    report = None if failure is None else f"rank {rank()} could not write its files: {failure!r}"
+    parts = merged_dicts({str(rank()): (report, written)})
+    failed = [report for report, _ in parts.values() if report is not None]
+    if failed:
+        if rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(f"cannot write the checkpoint {target}: {'; '.join(failed)}") from (
+            failure
+        )
+    return {name: entry for _, files in parts.values() for name, entry in files.items()}
 
 
 def finish_async_save(save: AsyncSave) -> str:
@@ -128,9 +165,10 @@ class AsyncSave:
     ) -> None:
         self.target = target
         self._error: str | None = None
+        peers = (rank(), world_size(), collective_timeout())
         self._thread = threading.Thread(
             target=self._run,
-            args=(staged, staging, description, max_ckpt_to_keep, rank(), world_size()),
+            args=(staged, staging, description, max_ckpt_to_keep, *peers),
             name=f"checkpoint-save-{os.path.basename(target)}",
         )
         _IN_FLIGHT.add(self)
@@ -154,11 +192,12 @@ class AsyncSave:
         max_ckpt_to_keep: int | None,
         this_rank: int,
         ranks: int,
+        peer_timeout: float,
     ) -> None:
         try:
             outcome: tuple[FileChecksums, Any] | str = staged.write()
             _stage("after_state")
-        except Exception as failure:
+        except _WRITE_FAILURES as failure:
             outcome = f"rank {this_rank} could not write its files: {failure!r}"
             self._error = f"cannot write the checkpoint {self.target}: {outcome}"
         if this_rank != 0:
@@ -168,7 +207,8 @@ class AsyncSave:
                 self._error = f"cannot write the checkpoint {self.target}: {failure}"
             return
         try:
-            parts = [outcome, *(_read_marker(staging, peer) for peer in range(1, ranks))]
+            deadline = time.monotonic() + peer_timeout
+            parts = [outcome, *(_read_marker(staging, peer, deadline) for peer in range(1, ranks))]
             failed = [part for part in parts if isinstance(part, str)]
             if failed:
                 raise CheckpointError("; ".join(failed))
@@ -176,7 +216,7 @@ class AsyncSave:
             staged.finish([result for _, result in written])
             checksums = {name: entry for files, _ in written for name, entry in files.items()}
             self._error = _publish(staging, self.target, description, checksums, max_ckpt_to_keep)
-        except Exception as failure:
+        except _WRITE_FAILURES as failure:
             self._error = f"cannot write the checkpoint {self.target}: {failure}"
         if self._error is not None:
             shutil.rmtree(staging, ignore_errors=True)
@@ -184,8 +224,6 @@ class AsyncSave:
 
 #: Saves whose thread nobody has waited for yet (a process exit waits for them).
 _IN_FLIGHT: set[AsyncSave] = set()
-#: How long rank 0's thread waits for another rank's files of an asynchronous save.
-PEER_TIMEOUT_S = 1800.0
 _MARKER = ".written-rank-{}"
 
 
@@ -208,13 +246,18 @@ def _write_marker(staging: str, this_rank: int, outcome: Any) -> None:
     os.rename(f"{path}.partial", path)
 
 
-def _read_marker(staging: str, peer: int) -> Any:
-    """Wait for ``peer``'s marker; its content (the marker is removed: not a checkpoint file)."""
+def _read_marker(staging: str, peer: int, deadline: float) -> Any:
+    """Wait for ``peer``'s marker until ``deadline`` (``time.monotonic()``; rank 0 waits for
+    its peers as long as a collective would: a peer that died leaves no marker); its content
+    (the marker is removed: not a checkpoint file)."""
     path = os.path.join(staging, _MARKER.format(peer))
-    deadline = time.monotonic() + PEER_TIMEOUT_S
+    started = time.monotonic()
     while not os.path.exists(path):
         if time.monotonic() > deadline:
-            raise CheckpointError(f"rank {peer} did not finish writing in {PEER_TIMEOUT_S:.0f} s")
+            raise CheckpointError(
+                f"rank {peer} did not finish writing its files within {deadline - started:.0f} s "
+                "(the process group's timeout): it failed or died"
+            )
         time.sleep(0.01)
     with open(path, "rb") as handle:
         outcome = pickle.load(handle)
@@ -224,20 +267,33 @@ def _read_marker(staging: str, peer: int) -> Any:
 
 def _begin_save(root: str, global_step: int, max_ckpt_to_keep: int | None) -> tuple[str, str]:
     """The target directory and the temporary one a save writes (made by rank 0; collective)."""
-    if max_ckpt_to_keep is not None and max_ckpt_to_keep < 1:
-        raise ConfigError(f"max_ckpt_to_keep must be >= 1 or None; got {max_ckpt_to_keep}")
+    if not _is_count(global_step) or global_step < 0:
+        raise ConfigError(f"global_step must be an int >= 0; got {global_step!r}")
+    if max_ckpt_to_keep is not None and (not _is_count(max_ckpt_to_keep) or max_ckpt_to_keep < 1):
+        raise ConfigError(f"max_ckpt_to_keep must be an int >= 1 or None; got {max_ckpt_to_keep!r}")
     root = os.path.abspath(os.fspath(root))
     target = os.path.join(root, f"{STEP_PREFIX}{global_step}")
-    staging = ""
+    made: tuple[str, str | None] = ("", None)
     if rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        remove_abandoned_saves(root)
-        owner = f"{socket.gethostname()}-{os.getpid()}"
-        staging = os.path.join(
-            root, f".tmp-{STEP_PREFIX}{global_step}-{owner}-{secrets.token_hex(4)}"
-        )
-        os.makedirs(staging)
-    return target, from_rank_zero(staging)
+        try:
+            os.makedirs(root, exist_ok=True)
+            remove_abandoned_saves(root)
+            owner = f"{socket.gethostname()}-{os.getpid()}"
+            staging = os.path.join(
+                root, f".tmp-{STEP_PREFIX}{global_step}-{owner}-{secrets.token_hex(4)}"
+            )
+            os.makedirs(staging)
+            made = (staging, None)
+        except OSError as error:
+            made = ("", f"cannot write a checkpoint under {root}: {error}")
+    staging, failure = from_rank_zero(made)
+    if failure is not None:
+        raise CheckpointError(failure)
+    return target, staging
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _publish(

@@ -23,7 +23,7 @@ from engine.checkpointing import (
     resolve_checkpoint,
 )
 from engine.losses import sft_loss, value_regression_loss
-from heads.errors import CheckpointError
+from heads.errors import CheckpointError, ConfigError
 from tests.factories import random_batch, tiny_model
 from tests.multiprocess import RankFailure, run_ranks
 
@@ -655,3 +655,126 @@ def test_the_mapped_reader_restores_what_torchs_reader_does_from_either_writer(
             for other in (mapped, fallback, typed):
                 assert torch.equal(value, other[part][name]), f"{part} {name}"
     _assert_same_weights(_weights(trained), mapped["weights"])
+
+
+def _no_space(*_: Any) -> Any:
+    raise OSError(28, "No space left on device")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_save_that_cannot_write_raises_checkpoint_error_and_leaves_only_the_latest(
+    fresh_mesh: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    from strategies.backends.megatron import checkpoint
+    from strategies.backends.megatron.checkpoint_writer import ChecksummingSaveStrategy
+
+    engine = _engine()
+    root = tmp_path / "root"
+    engine.save_checkpoint(root)
+    (tmp_path / "a-file").write_text("not a directory")
+    for where in (tmp_path / "a-file", tmp_path / "a-file" / "below"):
+        with pytest.raises(CheckpointError, match=f"cannot write a checkpoint under {where}"):
+            engine.save_checkpoint(where, async_save=async_save)
+    assert (tmp_path / "a-file").read_text() == "not a directory"
+    for part in ((checkpoint, "_rng_states"), (ChecksummingSaveStrategy, "_write_buckets")):
+        with monkeypatch.context() as patch:
+            patch.setattr(*part, _no_space)
+            with pytest.raises(CheckpointError, match=r"rank 0 could not write its files: .*No sp"):
+                engine.save_checkpoint(root, global_step=1, async_save=async_save)
+                engine.wait_for_checkpoint()
+        assert os.listdir(root) == ["global_step_0"]  # no temporary directory left behind
+    assert engine.save_checkpoint(root, global_step=1, async_save=async_save) == str(
+        root / "global_step_1"
+    )
+    engine.wait_for_checkpoint()
+    assert [step for step, _ in complete_checkpoints(str(root))] == [0, 1]
+
+
+def save_where_one_rank_fails(root: str) -> list[Any]:
+    """On two ranks: save into a file (rank 0 cannot create the directory), then fail rank 1's
+    part of a synchronous and of an asynchronous save; the errors each rank saw, then (on
+    rank 0, which removes the failed saves' directories) the root's listing."""
+    from strategies.backends.megatron import checkpoint
+    from strategies.distributed import rank
+
+    engine = _engine()
+    engine.save_checkpoint(root)
+    Path(root, "a-file").write_text("not a directory")
+    errors: list[Any] = []
+    try:
+        engine.save_checkpoint(os.path.join(root, "a-file"))
+    except CheckpointError as error:
+        errors.append(str(error))
+    if rank() == 1:
+        checkpoint._rng_states = _no_space  # type: ignore[assignment]
+    for async_save in (False, True):
+        try:
+            engine.save_checkpoint(root, global_step=1, async_save=async_save)
+            engine.wait_for_checkpoint()
+        except CheckpointError as error:
+            errors.append(str(error))
+    return [*errors, sorted(os.listdir(root)) if rank() == 0 else None]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.multiprocess
+def test_a_save_that_fails_on_one_rank_raises_checkpoint_error_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    reports = run_ranks(save_where_one_rank_fails, 2, str(tmp_path), timeout=150)
+    for report in reports:
+        assert len(report) == 4, report
+        assert "cannot write a checkpoint under" in report[0]
+        assert all("rank 1 could not write its files" in error for error in report[1:3])
+    assert reports[0][3] == ["a-file", "global_step_0"]
+
+
+class _StagesOneFile(_WritesOneFile):
+    """An ``AsyncCheckpointing`` part whose background write takes ``seconds``."""
+
+    def __init__(self, seconds: float = 0.0) -> None:
+        super().__init__(None)
+        self.seconds = seconds
+
+    def stage_state(self, directory: str) -> Any:
+        part = self
+
+        class Staged:
+            def write(self) -> tuple[dict[str, Any], Any]:
+                time.sleep(part.seconds)
+                part.save_state(directory)
+                return {}, None
+
+            def finish(self, parts: Any) -> None:
+                pass
+
+        return Staged()
+
+
+@pytest.mark.timeout(60)
+def test_an_async_save_waits_for_a_missing_peer_no_longer_than_the_collective_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine import checkpointing
+
+    monkeypatch.setattr(checkpointing, "world_size", lambda: 3)  # ranks 1 and 2 never write
+    monkeypatch.setattr(checkpointing, "collective_timeout", lambda: 1.0)
+    started = time.monotonic()
+    save = checkpointing.start_async_save(_StagesOneFile(), _description(), str(tmp_path), 1, None)
+    error = save.wait()
+    assert time.monotonic() - started < 10
+    assert error is not None
+    assert "rank 1 did not finish writing its files within 1 s" in error
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_save_with_a_step_that_is_not_a_non_negative_integer_is_refused(tmp_path: Path) -> None:
+    from engine.checkpointing import save_checkpoint, start_async_save
+
+    for step, keep in ((-1, None), (1.5, None), (True, None), ("3", None), (1, True), (1, 0)):
+        with pytest.raises(ConfigError, match=r"global_step|max_ckpt_to_keep"):
+            save_checkpoint(_WritesOneFile(None), _description(), str(tmp_path), step, keep)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match=r"global_step|max_ckpt_to_keep"):
+            start_async_save(_StagesOneFile(), _description(), str(tmp_path), step, keep)  # type: ignore[arg-type]
+    assert not tmp_path.exists() or os.listdir(tmp_path) == []
