@@ -331,13 +331,13 @@ def load_checkpoint(state: Checkpointing, engine: Mapping[str, Any], path: str) 
             _check_compatible(directory, manifest, _describe(engine, 0))
             verify_files(directory, manifest)
             found = (directory, manifest)
-        except CheckpointError as error:
+        except (CheckpointError, OSError) as error:  # every rank raises, none waits for rank 0
             found = str(error)
     found = from_rank_zero(found)
     if isinstance(found, str) or found is None:
         raise CheckpointError(found)
     directory, manifest = found
-    state.load_state(directory, same_layout=manifest["parallel"] == engine["parallel"])
+    state.load_state(directory, same_layout=manifest.get("parallel") == engine["parallel"])
     return directory, int(manifest["global_step"])
 
 
@@ -415,6 +415,18 @@ def read_manifest(directory: str) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint {directory} has format_version {manifest['format_version']}, newer than "
             f"this composable-engine reads ({FORMAT_VERSION}); upgrade composable-engine"
+        )
+    files, step = manifest.get("files"), manifest.get("global_step")
+    if not (
+        isinstance(files, dict)
+        and all(
+            isinstance(entry, dict) and _is_count(entry.get("size")) for entry in files.values()
+        )
+        and _is_count(step)
+    ):
+        raise CheckpointError(
+            f"{path} is malformed: it needs 'global_step' (an int) and 'files' (each file's "
+            "size and checksum)"
         )
     return manifest
 

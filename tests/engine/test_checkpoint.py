@@ -366,7 +366,9 @@ def test_loading_into_an_engine_that_trained_gives_the_state_of_a_fresh_load(
 def test_loading_a_root_warns_about_a_newer_incomplete_checkpoint_it_skips(tmp_path: Path) -> None:
     complete = tmp_path / "global_step_3"
     complete.mkdir()
-    (complete / MANIFEST).write_text(json.dumps({"format_version": FORMAT_VERSION, "files": {}}))
+    (complete / MANIFEST).write_text(
+        json.dumps({"format_version": FORMAT_VERSION, "global_step": 3, "files": {}})
+    )
     (tmp_path / "global_step_5").mkdir()  # no manifest: a save that did not finish
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -778,3 +780,23 @@ def test_a_save_with_a_step_that_is_not_a_non_negative_integer_is_refused(tmp_pa
         with pytest.raises(ConfigError, match=r"global_step|max_ckpt_to_keep"):
             start_async_save(_StagesOneFile(), _description(), str(tmp_path), step, keep)  # type: ignore[arg-type]
     assert not tmp_path.exists() or os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("damage", ["no files", "files not a mapping", "entry without size"])
+def test_a_malformed_manifest_is_refused_with_checkpoint_error(tmp_path: Path, damage: str) -> None:
+    from engine.checkpointing import _describe, load_checkpoint
+
+    directory = tmp_path / "global_step_1"
+    directory.mkdir()
+    (directory / "state.bin").write_bytes(b"weights")
+    files: Any = {
+        "no files": None,
+        "files not a mapping": ["state.bin"],
+        "entry without size": {"state.bin": {"xxh3_128": "0"}},
+    }[damage]
+    manifest = _describe(_description(), 1)
+    if files is not None:
+        manifest["files"] = files
+    (directory / MANIFEST).write_text(json.dumps(manifest, default=str))
+    with pytest.raises(CheckpointError, match="malformed"):
+        load_checkpoint(_WritesOneFile(None), _description(), str(tmp_path))
