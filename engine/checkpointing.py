@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import psutil
@@ -43,7 +43,6 @@ from strategies.distributed import (
     from_rank_zero,
     merged_dicts,
     rank,
-    world_size,
 )
 from strategies.publish import (
     CHECKSUMS,
@@ -89,7 +88,7 @@ def save_checkpoint(
         written, failure = state.save_state(staging) or {}, None
     except _WRITE_FAILURES as raised:
         written, failure = {}, raised
-    written = _written_everywhere(target, staging, written, failure)
+    written, _ = _written_everywhere(target, staging, written, failure)
     _stage("after_state")
     error = None
     if rank() == 0:
@@ -119,34 +118,42 @@ def start_async_save(
         staged, failure = state.stage_state(staging), None
     except _WRITE_FAILURES as raised:
         failure = raised
-    _written_everywhere(target, staging, {}, failure)  # no rank waits for one that failed
+    _, savers = _written_everywhere(target, staging, {}, failure)  # none waits for a failed one
     assert staged is not None
-    return AsyncSave(staged, staging, target, _describe(engine, global_step), max_ckpt_to_keep)
+    description = _describe(engine, global_step)
+    return AsyncSave(staged, staging, target, description, max_ckpt_to_keep, savers)
 
 
 def _written_everywhere(
     target: str, staging: str, written: FileChecksums, failure: BaseException | None
-) -> FileChecksums:
-    """Every rank's ``written`` merged (collective). If any rank's part of the save failed
-    (``failure``), CheckpointError on every rank, naming each failed rank, and the temporary
-    directory is removed."""
+) -> tuple[FileChecksums, list[tuple[str, int]]]:
+    """Every rank's ``written`` merged, and each rank's saving process (host, pid), by rank
+    (collective). If any rank's part of the save failed (``failure``), CheckpointError on
+    every rank, naming each failed rank, and the temporary directory is removed."""
     report = None if failure is None else f"rank {rank()} could not write its files: {failure!r}"
-    parts = merged_dicts({str(rank()): (report, written)})
-    failed = [report for report, _ in parts.values() if report is not None]
+    saver = (socket.gethostname(), os.getpid())
+    parts = merged_dicts({str(rank()): (report, written, saver)})
+    by_rank = [parts[key] for key in sorted(parts, key=int)]
+    failed = [report for report, _, _ in by_rank if report is not None]
     if failed:
         if rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
         raise CheckpointError(f"cannot write the checkpoint {target}: {'; '.join(failed)}") from (
             failure
         )
-    return {name: entry for _, files in parts.values() for name, entry in files.items()}
+    merged = {name: entry for _, files, _ in by_rank for name, entry in files.items()}
+    return merged, [saver for _, _, saver in by_rank]
 
 
 def finish_async_save(save: AsyncSave) -> str:
     """Wait for ``save`` (collective); CheckpointError on every rank if any rank's part or the
     publishing failed. Returns the published directory."""
     error = save.wait()
-    errors = merged_dicts({str(rank()): error} if error is not None else {})
+    try:
+        errors = merged_dicts({str(rank()): error} if error is not None else {})
+    except RuntimeError as failure:  # a rank is gone (the backends' errors derive from it)
+        lost = f"cannot write the checkpoint {save.target}: a rank is gone ({failure})"
+        raise CheckpointError(error or lost) from failure
     if errors:
         raise CheckpointError(errors.get("0") or next(iter(errors.values())))
     return save.target
@@ -162,10 +169,11 @@ class AsyncSave:
         target: str,
         description: dict[str, Any],
         max_ckpt_to_keep: int | None,
+        savers: Sequence[tuple[str, int]],
     ) -> None:
         self.target = target
         self._error: str | None = None
-        peers = (rank(), world_size(), collective_timeout())
+        peers = (rank(), savers, collective_timeout())
         self._thread = threading.Thread(
             target=self._run,
             args=(staged, staging, description, max_ckpt_to_keep, *peers),
@@ -191,7 +199,7 @@ class AsyncSave:
         description: dict[str, Any],
         max_ckpt_to_keep: int | None,
         this_rank: int,
-        ranks: int,
+        savers: Sequence[tuple[str, int]],
         peer_timeout: float,
     ) -> None:
         try:
@@ -208,7 +216,9 @@ class AsyncSave:
             return
         try:
             deadline = time.monotonic() + peer_timeout
-            parts = [outcome, *(_read_marker(staging, peer, deadline) for peer in range(1, ranks))]
+            parts = [outcome]
+            for peer in range(1, len(savers)):
+                parts.append(_read_marker(staging, peer, savers[peer], deadline))
             failed = [part for part in parts if isinstance(part, str)]
             if failed:
                 raise CheckpointError("; ".join(failed))
@@ -246,13 +256,18 @@ def _write_marker(staging: str, this_rank: int, outcome: Any) -> None:
     os.rename(f"{path}.partial", path)
 
 
-def _read_marker(staging: str, peer: int, deadline: float) -> Any:
-    """Wait for ``peer``'s marker until ``deadline`` (``time.monotonic()``; rank 0 waits for
-    its peers as long as a collective would: a peer that died leaves no marker); its content
-    (the marker is removed: not a checkpoint file)."""
+def _read_marker(staging: str, peer: int, saver: tuple[str, int], deadline: float) -> Any:
+    """Wait for the marker of ``peer`` (whose process is ``saver``: host, pid) until
+    ``deadline`` (``time.monotonic()``: rank 0 waits as long as a collective would), or until
+    that process is seen gone (on this host); its content (the marker is removed: not a
+    checkpoint file)."""
     path = os.path.join(staging, _MARKER.format(peer))
     started = time.monotonic()
     while not os.path.exists(path):
+        if not _alive(*saver) and not os.path.exists(path):
+            raise CheckpointError(
+                f"rank {peer} (process {saver[1]} on this host) ended before writing its files"
+            )
         if time.monotonic() > deadline:
             raise CheckpointError(
                 f"rank {peer} did not finish writing its files within {deadline - started:.0f} s "
@@ -263,6 +278,16 @@ def _read_marker(staging: str, peer: int, deadline: float) -> Any:
         outcome = pickle.load(handle)
     os.remove(path)
     return outcome
+
+
+def _alive(host: str, pid: int) -> bool:
+    """Whether the process ``pid`` on ``host`` may still run (another host's: not known here)."""
+    if host != socket.gethostname():
+        return True
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _begin_save(root: str, global_step: int, max_ckpt_to_keep: int | None) -> tuple[str, str]:

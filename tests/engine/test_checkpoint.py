@@ -758,17 +758,68 @@ class _StagesOneFile(_WritesOneFile):
 def test_an_async_save_waits_for_a_missing_peer_no_longer_than_the_collective_timeout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import socket
+    import subprocess
+    import sys
+
     from engine import checkpointing
 
-    monkeypatch.setattr(checkpointing, "world_size", lambda: 3)  # ranks 1 and 2 never write
     monkeypatch.setattr(checkpointing, "collective_timeout", lambda: 1.0)
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    this_host = socket.gethostname()
+    for peer, expected, seconds in (
+        (("elsewhere", os.getpid()), "did not finish writing its files within 1 s", (1, 10)),
+        ((this_host, int(ended.stdout)), "ended before writing its files", (0, 0.9)),
+    ):
+        staging = tmp_path / f".tmp-global_step_1-{this_host}-{os.getpid()}-0123abcd"
+        staging.mkdir()
+        started = time.monotonic()
+        save = checkpointing.AsyncSave(
+            _StagesOneFile().stage_state(str(staging)), str(staging),
+            str(tmp_path / "global_step_1"), _description(), None,
+            [(this_host, os.getpid()), peer],
+        )  # fmt: skip
+        error = save.wait()
+        assert seconds[0] <= time.monotonic() - started < seconds[1]
+        assert error is not None
+        assert f"rank 1{' (process' if peer[0] == this_host else ''}" in error
+        assert expected in error
+        assert os.listdir(tmp_path) == []
+
+
+def end_rank_1_during_an_async_save(root: str) -> None:
+    """On two ranks: rank 1 ends before it writes its files of an asynchronous save; rank 0
+    writes how long waiting for the save took and what it raised to ``root/rank0.txt``."""
+    from strategies.backends.megatron.checkpoint_writer import ChecksummingSaveStrategy
+    from strategies.distributed import rank
+
+    engine = _engine()
+    if rank() == 1:
+        ChecksummingSaveStrategy.write_staged = lambda self: time.sleep(100)  # type: ignore[method-assign]
+    engine.save_checkpoint(root, async_save=True)
+    if rank() == 1:
+        os._exit(0)
     started = time.monotonic()
-    save = checkpointing.start_async_save(_StagesOneFile(), _description(), str(tmp_path), 1, None)
-    error = save.wait()
-    assert time.monotonic() - started < 10
-    assert error is not None
-    assert "rank 1 did not finish writing its files within 1 s" in error
-    assert os.listdir(tmp_path) == []
+    try:
+        engine.wait_for_checkpoint()
+        outcome = "no error"
+    except CheckpointError as error:
+        outcome = str(error)
+    Path(root, "rank0.txt").write_text(f"{time.monotonic() - started:.1f}\n{outcome}")
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.multiprocess
+def test_when_a_rank_ends_during_an_async_save_rank_0_fails_it_at_once(tmp_path: Path) -> None:
+    with pytest.raises(RankFailure, match="rank 1: exited 0 with no result") as failure:
+        run_ranks(end_rank_1_during_an_async_save, 2, str(tmp_path), timeout=120)
+    assert "rank 0" not in str(failure.value)
+    seconds, outcome = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+    assert float(seconds) < 30
+    assert "rank 1 (process" in outcome
+    assert "ended before writing its files" in outcome
+    assert sorted(os.listdir(tmp_path)) == ["rank0.txt"]
 
 
 def test_a_save_with_a_step_that_is_not_a_non_negative_integer_is_refused(tmp_path: Path) -> None:
