@@ -851,3 +851,30 @@ def test_a_malformed_manifest_is_refused_with_checkpoint_error(tmp_path: Path, d
     (directory / MANIFEST).write_text(json.dumps(manifest, default=str))
     with pytest.raises(CheckpointError, match="malformed"):
         load_checkpoint(_WritesOneFile(None), _description(), str(tmp_path))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("dtype", "distributed_optimizer"),
+    [("float32", False), ("bfloat16", False), ("bfloat16", True)],
+    ids=["fp32", "bf16", "bf16-distributed-optimizer"],
+)
+def test_a_forward_only_checkpoint_loads_into_a_trained_engine_as_into_a_fresh_one(
+    fresh_mesh: None, tmp_path: Path, dtype: str, distributed_optimizer: bool
+) -> None:
+    warmup = {"scheduler": {"warmup_steps": 6, "decay_style": "cosine"}, "total_steps": 20}
+    config = {**_config(use_distributed_optimizer=distributed_optimizer), **warmup, "dtype": dtype}
+    reference = _engine(**{**config, "forward_only": True, "seed": 11})
+    saved = reference.save_checkpoint(tmp_path)
+    trained, fresh = _engine(**config), _engine(**config)
+    _train(trained, "lm", range(3))
+    for engine in (trained, fresh):
+        assert engine.load_checkpoint(tmp_path) == saved
+        _assert_same_weights(_weights(engine), _weights(reference))
+        assert engine.global_step == 0
+    assert trained.backend.current_lr() == fresh.backend.current_lr()
+    assert _train(trained, "lm", range(3, 5)) == _train(fresh, "lm", range(3, 5))
+    _assert_same_weights(_weights(trained), _weights(fresh))
+    for name, loaded in _weights(reference).items():  # two small steps from the loaded weights
+        trained_weight = _weights(trained)[name].float()
+        torch.testing.assert_close(trained_weight, loaded.float(), atol=3e-3, rtol=1e-2)
