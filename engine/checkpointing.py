@@ -60,7 +60,7 @@ STEP_PREFIX = "global_step_"
 _STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 #: A save's temporary directory (and the aside name of a replaced checkpoint of the same step).
 _STAGING_DIR = re.compile(
-    rf"^\.tmp-{STEP_PREFIX}\d+-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{{8}}(-replaced)?$"
+    rf"^\.tmp-{STEP_PREFIX}\d+-(?P<space>.+)-(?P<pid>\d+)-[0-9a-f]{{8}}(-replaced)?$"
 )
 #: Test hook: the saving process SIGKILLs itself when it reaches the named stage
 #: (``after_state``, ``before_manifest``, ``before_rename``).
@@ -127,11 +127,12 @@ def start_async_save(
 def _written_everywhere(
     target: str, staging: str, written: FileChecksums, failure: BaseException | None
 ) -> tuple[FileChecksums, list[tuple[str, int]]]:
-    """Every rank's ``written`` merged, and each rank's saving process (host, pid), by rank
-    (collective). If any rank's part of the save failed (``failure``), CheckpointError on
-    every rank, naming each failed rank, and the temporary directory is removed."""
+    """Every rank's ``written`` merged, and each rank's saving process (:func:`_process_space`,
+    pid), by rank (collective). If any rank's part of the save failed (``failure``),
+    CheckpointError on every rank, naming each failed rank, and the temporary directory is
+    removed."""
     report = None if failure is None else f"rank {rank()} could not write its files: {failure!r}"
-    saver = (socket.gethostname(), os.getpid())
+    saver = (_process_space(), os.getpid())
     parts = merged_dicts({str(rank()): (report, written, saver)})
     by_rank = [parts[key] for key in sorted(parts, key=int)]
     failed = [report for report, _, _ in by_rank if report is not None]
@@ -257,7 +258,7 @@ def _write_marker(staging: str, this_rank: int, outcome: Any) -> None:
 
 
 def _read_marker(staging: str, peer: int, saver: tuple[str, int], deadline: float) -> Any:
-    """Wait for the marker of ``peer`` (whose process is ``saver``: host, pid) until
+    """Wait for the marker of ``peer`` (whose process is ``saver``: space, pid) until
     ``deadline`` (``time.monotonic()``: rank 0 waits as long as a collective would), or until
     that process is seen gone (on this host); its content (the marker is removed: not a
     checkpoint file)."""
@@ -280,9 +281,20 @@ def _read_marker(staging: str, peer: int, saver: tuple[str, int], deadline: floa
     return outcome
 
 
-def _alive(host: str, pid: int) -> bool:
-    """Whether the process ``pid`` on ``host`` may still run (another host's: not known here)."""
-    if host != socket.gethostname():
+def _process_space() -> str:
+    """Where a process id means the same process as here: this host and its pid namespace
+    (containers on one host may share a host name, not their process ids); usable in a file
+    name."""
+    try:
+        namespace = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        namespace = "unknown"
+    return f"{socket.gethostname()}@{namespace}"
+
+
+def _alive(space: str, pid: int) -> bool:
+    """Whether the process ``pid`` of ``space`` may still run (another space's: not known)."""
+    if space != _process_space() or space.endswith("@unknown"):
         return True
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -303,7 +315,7 @@ def _begin_save(root: str, global_step: int, max_ckpt_to_keep: int | None) -> tu
         try:
             os.makedirs(root, exist_ok=True)
             remove_abandoned_saves(root)
-            owner = f"{socket.gethostname()}-{os.getpid()}"
+            owner = f"{_process_space()}-{os.getpid()}"
             staging = os.path.join(
                 root, f".tmp-{STEP_PREFIX}{global_step}-{owner}-{secrets.token_hex(4)}"
             )
@@ -385,12 +397,12 @@ def complete_checkpoints(root: str) -> list[tuple[int, str]]:
 
 def remove_abandoned_saves(root: str) -> list[str]:
     """Delete the temporary directories of saves whose process is gone (killed mid-save): each
-    one's name carries the saving host and process id; a live process's save, or another
-    host's, is never touched. Returns the paths removed."""
-    host, removed = socket.gethostname(), []
+    one's name carries the saving host, its pid namespace and the process id; a live process's
+    save, or another host's or container's, is never touched. Returns the paths removed."""
+    space, removed = _process_space(), []
     for name in os.listdir(root):
         match = _STAGING_DIR.match(name)
-        if match is None or match["host"] != host or psutil.pid_exists(int(match["pid"])):
+        if match is None or match["space"] != space or psutil.pid_exists(int(match["pid"])):
             continue
         path = os.path.join(root, name)
         shutil.rmtree(path, ignore_errors=True)

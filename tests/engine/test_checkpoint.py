@@ -377,21 +377,24 @@ def test_loading_a_root_warns_about_a_newer_incomplete_checkpoint_it_skips(tmp_p
     assert any("global_step_5" in m and "not a complete checkpoint" in m for m in messages)
 
 
-def test_only_saves_of_dead_processes_on_this_host_are_cleaned_up(tmp_path: Path) -> None:
+def test_only_saves_of_dead_processes_on_this_host_and_container_are_cleaned_up(
+    tmp_path: Path,
+) -> None:
     import socket
     import subprocess
     import sys
 
-    from engine.checkpointing import remove_abandoned_saves
+    from engine.checkpointing import _process_space, remove_abandoned_saves
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
-    host = socket.gethostname()
+    here, pid = _process_space(), dead.stdout.strip()
     names = {
-        "dead": f".tmp-global_step_4-{host}-{dead.stdout.strip()}-0123abcd",
-        "dead-aside": f".tmp-global_step_4-{host}-{dead.stdout.strip()}-0123abcd-replaced",
-        "alive": f".tmp-global_step_5-{host}-{os.getpid()}-0123abcd",
-        "other-host": f".tmp-global_step_6-elsewhere-{dead.stdout.strip()}-0123abcd",
+        "dead": f".tmp-global_step_4-{here}-{pid}-0123abcd",
+        "dead-aside": f".tmp-global_step_4-{here}-{pid}-0123abcd-replaced",
+        "alive": f".tmp-global_step_5-{here}-{os.getpid()}-0123abcd",
+        "other-host": f".tmp-global_step_6-elsewhere@{here.split('@')[1]}-{pid}-0123abcd",
+        "other-container": f".tmp-global_step_7-{socket.gethostname()}@1-{pid}-0123abcd",
         "checkpoint": "global_step_3",
     }
     for name in names.values():
@@ -399,7 +402,7 @@ def test_only_saves_of_dead_processes_on_this_host_are_cleaned_up(tmp_path: Path
     removed = remove_abandoned_saves(str(tmp_path))
     assert sorted(removed) == sorted(str(tmp_path / names[k]) for k in ("dead", "dead-aside"))
     assert sorted(os.listdir(tmp_path)) == sorted(
-        names[k] for k in ("alive", "other-host", "checkpoint")
+        names[k] for k in ("alive", "other-host", "other-container", "checkpoint")
     )
 
 
@@ -767,23 +770,24 @@ def test_an_async_save_waits_for_a_missing_peer_no_longer_than_the_collective_ti
     monkeypatch.setattr(checkpointing, "collective_timeout", lambda: 1.0)
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                            capture_output=True, text=True, check=True)  # fmt: skip
-    this_host = socket.gethostname()
+    this_host, here = socket.gethostname(), checkpointing._process_space()
     for peer, expected, seconds in (
-        (("elsewhere", os.getpid()), "did not finish writing its files within 1 s", (1, 10)),
-        ((this_host, int(ended.stdout)), "ended before writing its files", (0, 0.9)),
-    ):
+        ((f"{this_host}/another-namespace", 1), "did not finish writing its files within 1 s",
+         (1, 10)),
+        ((here, int(ended.stdout)), "ended before writing its files", (0, 0.9)),
+    ):  # fmt: skip
         staging = tmp_path / f".tmp-global_step_1-{this_host}-{os.getpid()}-0123abcd"
         staging.mkdir()
         started = time.monotonic()
         save = checkpointing.AsyncSave(
             _StagesOneFile().stage_state(str(staging)), str(staging),
             str(tmp_path / "global_step_1"), _description(), None,
-            [(this_host, os.getpid()), peer],
+            [(here, os.getpid()), peer],
         )  # fmt: skip
         error = save.wait()
         assert seconds[0] <= time.monotonic() - started < seconds[1]
         assert error is not None
-        assert f"rank 1{' (process' if peer[0] == this_host else ''}" in error
+        assert f"rank 1{' (process' if peer[0] == here else ''}" in error
         assert expected in error
         assert os.listdir(tmp_path) == []
 
