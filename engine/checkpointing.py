@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import pickle
 import re
@@ -26,6 +27,7 @@ import secrets
 import shutil
 import signal
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -240,10 +242,19 @@ _MARKER = ".written-rank-{}"
 
 @atexit.register
 def _wait_at_exit() -> None:
-    """A process exits only once its in-flight saves are done; a failure is raised here."""
+    """A process exits only once its in-flight saves are done. If one failed, the process
+    reports it and ends with status 1: an exception raised in an exit handler is printed,
+    "ignored", and leaves the exit status 0, so a job whose last checkpoint was lost would
+    look successful. Exit handlers registered before this module was imported (before the
+    first checkpoint save) then do not run; logging is flushed."""
     errors = [error for save in list(_IN_FLIGHT) if (error := save.wait()) is not None]
-    if errors:
-        raise CheckpointError("; ".join(errors))
+    if not errors:
+        return
+    print(f"CheckpointError: {'; '.join(errors)}", file=sys.stderr)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(1)
 
 
 def _write_marker(staging: str, this_rank: int, outcome: Any) -> None:

@@ -562,33 +562,37 @@ def test_a_failed_background_write_raises_checkpoint_error_at_the_next_checkpoin
     assert engine.load_checkpoint(tmp_path) == str(tmp_path / "global_step_2")
 
 
-@pytest.mark.timeout(120)
-def test_process_exit_waits_for_an_async_save_and_raises_its_error(
-    fresh_mesh: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.timeout(240)
+def test_process_exit_waits_for_an_async_save_and_fails_the_process_if_it_failed(
+    tmp_path: Path,
 ) -> None:
     import subprocess
     import sys
 
-    from engine import checkpointing
-    from strategies.backends.megatron.checkpoint_writer import ChecksummingSaveStrategy
-
     script = (
         "from tests.engine.test_checkpoint import _engine; import sys; "
-        "_engine().save_checkpoint(sys.argv[1], async_save=True)"
+        "from strategies.backends.megatron.checkpoint_writer import ChecksummingSaveStrategy\n"
+        "def fail(self): raise OSError('disk gone')\n"
+        "if sys.argv[2] == 'fail': ChecksummingSaveStrategy.write_staged = fail\n"
+        "_engine().save_checkpoint(sys.argv[1], global_step=int(sys.argv[3]), async_save=True)\n"
+        "print('main returned')"
     )
     root = str(Path(__file__).resolve().parents[2])
-    subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, timeout=100,
-                   cwd=root, env={**os.environ, "PYTHONPATH": root})  # fmt: skip
+
+    def run(how: str, step: int) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", script, str(tmp_path), how, str(step)],
+                              capture_output=True, text=True, timeout=100, cwd=root,
+                              env={**os.environ, "PYTHONPATH": root})  # fmt: skip
+
+    written = run("write", 0)
+    assert written.returncode == 0, written.stderr[-2000:]
     assert [step for step, _ in complete_checkpoints(str(tmp_path))] == [0]
-
-    def fail(self: ChecksummingSaveStrategy) -> Any:
-        raise OSError("disk gone")
-
-    monkeypatch.setattr(ChecksummingSaveStrategy, "write_staged", fail)
-    _engine().save_checkpoint(tmp_path, global_step=1, async_save=True)
-    with pytest.raises(CheckpointError, match="disk gone"):
-        checkpointing._wait_at_exit()  # what the process runs at exit (atexit)
-    assert not checkpointing._IN_FLIGHT
+    failed = run("fail", 1)
+    assert "main returned" in failed.stdout
+    assert failed.returncode == 1, failed.stderr[-2000:]
+    assert "CheckpointError" in failed.stderr
+    assert "rank 0 could not write its files: OSError('disk gone')" in failed.stderr
+    assert os.listdir(tmp_path) == ["global_step_0"]
 
 
 @pytest.mark.timeout(400)
