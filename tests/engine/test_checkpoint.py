@@ -886,3 +886,31 @@ def test_a_forward_only_checkpoint_loads_into_a_trained_engine_as_into_a_fresh_o
     for name, loaded in _weights(reference).items():  # two small steps from the loaded weights
         trained_weight = _weights(trained)[name].float()
         torch.testing.assert_close(trained_weight, loaded.float(), atol=3e-3, rtol=1e-2)
+
+
+@pytest.mark.timeout(240)
+def test_a_checkpoint_of_another_dtype_or_optimizer_is_refused_and_the_engine_is_unchanged(
+    fresh_mesh: None, tmp_path: Path
+) -> None:
+    fp32, bf16 = _engine(), _engine(dtype="bfloat16")
+    for engine, name in ((fp32, "fp32"), (bf16, "bf16")):
+        _train(engine, "lm", range(1))
+        engine.save_checkpoint(tmp_path / name)
+    for saved, config in (
+        ("fp32", {"dtype": "bfloat16"}),
+        ("bf16", {}),
+        ("fp32", {"backend": {"use_distributed_optimizer": True}}),
+    ):
+        target = _engine(**config, seed=7)
+        _train(target, "lm", range(2))
+        before = _full_state(target)
+        with pytest.raises(CheckpointError, match="does not hold this engine's state"):
+            target.load_checkpoint(tmp_path / saved)
+        after = _full_state(target)
+        for part in ("weights", "optimizer"):
+            for name, value in before[part].items():
+                assert torch.equal(value, after[part][name]), f"{saved} {config} {part} {name}"
+        assert (after["global_step"], after["lr"]) == (before["global_step"], before["lr"])
+    reference = _engine(forward_only=True)  # a checkpoint may hold more than is asked of it
+    reference.load_checkpoint(tmp_path / "fp32")
+    _assert_same_weights(_weights(reference), _weights(fp32))

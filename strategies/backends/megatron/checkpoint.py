@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from heads.errors import CheckpointError
 from strategies.distributed import barrier, rank
 from strategies.publish import FileChecksums
 from strategies.rng import rng_states, set_rng_states
@@ -155,6 +156,7 @@ def load_state(
     optimizer or scheduler state) leaves this engine's optimizer and LR schedule as a new
     engine's, starting from the loaded weights."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
 
     from strategies.backends.megatron.checkpoint_reader import MappedLoadStrategy
 
@@ -167,9 +169,22 @@ def load_state(
         if optimizer is not None:
             _materialize_optimizer_state(optimizer)
         template = _sharded_state(chunks, optimizer, loading=True)
-        loaded = dist_checkpointing.load(
-            template, os.path.join(directory, MODEL_DIR), sharded_strategy=MappedLoadStrategy()
-        )
+        try:
+            # Checked against the checkpoint's index before anything loads: a checkpoint of
+            # another dtype or optimizer would otherwise fail halfway, the weights replaced.
+            # Where either side has no optimizer, the checkpoint may hold more than is asked.
+            strict = "raise_all" if optimizer is not None else "raise_unexpected"
+            loaded = dist_checkpointing.load(
+                template,
+                os.path.join(directory, MODEL_DIR),
+                sharded_strategy=MappedLoadStrategy(),
+                strict=strict,
+            )
+        except CheckpointingException as error:
+            raise CheckpointError(
+                f"checkpoint {directory} does not hold this engine's state (saved with another "
+                f"dtype or optimizer?): {str(error)[:2000]}"
+            ) from error
         for key, chunk in zip(_model_keys(chunks), chunks, strict=True):
             chunk.load_state_dict(loaded[key])
         if optimizer is not None:
