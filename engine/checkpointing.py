@@ -40,12 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from heads.errors import CheckpointError, ConfigError
 from strategies.backends.base import AsyncCheckpointing, Checkpointing, StagedSave
 from strategies.config import ModelConfig
-from strategies.distributed import (
-    collective_timeout,
-    from_rank_zero,
-    merged_dicts,
-    rank,
-)
+from strategies.distributed import collective_timeout, from_rank_zero, merged_dicts, rank
 from strategies.publish import (
     CHECKSUMS,
     WRITE_CHECKSUM,
@@ -221,7 +216,7 @@ class AsyncSave:
             deadline = time.monotonic() + peer_timeout
             parts = [outcome]
             for peer in range(1, len(savers)):
-                parts.append(_read_marker(staging, peer, savers[peer], deadline))
+                parts.append(_read_marker(staging, peer, savers[peer], deadline, peer_timeout))
             failed = [part for part in parts if isinstance(part, str)]
             if failed:
                 raise CheckpointError("; ".join(failed))
@@ -268,13 +263,14 @@ def _write_marker(staging: str, this_rank: int, outcome: Any) -> None:
     os.rename(f"{path}.partial", path)
 
 
-def _read_marker(staging: str, peer: int, saver: tuple[str, int], deadline: float) -> Any:
+def _read_marker(
+    staging: str, peer: int, saver: tuple[str, int], deadline: float, timeout: float
+) -> Any:
     """Wait for the marker of ``peer`` (whose process is ``saver``: space, pid) until
-    ``deadline`` (``time.monotonic()``: rank 0 waits as long as a collective would), or until
-    that process is seen gone (on this host); its content (the marker is removed: not a
-    checkpoint file)."""
+    ``deadline`` (``time.monotonic()``: rank 0 waits for all its peers as long as a collective
+    would, ``timeout``), or until that process is seen gone; its content (the marker is
+    removed: not a checkpoint file)."""
     path = os.path.join(staging, _MARKER.format(peer))
-    started = time.monotonic()
     while not os.path.exists(path):
         if not _alive(*saver) and not os.path.exists(path):
             raise CheckpointError(
@@ -282,7 +278,7 @@ def _read_marker(staging: str, peer: int, saver: tuple[str, int], deadline: floa
             )
         if time.monotonic() > deadline:
             raise CheckpointError(
-                f"rank {peer} did not finish writing its files within {deadline - started:.0f} s "
+                f"rank {peer} did not finish writing its files within {timeout:.0f} s "
                 "(the process group's timeout): it failed or died"
             )
         time.sleep(0.01)
