@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import pickle
 import re
@@ -26,18 +27,20 @@ import secrets
 import shutil
 import signal
 import socket
+import sys
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import psutil
+from torch.distributed.checkpoint.api import CheckpointException
 
 from heads.errors import CheckpointError, ConfigError
 from strategies.backends.base import AsyncCheckpointing, Checkpointing, StagedSave
 from strategies.config import ModelConfig
-from strategies.distributed import barrier, from_rank_zero, merged_dicts, rank, world_size
+from strategies.distributed import collective_timeout, from_rank_zero, merged_dicts, rank
 from strategies.publish import (
     CHECKSUMS,
     WRITE_CHECKSUM,
@@ -54,11 +57,14 @@ STEP_PREFIX = "global_step_"
 _STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 #: A save's temporary directory (and the aside name of a replaced checkpoint of the same step).
 _STAGING_DIR = re.compile(
-    rf"^\.tmp-{STEP_PREFIX}\d+-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{{8}}(-replaced)?$"
+    rf"^\.tmp-{STEP_PREFIX}\d+-(?P<space>.+)-(?P<pid>\d+)-[0-9a-f]{{8}}(-replaced)?$"
 )
 #: Test hook: the saving process SIGKILLs itself when it reaches the named stage
 #: (``after_state``, ``before_manifest``, ``before_rename``).
 KILL_AT_ENV = "COMPOSABLE_ENGINE_CHECKPOINT_KILL_AT"
+#: What a failed write raises: torch's ``CheckpointException`` (megatron's too) is a
+#: BaseException, which ``except Exception`` lets through.
+_WRITE_FAILURES = (Exception, CheckpointException)
 _MODEL_SHAPE_FIELDS = (
     "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
     "ffn_hidden_size", "head_dim", "tie_embeddings", "add_qkv_bias", "qk_layernorm",
@@ -75,9 +81,12 @@ def save_checkpoint(
     """Write ``state`` to ``root/global_step_{global_step}`` (collective); ``engine`` describes
     the engine (``head``, ``backend``, ``model``, ``parallel``, ``config``). Returns the path."""
     target, staging = _begin_save(root, global_step, max_ckpt_to_keep)
-    written = merged_dicts(state.save_state(staging) or {})
+    try:
+        written, failure = state.save_state(staging) or {}, None
+    except _WRITE_FAILURES as raised:
+        written, failure = {}, raised
+    written, _ = _written_everywhere(target, staging, written, failure)
     _stage("after_state")
-    barrier()
     error = None
     if rank() == 0:
         error = _publish(staging, target, _describe(engine, global_step), written, max_ckpt_to_keep)
@@ -101,15 +110,48 @@ def start_async_save(
     synchronous save does (no collectives in the background). Before its next save or load
     every rank calls :func:`finish_async_save`; a process exit waits for it too."""
     target, staging = _begin_save(root, global_step, max_ckpt_to_keep)
-    staged = state.stage_state(staging)
-    return AsyncSave(staged, staging, target, _describe(engine, global_step), max_ckpt_to_keep)
+    staged: StagedSave | None = None
+    try:
+        staged, failure = state.stage_state(staging), None
+    except _WRITE_FAILURES as raised:
+        failure = raised
+    _, savers = _written_everywhere(target, staging, {}, failure)  # none waits for a failed one
+    assert staged is not None
+    description = _describe(engine, global_step)
+    return AsyncSave(staged, staging, target, description, max_ckpt_to_keep, savers)
+
+
+def _written_everywhere(
+    target: str, staging: str, written: FileChecksums, failure: BaseException | None
+) -> tuple[FileChecksums, list[tuple[str, int]]]:
+    """Every rank's ``written`` merged, and each rank's saving process (:func:`_process_space`,
+    pid), by rank (collective). If any rank's part of the save failed (``failure``),
+    CheckpointError on every rank, naming each failed rank, and the temporary directory is
+    removed."""
+    report = None if failure is None else f"rank {rank()} could not write its files: {failure!r}"
+    saver = (_process_space(), os.getpid())
+    parts = merged_dicts({str(rank()): (report, written, saver)})
+    by_rank = [parts[key] for key in sorted(parts, key=int)]
+    failed = [report for report, _, _ in by_rank if report is not None]
+    if failed:
+        if rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(f"cannot write the checkpoint {target}: {'; '.join(failed)}") from (
+            failure
+        )
+    merged = {name: entry for _, files, _ in by_rank for name, entry in files.items()}
+    return merged, [saver for _, _, saver in by_rank]
 
 
 def finish_async_save(save: AsyncSave) -> str:
     """Wait for ``save`` (collective); CheckpointError on every rank if any rank's part or the
     publishing failed. Returns the published directory."""
     error = save.wait()
-    errors = merged_dicts({str(rank()): error} if error is not None else {})
+    try:
+        errors = merged_dicts({str(rank()): error} if error is not None else {})
+    except RuntimeError as failure:  # a rank is gone (the backends' errors derive from it)
+        lost = f"cannot write the checkpoint {save.target}: a rank is gone ({failure})"
+        raise CheckpointError(error or lost) from failure
     if errors:
         raise CheckpointError(errors.get("0") or next(iter(errors.values())))
     return save.target
@@ -125,12 +167,14 @@ class AsyncSave:
         target: str,
         description: dict[str, Any],
         max_ckpt_to_keep: int | None,
+        savers: Sequence[tuple[str, int]],
     ) -> None:
         self.target = target
         self._error: str | None = None
+        peers = (rank(), savers, collective_timeout())
         self._thread = threading.Thread(
             target=self._run,
-            args=(staged, staging, description, max_ckpt_to_keep, rank(), world_size()),
+            args=(staged, staging, description, max_ckpt_to_keep, *peers),
             name=f"checkpoint-save-{os.path.basename(target)}",
         )
         _IN_FLIGHT.add(self)
@@ -153,12 +197,13 @@ class AsyncSave:
         description: dict[str, Any],
         max_ckpt_to_keep: int | None,
         this_rank: int,
-        ranks: int,
+        savers: Sequence[tuple[str, int]],
+        peer_timeout: float,
     ) -> None:
         try:
             outcome: tuple[FileChecksums, Any] | str = staged.write()
             _stage("after_state")
-        except Exception as failure:
+        except _WRITE_FAILURES as failure:
             outcome = f"rank {this_rank} could not write its files: {failure!r}"
             self._error = f"cannot write the checkpoint {self.target}: {outcome}"
         if this_rank != 0:
@@ -168,7 +213,10 @@ class AsyncSave:
                 self._error = f"cannot write the checkpoint {self.target}: {failure}"
             return
         try:
-            parts = [outcome, *(_read_marker(staging, peer) for peer in range(1, ranks))]
+            deadline = time.monotonic() + peer_timeout
+            parts = [outcome]
+            for peer in range(1, len(savers)):
+                parts.append(_read_marker(staging, peer, savers[peer], deadline, peer_timeout))
             failed = [part for part in parts if isinstance(part, str)]
             if failed:
                 raise CheckpointError("; ".join(failed))
@@ -176,7 +224,7 @@ class AsyncSave:
             staged.finish([result for _, result in written])
             checksums = {name: entry for files, _ in written for name, entry in files.items()}
             self._error = _publish(staging, self.target, description, checksums, max_ckpt_to_keep)
-        except Exception as failure:
+        except _WRITE_FAILURES as failure:
             self._error = f"cannot write the checkpoint {self.target}: {failure}"
         if self._error is not None:
             shutil.rmtree(staging, ignore_errors=True)
@@ -184,17 +232,24 @@ class AsyncSave:
 
 #: Saves whose thread nobody has waited for yet (a process exit waits for them).
 _IN_FLIGHT: set[AsyncSave] = set()
-#: How long rank 0's thread waits for another rank's files of an asynchronous save.
-PEER_TIMEOUT_S = 1800.0
 _MARKER = ".written-rank-{}"
 
 
 @atexit.register
 def _wait_at_exit() -> None:
-    """A process exits only once its in-flight saves are done; a failure is raised here."""
+    """A process exits only once its in-flight saves are done. If one failed, the process
+    reports it and ends with status 1: an exception raised in an exit handler is printed,
+    "ignored", and leaves the exit status 0, so a job whose last checkpoint was lost would
+    look successful. Exit handlers registered before this module was imported (before the
+    first checkpoint save) then do not run; logging is flushed."""
     errors = [error for save in list(_IN_FLIGHT) if (error := save.wait()) is not None]
-    if errors:
-        raise CheckpointError("; ".join(errors))
+    if not errors:
+        return
+    print(f"CheckpointError: {'; '.join(errors)}", file=sys.stderr)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(1)
 
 
 def _write_marker(staging: str, this_rank: int, outcome: Any) -> None:
@@ -208,13 +263,24 @@ def _write_marker(staging: str, this_rank: int, outcome: Any) -> None:
     os.rename(f"{path}.partial", path)
 
 
-def _read_marker(staging: str, peer: int) -> Any:
-    """Wait for ``peer``'s marker; its content (the marker is removed: not a checkpoint file)."""
+def _read_marker(
+    staging: str, peer: int, saver: tuple[str, int], deadline: float, timeout: float
+) -> Any:
+    """Wait for the marker of ``peer`` (whose process is ``saver``: space, pid) until
+    ``deadline`` (``time.monotonic()``: rank 0 waits for all its peers as long as a collective
+    would, ``timeout``), or until that process is seen gone; its content (the marker is
+    removed: not a checkpoint file)."""
     path = os.path.join(staging, _MARKER.format(peer))
-    deadline = time.monotonic() + PEER_TIMEOUT_S
     while not os.path.exists(path):
+        if not _alive(*saver) and not os.path.exists(path):
+            raise CheckpointError(
+                f"rank {peer} (process {saver[1]} on this host) ended before writing its files"
+            )
         if time.monotonic() > deadline:
-            raise CheckpointError(f"rank {peer} did not finish writing in {PEER_TIMEOUT_S:.0f} s")
+            raise CheckpointError(
+                f"rank {peer} did not finish writing its files within {timeout:.0f} s "
+                "(the process group's timeout): it failed or died"
+            )
         time.sleep(0.01)
     with open(path, "rb") as handle:
         outcome = pickle.load(handle)
@@ -222,22 +288,56 @@ def _read_marker(staging: str, peer: int) -> Any:
     return outcome
 
 
+def _process_space() -> str:
+    """Where a process id means the same process as here: this host and its pid namespace
+    (containers on one host may share a host name, not their process ids); usable in a file
+    name."""
+    try:
+        namespace = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        namespace = "unknown"
+    return f"{socket.gethostname()}@{namespace}"
+
+
+def _alive(space: str, pid: int) -> bool:
+    """Whether the process ``pid`` of ``space`` may still run (another space's: not known)."""
+    if space != _process_space() or space.endswith("@unknown"):
+        return True
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _begin_save(root: str, global_step: int, max_ckpt_to_keep: int | None) -> tuple[str, str]:
     """The target directory and the temporary one a save writes (made by rank 0; collective)."""
-    if max_ckpt_to_keep is not None and max_ckpt_to_keep < 1:
-        raise ConfigError(f"max_ckpt_to_keep must be >= 1 or None; got {max_ckpt_to_keep}")
+    if not _is_count(global_step) or global_step < 0:
+        raise ConfigError(f"global_step must be an int >= 0; got {global_step!r}")
+    if max_ckpt_to_keep is not None and (not _is_count(max_ckpt_to_keep) or max_ckpt_to_keep < 1):
+        raise ConfigError(f"max_ckpt_to_keep must be an int >= 1 or None; got {max_ckpt_to_keep!r}")
     root = os.path.abspath(os.fspath(root))
     target = os.path.join(root, f"{STEP_PREFIX}{global_step}")
-    staging = ""
+    made: tuple[str, str | None] = ("", None)
     if rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        remove_abandoned_saves(root)
-        owner = f"{socket.gethostname()}-{os.getpid()}"
-        staging = os.path.join(
-            root, f".tmp-{STEP_PREFIX}{global_step}-{owner}-{secrets.token_hex(4)}"
-        )
-        os.makedirs(staging)
-    return target, from_rank_zero(staging)
+        try:
+            os.makedirs(root, exist_ok=True)
+            remove_abandoned_saves(root)
+            owner = f"{_process_space()}-{os.getpid()}"
+            staging = os.path.join(
+                root, f".tmp-{STEP_PREFIX}{global_step}-{owner}-{secrets.token_hex(4)}"
+            )
+            os.makedirs(staging)
+            made = (staging, None)
+        except OSError as error:
+            made = ("", f"cannot write a checkpoint under {root}: {error}")
+    staging, failure = from_rank_zero(made)
+    if failure is not None:
+        raise CheckpointError(failure)
+    return target, staging
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _publish(
@@ -275,13 +375,13 @@ def load_checkpoint(state: Checkpointing, engine: Mapping[str, Any], path: str) 
             _check_compatible(directory, manifest, _describe(engine, 0))
             verify_files(directory, manifest)
             found = (directory, manifest)
-        except CheckpointError as error:
+        except (CheckpointError, OSError) as error:  # every rank raises, none waits for rank 0
             found = str(error)
     found = from_rank_zero(found)
     if isinstance(found, str) or found is None:
         raise CheckpointError(found)
     directory, manifest = found
-    state.load_state(directory, same_layout=manifest["parallel"] == engine["parallel"])
+    state.load_state(directory, same_layout=manifest.get("parallel") == engine["parallel"])
     return directory, int(manifest["global_step"])
 
 
@@ -304,12 +404,12 @@ def complete_checkpoints(root: str) -> list[tuple[int, str]]:
 
 def remove_abandoned_saves(root: str) -> list[str]:
     """Delete the temporary directories of saves whose process is gone (killed mid-save): each
-    one's name carries the saving host and process id; a live process's save, or another
-    host's, is never touched. Returns the paths removed."""
-    host, removed = socket.gethostname(), []
+    one's name carries the saving host, its pid namespace and the process id; a live process's
+    save, or another host's or container's, is never touched. Returns the paths removed."""
+    space, removed = _process_space(), []
     for name in os.listdir(root):
         match = _STAGING_DIR.match(name)
-        if match is None or match["host"] != host or psutil.pid_exists(int(match["pid"])):
+        if match is None or match["space"] != space or psutil.pid_exists(int(match["pid"])):
             continue
         path = os.path.join(root, name)
         shutil.rmtree(path, ignore_errors=True)
@@ -359,6 +459,18 @@ def read_manifest(directory: str) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint {directory} has format_version {manifest['format_version']}, newer than "
             f"this composable-engine reads ({FORMAT_VERSION}); upgrade composable-engine"
+        )
+    files, step = manifest.get("files"), manifest.get("global_step")
+    if not (
+        isinstance(files, dict)
+        and all(
+            isinstance(entry, dict) and _is_count(entry.get("size")) for entry in files.values()
+        )
+        and _is_count(step)
+    ):
+        raise CheckpointError(
+            f"{path} is malformed: it needs 'global_step' (an int) and 'files' (each file's "
+            "size and checksum)"
         )
     return manifest
 

@@ -24,6 +24,18 @@ def barrier() -> None:
         dist.barrier()
 
 
+def collective_timeout() -> float:
+    """Seconds a collective of the default process group waits for a peer before failing (what
+    ``init_process_group(timeout=...)`` set; torch's default where there is no group)."""
+    if dist.is_initialized():
+        try:
+            store: Any = dist.distributed_c10d._get_default_store()  # its stub lacks timeout
+            return float(store.timeout.total_seconds())
+        except (AttributeError, RuntimeError, ValueError):  # a store that keeps no timeout
+            pass
+    return float(dist.default_pg_timeout.total_seconds())
+
+
 def from_rank_zero(value: T) -> T:
     """Rank 0's ``value`` on every rank."""
     if world_size() == 1:

@@ -23,7 +23,7 @@ from engine.checkpointing import (
     resolve_checkpoint,
 )
 from engine.losses import sft_loss, value_regression_loss
-from heads.errors import CheckpointError
+from heads.errors import CheckpointError, ConfigError
 from tests.factories import random_batch, tiny_model
 from tests.multiprocess import RankFailure, run_ranks
 
@@ -366,7 +366,9 @@ def test_loading_into_an_engine_that_trained_gives_the_state_of_a_fresh_load(
 def test_loading_a_root_warns_about_a_newer_incomplete_checkpoint_it_skips(tmp_path: Path) -> None:
     complete = tmp_path / "global_step_3"
     complete.mkdir()
-    (complete / MANIFEST).write_text(json.dumps({"format_version": FORMAT_VERSION, "files": {}}))
+    (complete / MANIFEST).write_text(
+        json.dumps({"format_version": FORMAT_VERSION, "global_step": 3, "files": {}})
+    )
     (tmp_path / "global_step_5").mkdir()  # no manifest: a save that did not finish
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -375,21 +377,24 @@ def test_loading_a_root_warns_about_a_newer_incomplete_checkpoint_it_skips(tmp_p
     assert any("global_step_5" in m and "not a complete checkpoint" in m for m in messages)
 
 
-def test_only_saves_of_dead_processes_on_this_host_are_cleaned_up(tmp_path: Path) -> None:
+def test_only_saves_of_dead_processes_on_this_host_and_container_are_cleaned_up(
+    tmp_path: Path,
+) -> None:
     import socket
     import subprocess
     import sys
 
-    from engine.checkpointing import remove_abandoned_saves
+    from engine.checkpointing import _process_space, remove_abandoned_saves
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
-    host = socket.gethostname()
+    here, pid = _process_space(), dead.stdout.strip()
     names = {
-        "dead": f".tmp-global_step_4-{host}-{dead.stdout.strip()}-0123abcd",
-        "dead-aside": f".tmp-global_step_4-{host}-{dead.stdout.strip()}-0123abcd-replaced",
-        "alive": f".tmp-global_step_5-{host}-{os.getpid()}-0123abcd",
-        "other-host": f".tmp-global_step_6-elsewhere-{dead.stdout.strip()}-0123abcd",
+        "dead": f".tmp-global_step_4-{here}-{pid}-0123abcd",
+        "dead-aside": f".tmp-global_step_4-{here}-{pid}-0123abcd-replaced",
+        "alive": f".tmp-global_step_5-{here}-{os.getpid()}-0123abcd",
+        "other-host": f".tmp-global_step_6-elsewhere@{here.split('@')[1]}-{pid}-0123abcd",
+        "other-container": f".tmp-global_step_7-{socket.gethostname()}@1-{pid}-0123abcd",
         "checkpoint": "global_step_3",
     }
     for name in names.values():
@@ -397,7 +402,7 @@ def test_only_saves_of_dead_processes_on_this_host_are_cleaned_up(tmp_path: Path
     removed = remove_abandoned_saves(str(tmp_path))
     assert sorted(removed) == sorted(str(tmp_path / names[k]) for k in ("dead", "dead-aside"))
     assert sorted(os.listdir(tmp_path)) == sorted(
-        names[k] for k in ("alive", "other-host", "checkpoint")
+        names[k] for k in ("alive", "other-host", "other-container", "checkpoint")
     )
 
 
@@ -557,33 +562,37 @@ def test_a_failed_background_write_raises_checkpoint_error_at_the_next_checkpoin
     assert engine.load_checkpoint(tmp_path) == str(tmp_path / "global_step_2")
 
 
-@pytest.mark.timeout(120)
-def test_process_exit_waits_for_an_async_save_and_raises_its_error(
-    fresh_mesh: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.timeout(240)
+def test_process_exit_waits_for_an_async_save_and_fails_the_process_if_it_failed(
+    tmp_path: Path,
 ) -> None:
     import subprocess
     import sys
 
-    from engine import checkpointing
-    from strategies.backends.megatron.checkpoint_writer import ChecksummingSaveStrategy
-
     script = (
         "from tests.engine.test_checkpoint import _engine; import sys; "
-        "_engine().save_checkpoint(sys.argv[1], async_save=True)"
+        "from strategies.backends.megatron.checkpoint_writer import ChecksummingSaveStrategy\n"
+        "def fail(self): raise OSError('disk gone')\n"
+        "if sys.argv[2] == 'fail': ChecksummingSaveStrategy.write_staged = fail\n"
+        "_engine().save_checkpoint(sys.argv[1], global_step=int(sys.argv[3]), async_save=True)\n"
+        "print('main returned')"
     )
     root = str(Path(__file__).resolve().parents[2])
-    subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, timeout=100,
-                   cwd=root, env={**os.environ, "PYTHONPATH": root})  # fmt: skip
+
+    def run(how: str, step: int) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", script, str(tmp_path), how, str(step)],
+                              capture_output=True, text=True, timeout=100, cwd=root,
+                              env={**os.environ, "PYTHONPATH": root})  # fmt: skip
+
+    written = run("write", 0)
+    assert written.returncode == 0, written.stderr[-2000:]
     assert [step for step, _ in complete_checkpoints(str(tmp_path))] == [0]
-
-    def fail(self: ChecksummingSaveStrategy) -> Any:
-        raise OSError("disk gone")
-
-    monkeypatch.setattr(ChecksummingSaveStrategy, "write_staged", fail)
-    _engine().save_checkpoint(tmp_path, global_step=1, async_save=True)
-    with pytest.raises(CheckpointError, match="disk gone"):
-        checkpointing._wait_at_exit()  # what the process runs at exit (atexit)
-    assert not checkpointing._IN_FLIGHT
+    failed = run("fail", 1)
+    assert "main returned" in failed.stdout
+    assert failed.returncode == 1, failed.stderr[-2000:]
+    assert "CheckpointError" in failed.stderr
+    assert "rank 0 could not write its files: OSError('disk gone')" in failed.stderr
+    assert os.listdir(tmp_path) == ["global_step_0"]
 
 
 @pytest.mark.timeout(400)
@@ -655,3 +664,253 @@ def test_the_mapped_reader_restores_what_torchs_reader_does_from_either_writer(
             for other in (mapped, fallback, typed):
                 assert torch.equal(value, other[part][name]), f"{part} {name}"
     _assert_same_weights(_weights(trained), mapped["weights"])
+
+
+def _no_space(*_: Any) -> Any:
+    raise OSError(28, "No space left on device")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_save_that_cannot_write_raises_checkpoint_error_and_leaves_only_the_latest(
+    fresh_mesh: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    from strategies.backends.megatron import checkpoint
+    from strategies.backends.megatron.checkpoint_writer import ChecksummingSaveStrategy
+
+    engine = _engine()
+    root = tmp_path / "root"
+    engine.save_checkpoint(root)
+    (tmp_path / "a-file").write_text("not a directory")
+    for where in (tmp_path / "a-file", tmp_path / "a-file" / "below"):
+        with pytest.raises(CheckpointError, match=f"cannot write a checkpoint under {where}"):
+            engine.save_checkpoint(where, async_save=async_save)
+    assert (tmp_path / "a-file").read_text() == "not a directory"
+    for part in ((checkpoint, "_rng_states"), (ChecksummingSaveStrategy, "_write_buckets")):
+        with monkeypatch.context() as patch:
+            patch.setattr(*part, _no_space)
+            with pytest.raises(CheckpointError, match=r"rank 0 could not write its files: .*No sp"):
+                engine.save_checkpoint(root, global_step=1, async_save=async_save)
+                engine.wait_for_checkpoint()
+        assert os.listdir(root) == ["global_step_0"]  # no temporary directory left behind
+    assert engine.save_checkpoint(root, global_step=1, async_save=async_save) == str(
+        root / "global_step_1"
+    )
+    engine.wait_for_checkpoint()
+    assert [step for step, _ in complete_checkpoints(str(root))] == [0, 1]
+
+
+def save_where_one_rank_fails(root: str) -> list[Any]:
+    """On two ranks: save into a file (rank 0 cannot create the directory), then fail rank 1's
+    part of a synchronous and of an asynchronous save; the errors each rank saw, then (on
+    rank 0, which removes the failed saves' directories) the root's listing."""
+    from strategies.backends.megatron import checkpoint
+    from strategies.distributed import rank
+
+    engine = _engine()
+    engine.save_checkpoint(root)
+    Path(root, "a-file").write_text("not a directory")
+    errors: list[Any] = []
+    try:
+        engine.save_checkpoint(os.path.join(root, "a-file"))
+    except CheckpointError as error:
+        errors.append(str(error))
+    if rank() == 1:
+        checkpoint._rng_states = _no_space  # type: ignore[assignment]
+    for async_save in (False, True):
+        try:
+            engine.save_checkpoint(root, global_step=1, async_save=async_save)
+            engine.wait_for_checkpoint()
+        except CheckpointError as error:
+            errors.append(str(error))
+    return [*errors, sorted(os.listdir(root)) if rank() == 0 else None]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.multiprocess
+def test_a_save_that_fails_on_one_rank_raises_checkpoint_error_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    reports = run_ranks(save_where_one_rank_fails, 2, str(tmp_path), timeout=150)
+    for report in reports:
+        assert len(report) == 4, report
+        assert "cannot write a checkpoint under" in report[0]
+        assert all("rank 1 could not write its files" in error for error in report[1:3])
+    assert reports[0][3] == ["a-file", "global_step_0"]
+
+
+class _StagesOneFile(_WritesOneFile):
+    """An ``AsyncCheckpointing`` part whose background write takes ``seconds``."""
+
+    def __init__(self, seconds: float = 0.0) -> None:
+        super().__init__(None)
+        self.seconds = seconds
+
+    def stage_state(self, directory: str) -> Any:
+        part = self
+
+        class Staged:
+            def write(self) -> tuple[dict[str, Any], Any]:
+                time.sleep(part.seconds)
+                part.save_state(directory)
+                return {}, None
+
+            def finish(self, parts: Any) -> None:
+                pass
+
+        return Staged()
+
+
+@pytest.mark.timeout(60)
+def test_an_async_save_waits_for_a_missing_peer_no_longer_than_the_collective_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    from engine import checkpointing
+
+    monkeypatch.setattr(checkpointing, "collective_timeout", lambda: 1.0)
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    this_host, here = socket.gethostname(), checkpointing._process_space()
+    for peer, expected, seconds in (
+        ((f"{this_host}/another-namespace", 1), "did not finish writing its files within 1 s",
+         (1, 10)),
+        ((here, int(ended.stdout)), "ended before writing its files", (0, 0.9)),
+    ):  # fmt: skip
+        staging = tmp_path / f".tmp-global_step_1-{this_host}-{os.getpid()}-0123abcd"
+        staging.mkdir()
+        started = time.monotonic()
+        save = checkpointing.AsyncSave(
+            _StagesOneFile().stage_state(str(staging)), str(staging),
+            str(tmp_path / "global_step_1"), _description(), None,
+            [(here, os.getpid()), peer],
+        )  # fmt: skip
+        error = save.wait()
+        assert seconds[0] <= time.monotonic() - started < seconds[1]
+        assert error is not None
+        assert f"rank 1{' (process' if peer[0] == here else ''}" in error
+        assert expected in error
+        assert os.listdir(tmp_path) == []
+
+
+def end_rank_1_during_an_async_save(root: str) -> None:
+    """On two ranks: rank 1 ends before it writes its files of an asynchronous save; rank 0
+    writes how long waiting for the save took and what it raised to ``root/rank0.txt``."""
+    from strategies.backends.megatron.checkpoint_writer import ChecksummingSaveStrategy
+    from strategies.distributed import rank
+
+    engine = _engine()
+    if rank() == 1:
+        ChecksummingSaveStrategy.write_staged = lambda self: time.sleep(100)  # type: ignore[method-assign]
+    engine.save_checkpoint(root, async_save=True)
+    if rank() == 1:
+        os._exit(0)
+    started = time.monotonic()
+    try:
+        engine.wait_for_checkpoint()
+        outcome = "no error"
+    except CheckpointError as error:
+        outcome = str(error)
+    Path(root, "rank0.txt").write_text(f"{time.monotonic() - started:.1f}\n{outcome}")
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.multiprocess
+def test_when_a_rank_ends_during_an_async_save_rank_0_fails_it_at_once(tmp_path: Path) -> None:
+    with pytest.raises(RankFailure, match="rank 1: exited 0 with no result") as failure:
+        run_ranks(end_rank_1_during_an_async_save, 2, str(tmp_path), timeout=120)
+    assert "rank 0" not in str(failure.value)
+    seconds, outcome = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+    assert float(seconds) < 30
+    assert "rank 1 (process" in outcome
+    assert "ended before writing its files" in outcome
+    assert sorted(os.listdir(tmp_path)) == ["rank0.txt"]
+
+
+def test_a_save_with_a_step_that_is_not_a_non_negative_integer_is_refused(tmp_path: Path) -> None:
+    from engine.checkpointing import save_checkpoint, start_async_save
+
+    for step, keep in ((-1, None), (1.5, None), (True, None), ("3", None), (1, True), (1, 0)):
+        with pytest.raises(ConfigError, match=r"global_step|max_ckpt_to_keep"):
+            save_checkpoint(_WritesOneFile(None), _description(), str(tmp_path), step, keep)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match=r"global_step|max_ckpt_to_keep"):
+            start_async_save(_StagesOneFile(), _description(), str(tmp_path), step, keep)  # type: ignore[arg-type]
+    assert not tmp_path.exists() or os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("damage", ["no files", "files not a mapping", "entry without size"])
+def test_a_malformed_manifest_is_refused_with_checkpoint_error(tmp_path: Path, damage: str) -> None:
+    from engine.checkpointing import _describe, load_checkpoint
+
+    directory = tmp_path / "global_step_1"
+    directory.mkdir()
+    (directory / "state.bin").write_bytes(b"weights")
+    files: Any = {
+        "no files": None,
+        "files not a mapping": ["state.bin"],
+        "entry without size": {"state.bin": {"xxh3_128": "0"}},
+    }[damage]
+    manifest = _describe(_description(), 1)
+    if files is not None:
+        manifest["files"] = files
+    (directory / MANIFEST).write_text(json.dumps(manifest, default=str))
+    with pytest.raises(CheckpointError, match="malformed"):
+        load_checkpoint(_WritesOneFile(None), _description(), str(tmp_path))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("dtype", "distributed_optimizer"),
+    [("float32", False), ("bfloat16", False), ("bfloat16", True)],
+    ids=["fp32", "bf16", "bf16-distributed-optimizer"],
+)
+def test_a_forward_only_checkpoint_loads_into_a_trained_engine_as_into_a_fresh_one(
+    fresh_mesh: None, tmp_path: Path, dtype: str, distributed_optimizer: bool
+) -> None:
+    warmup = {"scheduler": {"warmup_steps": 6, "decay_style": "cosine"}, "total_steps": 20}
+    config = {**_config(use_distributed_optimizer=distributed_optimizer), **warmup, "dtype": dtype}
+    reference = _engine(**{**config, "forward_only": True, "seed": 11})
+    saved = reference.save_checkpoint(tmp_path)
+    trained, fresh = _engine(**config), _engine(**config)
+    _train(trained, "lm", range(3))
+    for engine in (trained, fresh):
+        assert engine.load_checkpoint(tmp_path) == saved
+        _assert_same_weights(_weights(engine), _weights(reference))
+        assert engine.global_step == 0
+    assert trained.backend.current_lr() == fresh.backend.current_lr()
+    assert _train(trained, "lm", range(3, 5)) == _train(fresh, "lm", range(3, 5))
+    _assert_same_weights(_weights(trained), _weights(fresh))
+    for name, loaded in _weights(reference).items():  # two small steps from the loaded weights
+        trained_weight = _weights(trained)[name].float()
+        torch.testing.assert_close(trained_weight, loaded.float(), atol=3e-3, rtol=1e-2)
+
+
+@pytest.mark.timeout(240)
+def test_a_checkpoint_of_another_dtype_or_optimizer_is_refused_and_the_engine_is_unchanged(
+    fresh_mesh: None, tmp_path: Path
+) -> None:
+    fp32, bf16 = _engine(), _engine(dtype="bfloat16")
+    for engine, name in ((fp32, "fp32"), (bf16, "bf16")):
+        _train(engine, "lm", range(1))
+        engine.save_checkpoint(tmp_path / name)
+    for saved, config in (
+        ("fp32", {"dtype": "bfloat16"}),
+        ("bf16", {}),
+        ("fp32", {"backend": {"use_distributed_optimizer": True}}),
+    ):
+        target = _engine(**config, seed=7)
+        _train(target, "lm", range(2))
+        before = _full_state(target)
+        with pytest.raises(CheckpointError, match="does not hold this engine's state"):
+            target.load_checkpoint(tmp_path / saved)
+        after = _full_state(target)
+        for part in ("weights", "optimizer"):
+            for name, value in before[part].items():
+                assert torch.equal(value, after[part][name]), f"{saved} {config} {part} {name}"
+        assert (after["global_step"], after["lr"]) == (before["global_step"], before["lr"])
+    reference = _engine(forward_only=True)  # a checkpoint may hold more than is asked of it
+    reference.load_checkpoint(tmp_path / "fp32")
+    _assert_same_weights(_weights(reference), _weights(fp32))

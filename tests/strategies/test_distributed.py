@@ -28,3 +28,20 @@ def test_collectives_run_on_the_device_the_backend_reduces(
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device(accelerator))
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
     assert str(distributed.collective_device()) == expected
+
+
+def time_out_after(seconds: float) -> float:
+    """In a rank: the collective timeout once the process group is made with ``seconds``."""
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=seconds))
+    return distributed.collective_timeout()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.multiprocess
+def test_the_collective_timeout_is_the_one_the_process_group_was_made_with() -> None:
+    from tests.multiprocess import run_ranks
+
+    assert run_ranks(time_out_after, 1, 42.0, timeout=90) == [42.0]
+    assert distributed.collective_timeout() > 0

@@ -51,13 +51,16 @@ def load_state(
     same_layout: bool,
 ) -> None:
     """Restore what ``save_state`` wrote, resharded to this layout; per-rank RNG streams only at
-    the same layout (at another one there is no rank to take them from)."""
+    the same layout (at another one there is no rank to take them from). A forward-only
+    engine's checkpoint (weights only) leaves this engine's optimizer and LR schedule as a new
+    engine's."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     scheduler_path = os.path.join(directory, SCHEDULER_FILE)
-    if not os.path.exists(scheduler_path):  # a forward-only engine's checkpoint: weights only
-        optimizer = schedule = None
+    restart = None  # a forward-only engine's checkpoint: weights only
+    if not os.path.exists(scheduler_path):
+        restart, optimizer, schedule = (optimizer, schedule), None, None
     state = _state(model, optimizer)
     dcp.load(state, checkpoint_id=os.path.join(directory, STATE_DIR))
     if optimizer is None:
@@ -69,6 +72,8 @@ def load_state(
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
         )
+    if restart is not None:
+        _restart(*restart)
     if schedule is not None:
         with open(scheduler_path) as handle:
             schedule.load_state_dict(json.load(handle))
@@ -86,3 +91,13 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> d
     materialize_optimizer_state(optimizer)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     return {"model": model_state, "optimizer": optimizer_state}
+
+
+def _restart(optimizer: torch.optim.Optimizer | None, schedule: LRSchedule | None) -> None:
+    """``optimizer`` and ``schedule`` (None for a forward-only engine) as built: no Adam state,
+    step 0."""
+    if optimizer is not None:
+        optimizer.state.clear()
+    if schedule is not None:
+        schedule.num_steps = 0
+        schedule.step(0)

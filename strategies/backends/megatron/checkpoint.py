@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from heads.errors import CheckpointError
 from strategies.distributed import barrier, rank
 from strategies.publish import FileChecksums
 from strategies.rng import rng_states, set_rng_states
@@ -151,26 +152,45 @@ def load_state(
 ) -> None:
     """Restore what ``save_state`` wrote. Model and optimizer reshard to this layout
     (``dist_checkpointing``); per-rank RNG streams are restored only at the same layout (at
-    another one there is no rank to take them from)."""
+    another one there is no rank to take them from). A forward-only engine's checkpoint (no
+    optimizer or scheduler state) leaves this engine's optimizer and LR schedule as a new
+    engine's, starting from the loaded weights."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
 
     from strategies.backends.megatron.checkpoint_reader import MappedLoadStrategy
 
     scheduler_path = os.path.join(directory, SCHEDULER_FILE)
     # A forward-only engine's checkpoint has neither optimizer nor scheduler state.
-    if not os.path.exists(scheduler_path):
+    restart = None if os.path.exists(scheduler_path) else (optimizer, scheduler)
+    if restart is not None:
         optimizer = scheduler = None
     with torch.no_grad():
         if optimizer is not None:
             _materialize_optimizer_state(optimizer)
         template = _sharded_state(chunks, optimizer, loading=True)
-        loaded = dist_checkpointing.load(
-            template, os.path.join(directory, MODEL_DIR), sharded_strategy=MappedLoadStrategy()
-        )
+        try:
+            # Checked against the checkpoint's index before anything loads: a checkpoint of
+            # another dtype or optimizer would otherwise fail halfway, the weights replaced.
+            # Where either side has no optimizer, the checkpoint may hold more than is asked.
+            strict = "raise_all" if optimizer is not None else "raise_unexpected"
+            loaded = dist_checkpointing.load(
+                template,
+                os.path.join(directory, MODEL_DIR),
+                sharded_strategy=MappedLoadStrategy(),
+                strict=strict,
+            )
+        except CheckpointingException as error:
+            raise CheckpointError(
+                f"checkpoint {directory} does not hold this engine's state (saved with another "
+                f"dtype or optimizer?): {str(error)[:2000]}"
+            ) from error
         for key, chunk in zip(_model_keys(chunks), chunks, strict=True):
             chunk.load_state_dict(loaded[key])
         if optimizer is not None:
             _load_optimizer(optimizer, loaded["optimizer"])
+    if restart is not None:
+        _restart(*restart)
     if scheduler is not None:
         with open(scheduler_path) as handle:
             saved = json.load(handle)
@@ -229,6 +249,19 @@ def _load_optimizer(optimizer: Any, state: Any) -> None:
         finally:
             for param, step in steps.items():  # megatron hands every parameter one shared
                 inner_state[param]["step"] = step.clone()  # tensor; Adam bumps each in place
+
+
+def _restart(optimizer: Any, scheduler: Any) -> None:
+    """``optimizer`` and ``scheduler`` (None for a forward-only engine) as built, from the
+    model's weights as they now are: no Adam state, fp32 main parameters copied from the
+    model (else the next step would write back the ones from before the load), step 0."""
+    if optimizer is not None:
+        for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+            part.optimizer.state.clear()
+        optimizer.reload_model_params()
+    if scheduler is not None:
+        scheduler.num_steps = 0
+        scheduler.step(0)
 
 
 def _materialize_optimizer_state(optimizer: Any) -> None:

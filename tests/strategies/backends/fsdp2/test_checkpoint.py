@@ -96,6 +96,21 @@ def test_a_forward_only_checkpoint_holds_the_weights_only(tmp_path: Path) -> Non
     _assert_same_weights(_weights(fresh), _weights(trained))
 
 
+@pytest.mark.timeout(180)
+def test_a_forward_only_checkpoint_loads_into_a_trained_engine_as_into_a_fresh_one(
+    tmp_path: Path,
+) -> None:
+    saved = _engine(forward_only=True, seed=11).save_checkpoint(tmp_path)
+    trained, fresh = _engine(), _engine()
+    _train(trained, "lm", range(3))
+    for engine in (trained, fresh):
+        assert engine.load_checkpoint(saved) == saved
+        assert engine.global_step == 0
+    assert trained.backend.current_lr() == fresh.backend.current_lr()
+    assert _train(trained, "lm", range(3, 5)) == _train(fresh, "lm", range(3, 5))
+    _assert_same_weights(_weights(trained), _weights(fresh))
+
+
 def _damage(path: Path, how: str) -> None:
     data = bytearray(path.read_bytes())
     if how == "truncated":
