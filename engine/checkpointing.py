@@ -362,11 +362,13 @@ def _publish(
     return None
 
 
-def load_checkpoint(state: Checkpointing, engine: Mapping[str, Any], path: str) -> tuple[str, int]:
+def load_checkpoint(
+    state: Checkpointing, engine: Mapping[str, Any], path: str
+) -> tuple[str, int, dict[str, Any]]:
     """Verify, then restore into ``state`` the checkpoint at ``path`` (a root: its newest
     complete checkpoint; or one ``global_step_*`` directory) saved by an engine like
-    ``engine`` (see :func:`save_checkpoint`). Collective; returns the directory loaded and its
-    global step."""
+    ``engine`` (see :func:`save_checkpoint`). Collective; returns the directory loaded, its
+    global step and the non-finite guard's counters it recorded (empty when it has none)."""
     found: tuple[str, dict[str, Any]] | str | None = None
     if rank() == 0:
         try:
@@ -382,7 +384,8 @@ def load_checkpoint(state: Checkpointing, engine: Mapping[str, Any], path: str) 
         raise CheckpointError(found)
     directory, manifest = found
     state.load_state(directory, same_layout=manifest.get("parallel") == engine["parallel"])
-    return directory, int(manifest["global_step"])
+    guard = manifest.get("non_finite")
+    return directory, int(manifest["global_step"]), dict(guard) if isinstance(guard, dict) else {}
 
 
 def complete_checkpoints(root: str) -> list[tuple[int, str]]:
@@ -505,6 +508,7 @@ def _describe(engine: Mapping[str, Any], global_step: int) -> dict[str, Any]:
         "model_shape": model_shape(engine["model"]),
         "parallel": engine["parallel"],
         "config": engine["config"],
+        "non_finite": dict(engine.get("non_finite", {})),
     }
 
 

@@ -491,9 +491,10 @@ class Engine:
         state = require(self.backend, Checkpointing)
         self._require_resident("load_checkpoint", OFFLOAD_PARTS)
         self.wait_for_checkpoint()
-        directory, self.global_step = checkpointing.load_checkpoint(
+        directory, self.global_step, guard = checkpointing.load_checkpoint(
             state, self._checkpoint_description(), os.fspath(path)
         )
+        self._guard.restore(guard)
         return directory
 
     def _checkpoint_description(self) -> dict[str, Any]:
@@ -504,6 +505,7 @@ class Engine:
             "model": self.config.model,
             "parallel": {**self.config.to_dict()["parallel"], "world_size": world_size()},
             "config": self.config.to_dict(),
+            "non_finite": self._guard.counters(),
         }
 
     # -- internals -----------------------------------------------------------------------------

@@ -47,6 +47,22 @@ class NonFiniteGuard:
             return ", ".join(found)
         return ZERO_GRADIENT if zero_gradient else None
 
+    def counters(self) -> dict[str, int | str]:
+        """What a checkpoint keeps of the guard (it resumes counting from there)."""
+        return {
+            "skipped_steps": self.skipped_steps,
+            "consecutive": self.consecutive,
+            "first_reason": self.first_reason,
+        }
+
+    def restore(self, counters: Mapping[str, object]) -> None:
+        """Take up :meth:`counters` from a checkpoint; one without them (older) starts at 0."""
+        skipped, consecutive = counters.get("skipped_steps", 0), counters.get("consecutive", 0)
+        reason = counters.get("first_reason", "")
+        self.skipped_steps = skipped if isinstance(skipped, int) else 0
+        self.consecutive = consecutive if isinstance(consecutive, int) else 0
+        self.first_reason = reason if isinstance(reason, str) else ""
+
     def record(self, reason: str | None) -> None:
         """Count the step's outcome; raise ``NonFiniteError`` where the policy says so."""
         if reason is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -181,6 +182,23 @@ def test_the_skip_policy_raises_after_more_than_max_consecutive_skips(
     for _ in range(2):
         result = engine.train_batch(poisoned("value", "returns", 0, 2, math.nan), LOSSES["value"])
         assert result["skipped"] == 1.0
+    train_good(engine, "value")
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_keeps_the_skip_counters(engines: dict[str, Engine], tmp_path: Path) -> None:
+    engine = engines["value"]  # max_consecutive_skips=2
+    train_good(engine, "value")
+    bad = poisoned("value", "returns", 0, 2, math.nan)
+    skipped = engine.train_batch(bad, LOSSES["value"])["skipped_steps"]
+    engine.save_checkpoint(tmp_path)  # one skip in a row, `skipped` in all
+    train_good(engine, "value")
+    assert engine.train_batch(bad, LOSSES["value"])["skipped_steps"] == skipped + 1
+
+    engine.load_checkpoint(tmp_path)
+    assert engine.train_batch(bad, LOSSES["value"])["skipped_steps"] == skipped + 1
+    with pytest.raises(NonFiniteError, match=r"3 optimizer steps in a row"):
+        engine.train_batch(bad, LOSSES["value"])
     train_good(engine, "value")
 
 
