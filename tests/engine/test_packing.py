@@ -225,6 +225,94 @@ def test_packed_attention_attends_within_each_sequence_only() -> None:
     destroy_mesh()
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [{"window_size": (2, 0)}, {"window_size": (3, 0), "window_attn_skip_freq": 2}],
+    ids=["every-layer", "every-other-layer"],
+)
+def test_packed_attention_keeps_the_sliding_window_of_the_padded_path(
+    overrides: dict[str, Any],
+) -> None:
+    destroy_mesh()
+    engines = {
+        name: build("value", backend={"transformer_overrides": overrides}, **LAYOUTS[name])
+        for name in ("padded", "packed-3")
+    }
+    batch = random_batch([9, 4, 12, 1, 6], VOCAB, seed=2)
+    expected = engines["padded"].infer_batch(batch)["values"]
+    plain = build("value", **LAYOUTS["padded"]).infer_batch(batch)["values"]
+    assert not torch.allclose(flat(plain), flat(expected), atol=1e-4)  # the window matters
+    torch.testing.assert_close(
+        flat(engines["packed-3"].infer_batch(batch)["values"]),
+        flat(expected),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    destroy_mesh()
+
+
+def test_packed_attention_dropout_draws_from_the_model_parallel_rng_stream() -> None:
+    """As on the padded path, each tensor-parallel rank's attention dropout comes from
+    megatron's model-parallel RNG tracker, not from the default generator (which every rank
+    seeds alike)."""
+    from megatron.core import tensor_parallel
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from strategies.backends.megatron.attention import packed_dot_product_attention
+    from strategies.backends.megatron.model import transformer_config
+
+    destroy_mesh()
+    engine = build("value")  # sets up megatron's state on the CPU
+    attention = packed_dot_product_attention()(
+        config=transformer_config(engine.config, {"attention_dropout": 0.5}),
+        layer_number=1,
+        attn_mask_type=AttnMaskType.causal,
+        attention_type="self",
+    )
+    bounds = torch.tensor([0, 5, 13], dtype=torch.int32)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=8, max_seqlen_kv=8
+    )
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(13, 4, 8, generator=generator) for _ in range(3))
+    outputs = []
+    for default_seed in (1, 2):
+        tensor_parallel.model_parallel_cuda_manual_seed(7)
+        torch.manual_seed(default_seed)
+        outputs.append(attention(query, key, value, None, packed_seq_params=params))
+    attention.eval()
+    without_dropout = attention(query, key, value, None, packed_seq_params=params)
+    assert not torch.allclose(outputs[0], without_dropout)
+    torch.testing.assert_close(outputs[0], outputs[1])
+    destroy_mesh()
+
+
+def test_packed_attention_refuses_a_mask_it_cannot_reproduce() -> None:
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from strategies.backends.megatron.attention import packed_dot_product_attention
+    from strategies.backends.megatron.model import transformer_config
+
+    destroy_mesh()
+    engine = build("value")  # sets up megatron's state on the CPU
+    attention = packed_dot_product_attention()(
+        config=transformer_config(engine.config),
+        layer_number=1,
+        attn_mask_type=AttnMaskType.no_mask,
+        attention_type="self",
+    )
+    bounds = torch.tensor([0, 2, 5], dtype=torch.int32)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=3, max_seqlen_kv=3
+    )
+    query = torch.zeros(5, 4, 8)
+    with pytest.raises(ConfigError, match="causal self-attention"):
+        attention(query, query, query, None, packed_seq_params=params)
+    destroy_mesh()
+
+
 # ------------------------------------------------------------------------------- refusals
 
 
