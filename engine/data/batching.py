@@ -383,13 +383,16 @@ def split_fixed(batch: TensorDict, micro_batch_size: int) -> list[MicroBatch]:
 def split_into(
     batch: TensorDict, groups: Sequence[Sequence[int]], *, packed: bool = False
 ) -> list[MicroBatch]:
-    """One micro-batch per group of sequence indices, each right-padded to its own longest;
-    ``packed``: each also holds its sequences back to back in one row for the model."""
+    """One micro-batch per group of sequence indices, each right-padded to its own longest
+    (``input_ids`` int64); ``packed``: each also holds its sequences back to back in one row for
+    the model."""
     rows = to_jagged(batch)
     lengths = sequence_lengths(rows)
     sizes, longest = lengths.tolist(), int(lengths.max())
     # Every field padded once to the longest sequence; each micro-batch takes its rows of it.
     padded, real = _padded_fields(rows, longest, "right")
+    # token ids as heads and models take them, whichever integer type the batch holds
+    padded[INPUT_IDS] = padded[INPUT_IDS].long()
     micro_batches = []
     for group in groups:
         indices = torch.tensor(list(group), dtype=torch.long)

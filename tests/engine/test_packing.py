@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from engine import Engine
-from engine.data.batching import from_token_lists, split_into, to_padded
+from engine.data.batching import from_token_lists, jagged, split_into, to_padded
 from heads.base import HeadContext, at_last_token, shift_to_scored_token
 from heads.errors import ConfigError
 from strategies.backends.megatron.mesh import destroy_mesh
@@ -137,6 +137,23 @@ def test_a_budget_that_splits_the_batch_unevenly_still_matches(
     torch.testing.assert_close(
         flat(engine.infer_batch(batch)["log_probs"]), flat(expected), rtol=1e-5, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("side", ["jagged", "left", "right"])
+def test_int32_token_ids_give_what_int64_ones_give(
+    engines: dict[tuple[str, str], Engine], side: str
+) -> None:
+    """validate_batch accepts int32 ids; every layout hands the head and the model int64 ones."""
+    batch = random_batch([5, 1, 12, 7], VOCAB, seed=4)
+    narrow = batch.clone()
+    narrow["input_ids"] = jagged([row.int() for row in batch["input_ids"].unbind()])
+    if side != "jagged":
+        narrow = to_padded(narrow, side=side)
+    for name in ("padded", "packed-3"):
+        expected = engines["lm", name].infer_batch(batch)
+        outputs = engines["lm", name].infer_batch(narrow)
+        for key in expected.keys():
+            torch.testing.assert_close(flat(outputs[key]), flat(expected[key]), msg=name)
 
 
 def test_packed_training_steps_follow_padded_ones() -> None:
