@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -221,12 +221,8 @@ class Engine:
                     "forward_backward_batch needs a loss_function unless forward_only"
                 )
         fields = required_fields(loss_function) if loss_function is not None else ()
-        model = self.config.model
-        checked = validate_batch(
-            batch, fields, vocab_size=model.vocab_size, max_length=model.max_sequence_length
-        )
-        rows = to_jagged(checked)
-        plan = self.plan_micro_batches(rows)
+        rows = to_jagged(self._validated(batch, fields))
+        plan = self._plan(rows)
         micro_batches = split_into(rows, plan.groups, packed=plan.packed)
         counts = self._global_counts(rows)
         produced: list[dict[str, torch.Tensor]] = [{} for _ in micro_batches]
@@ -291,7 +287,17 @@ class Engine:
     def plan_micro_batches(self, batch: TensorDict) -> MicroBatchPlan:
         """Which sequences run together: fixed ``micro_batch_size`` groups, or token-budget
         groups (``max_tokens_per_micro_batch``) agreed in count across data-parallel ranks;
-        with ``packing`` the budget counts real tokens."""
+        with ``packing`` the budget counts real tokens. The batch is checked as
+        ``forward_backward_batch`` checks it (BatchError)."""
+        return self._plan(self._validated(batch))
+
+    def _validated(self, batch: object, fields: Iterable[str] = ()) -> TensorDict:
+        model = self.config.model
+        return validate_batch(
+            batch, fields, vocab_size=model.vocab_size, max_length=model.max_sequence_length
+        )
+
+    def _plan(self, batch: TensorDict) -> MicroBatchPlan:
         lengths = sequence_lengths(batch)
         budget, packed = self.config.max_tokens_per_micro_batch, self.config.packing
         if budget is None:
