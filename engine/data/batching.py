@@ -34,7 +34,7 @@ def from_token_lists(
     """A jagged batch from lists of token ids (and per-token fields of the same lengths)."""
     if not token_lists:
         raise BatchError("a batch needs at least one sequence")
-    ids = [torch.as_tensor(tokens, dtype=torch.long) for tokens in token_lists]
+    ids = [_token_ids(index, tokens) for index, tokens in enumerate(token_lists)]
     columns: dict[str, torch.Tensor] = {INPUT_IDS: jagged(ids)}
     for name, rows in per_token.items():
         values = [torch.as_tensor(row, dtype=torch.float32) for row in rows]
@@ -42,6 +42,16 @@ def from_token_lists(
             raise BatchError(f"per-token field {name!r} must have the lengths of input_ids")
         columns[name] = jagged(values)
     return TensorDict(columns, batch_size=[len(ids)])
+
+
+def _token_ids(index: int, tokens: Sequence[int]) -> torch.Tensor:
+    """One row of token ids as int64; floats and bools are refused (a cast would truncate)."""
+    row = torch.as_tensor(tokens)
+    if row.numel() and (row.dtype.is_floating_point or row.is_complex() or row.dtype == torch.bool):
+        raise BatchError(
+            f"sequence {index}: token ids must be integers, got {row.dtype} values ({_show(row)})"
+        )
+    return row.to(torch.long)
 
 
 def _jagged_class() -> type | None:
