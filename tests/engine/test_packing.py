@@ -8,6 +8,7 @@ Multi-process layouts (TP=2, PP=2, DP=2) are in ``test_packing_parallel.py``.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -204,33 +205,54 @@ def test_a_head_that_ignores_the_packed_layout_is_refused_naming_it() -> None:
     destroy_mesh()
 
 
-def test_packed_attention_attends_within_each_sequence_only() -> None:
-    """Megatron's local core attention with packed input equals causal attention run on each
-    sequence alone (grouped-query heads included)."""
-    from megatron.core.packed_seq_params import PackedSeqParams
+@pytest.fixture
+def megatron_state() -> Iterator[Engine]:
+    """Megatron's process-global state on the CPU (an engine sets it up), torn down after."""
+    destroy_mesh()
+    yield build("value")
+    destroy_mesh()
+
+
+def packed_attention(engine: Engine, mask: str = "causal", **overrides: Any) -> Any:
+    """Layer 1's packed core attention for ``engine``'s model (megatron config ``overrides``)."""
     from megatron.core.transformer.enums import AttnMaskType
 
     from strategies.backends.megatron.attention import packed_dot_product_attention
     from strategies.backends.megatron.model import transformer_config
 
-    destroy_mesh()
-    engine = build("value")  # sets up megatron's state on the CPU
-    attention = packed_dot_product_attention()(
-        config=transformer_config(engine.config),
+    return packed_dot_product_attention()(
+        config=transformer_config(engine.config, overrides),
         layer_number=1,
-        attn_mask_type=AttnMaskType.causal,
+        attn_mask_type=AttnMaskType[mask],
         attention_type="self",
     )
-    bounds = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
+
+
+def thd_params(bounds: list[int]) -> Any:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    offsets = torch.tensor(bounds, dtype=torch.int32)
+    longest = int(offsets.diff().max())
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=offsets,
+        cu_seqlens_kv=offsets,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
+
+
+def test_packed_attention_attends_within_each_sequence_only(megatron_state: Engine) -> None:
+    """Megatron's local core attention with packed input equals causal attention run on each
+    sequence alone (grouped-query heads included)."""
+    attention = packed_attention(megatron_state)
+    bounds = [0, 5, 6, 13]
     generator = torch.Generator().manual_seed(0)
     heads, groups, dim = 4, 2, 8
     query = torch.randn(13, heads, dim, generator=generator)
     key, value = (torch.randn(13, groups, dim, generator=generator) for _ in range(2))
-    params = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=7, max_seqlen_kv=7
-    )
-    out = attention(query, key, value, None, packed_seq_params=params)
-    for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+    out = attention(query, key, value, None, packed_seq_params=thd_params(bounds))
+    for start, end in itertools.pairwise(bounds):
         q = query[start:end].transpose(0, 1)
         k, v = (x[start:end].transpose(0, 1).repeat_interleave(2, 0) for x in (key, value))
         scores = (q @ k.transpose(1, 2)) / dim**0.5
@@ -239,7 +261,6 @@ def test_packed_attention_attends_within_each_sequence_only() -> None:
         torch.testing.assert_close(
             out[start:end], alone.transpose(0, 1).reshape(end - start, -1), rtol=1e-5, atol=1e-6
         )
-    destroy_mesh()
 
 
 @pytest.mark.parametrize(
@@ -268,29 +289,16 @@ def test_packed_attention_keeps_the_sliding_window_of_the_padded_path(
     destroy_mesh()
 
 
-def test_packed_attention_dropout_draws_from_the_model_parallel_rng_stream() -> None:
+def test_packed_attention_dropout_draws_from_the_model_parallel_rng_stream(
+    megatron_state: Engine,
+) -> None:
     """As on the padded path, each tensor-parallel rank's attention dropout comes from
     megatron's model-parallel RNG tracker, not from the default generator (which every rank
     seeds alike)."""
     from megatron.core import tensor_parallel
-    from megatron.core.packed_seq_params import PackedSeqParams
-    from megatron.core.transformer.enums import AttnMaskType
 
-    from strategies.backends.megatron.attention import packed_dot_product_attention
-    from strategies.backends.megatron.model import transformer_config
-
-    destroy_mesh()
-    engine = build("value")  # sets up megatron's state on the CPU
-    attention = packed_dot_product_attention()(
-        config=transformer_config(engine.config, {"attention_dropout": 0.5}),
-        layer_number=1,
-        attn_mask_type=AttnMaskType.causal,
-        attention_type="self",
-    )
-    bounds = torch.tensor([0, 5, 13], dtype=torch.int32)
-    params = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=8, max_seqlen_kv=8
-    )
+    attention = packed_attention(megatron_state, attention_dropout=0.5)
+    params = thd_params([0, 5, 13])
     generator = torch.Generator().manual_seed(0)
     query, key, value = (torch.randn(13, 4, 8, generator=generator) for _ in range(3))
     outputs = []
@@ -302,32 +310,13 @@ def test_packed_attention_dropout_draws_from_the_model_parallel_rng_stream() -> 
     without_dropout = attention(query, key, value, None, packed_seq_params=params)
     assert not torch.allclose(outputs[0], without_dropout)
     torch.testing.assert_close(outputs[0], outputs[1])
-    destroy_mesh()
 
 
-def test_packed_attention_refuses_a_mask_it_cannot_reproduce() -> None:
-    from megatron.core.packed_seq_params import PackedSeqParams
-    from megatron.core.transformer.enums import AttnMaskType
-
-    from strategies.backends.megatron.attention import packed_dot_product_attention
-    from strategies.backends.megatron.model import transformer_config
-
-    destroy_mesh()
-    engine = build("value")  # sets up megatron's state on the CPU
-    attention = packed_dot_product_attention()(
-        config=transformer_config(engine.config),
-        layer_number=1,
-        attn_mask_type=AttnMaskType.no_mask,
-        attention_type="self",
-    )
-    bounds = torch.tensor([0, 2, 5], dtype=torch.int32)
-    params = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=3, max_seqlen_kv=3
-    )
+def test_packed_attention_refuses_a_mask_it_cannot_reproduce(megatron_state: Engine) -> None:
+    attention = packed_attention(megatron_state, mask="no_mask")
     query = torch.zeros(5, 4, 8)
     with pytest.raises(ConfigError, match="causal self-attention"):
-        attention(query, query, query, None, packed_seq_params=params)
-    destroy_mesh()
+        attention(query, query, query, None, packed_seq_params=thd_params([0, 2, 5]))
 
 
 # ------------------------------------------------------------------------------- refusals
