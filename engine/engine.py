@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -45,7 +45,7 @@ from engine.losses.contract import (
 from engine.non_finite import ZERO_GRADIENT, NonFiniteGuard
 from engine.registry import BACKENDS, DEVICES, HEADS, check_part, resolve_device
 from heads.base import PER_SEQUENCE, PER_TOKEN, Head, HeadContext, check_results
-from heads.errors import ConfigError, EngineStateError
+from heads.errors import BatchError, ConfigError, EngineStateError
 from strategies.backends.base import (
     OFFLOAD_PARTS,
     AsyncCheckpointing,
@@ -221,12 +221,8 @@ class Engine:
                     "forward_backward_batch needs a loss_function unless forward_only"
                 )
         fields = required_fields(loss_function) if loss_function is not None else ()
-        model = self.config.model
-        checked = validate_batch(
-            batch, fields, vocab_size=model.vocab_size, max_length=model.max_sequence_length
-        )
-        rows = to_jagged(checked)
-        plan = self.plan_micro_batches(rows)
+        rows = self._validated(batch, fields, every_rank=True)
+        plan = self._plan(rows)
         micro_batches = split_into(rows, plan.groups, packed=plan.packed)
         counts = self._global_counts(rows)
         produced: list[dict[str, torch.Tensor]] = [{} for _ in micro_batches]
@@ -291,14 +287,57 @@ class Engine:
     def plan_micro_batches(self, batch: TensorDict) -> MicroBatchPlan:
         """Which sequences run together: fixed ``micro_batch_size`` groups, or token-budget
         groups (``max_tokens_per_micro_batch``) agreed in count across data-parallel ranks;
-        with ``packing`` the budget counts real tokens."""
+        with ``packing`` the budget counts real tokens. The batch is checked as
+        ``forward_backward_batch`` checks it (BatchError). Collective over the data-parallel
+        ranks when planning by token budget."""
+        collective = self.config.max_tokens_per_micro_batch is not None
+        return self._plan(self._validated(batch, every_rank=collective))
+
+    def _validated(
+        self, batch: object, fields: Iterable[str] = (), *, every_rank: bool
+    ) -> TensorDict:
+        """The batch, checked and jagged. ``every_rank``: a batch refused on one data-parallel
+        rank is refused on all of them (one all-reduce), so that no rank goes on into the step's
+        collectives and pairs them with the refusing rank's next step."""
+        model = self.config.model
+        failure: BatchError | None = None
+        try:
+            rows = to_jagged(
+                validate_batch(
+                    batch,
+                    fields,
+                    vocab_size=model.vocab_size,
+                    max_length=model.max_sequence_length,
+                )
+            )
+        except BatchError as error:
+            failure = error
+        group = self._data_parallel_group_if_any() if every_rank else None
+        if group is not None:
+            (failed,) = all_reduce_values(
+                [float(failure is not None)], op=dist.ReduceOp.MAX, group=group
+            )
+            if failed and failure is None:
+                raise BatchError(
+                    "another data-parallel rank's batch was refused (its own error says why); "
+                    "every rank stops here, so that none runs this step without it"
+                )
+        if failure is not None:
+            raise failure
+        return rows
+
+    def _data_parallel_group_if_any(self) -> dist.ProcessGroup | None:
+        """The data-parallel group when there is data parallelism, else None."""
+        if self.backend.data_parallel_size() > 1:
+            return self.backend.data_parallel_group()
+        return None
+
+    def _plan(self, batch: TensorDict) -> MicroBatchPlan:
         lengths = sequence_lengths(batch)
         budget, packed = self.config.max_tokens_per_micro_batch, self.config.packing
         if budget is None:
             return plan_fixed(lengths, self.config.micro_batch_size, packed=packed)
-        group = (
-            self.backend.data_parallel_group() if self.backend.data_parallel_size() > 1 else None
-        )
+        group = self._data_parallel_group_if_any()
         multiple = (
             require(self.backend, Packing).packed_micro_batch_multiple(self.config) if packed else 1
         )

@@ -56,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--model", help="model preset (tiny, small); overrides the config file")
     train.add_argument("--steps", type=positive_int, default=20)
     train.add_argument("--batch-size", type=positive_int, default=16, help="sequences per step")
-    train.add_argument("--max-length", type=positive_int, default=64, help="longest sequence")
+    train.add_argument(
+        "--max-length", type=positive_int, default=64, help="longest synthetic sequence"
+    )
     train.add_argument("--micro-batch-size", type=positive_int)
     train.add_argument(
         "--max-tokens-per-micro-batch", type=positive_int, help="plan micro-batches by token budget"

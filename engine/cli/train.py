@@ -82,9 +82,23 @@ TRAIN_COLUMNS = [
 ]
 
 
-def read_sequences(path: str, head: str) -> list[dict[str, list[Any]]]:
+def length_limits(config: Any) -> list[tuple[int, str]]:
+    """The longest sequence a step takes, and who says so (one sequence cannot be split across
+    micro-batches, so a token budget bounds it too)."""
+    limits = [(config.model.max_sequence_length, "the model's max_sequence_length")]
+    if config.max_tokens_per_micro_batch is not None:
+        limits.append((config.max_tokens_per_micro_batch, "max_tokens_per_micro_batch"))
+    return limits
+
+
+def read_sequences(path: str, head: str, config: Any) -> list[dict[str, list[Any]]]:
     """Training records from a JSON-lines file: ``input_ids`` (and ``returns`` for the value
-    head; optional ``loss_mask``), every per-token list as long as ``input_ids``."""
+    head; optional ``loss_mask``), every per-token list as long as ``input_ids``.
+
+    Each record is checked against ``config`` (an ``EngineConfig``) here, naming its line:
+    token ids are ints in the vocabulary, the other values numbers (``loss_mask`` 0 or 1), and
+    no sequence is longer than :func:`length_limits` allows. Checked only when drawn into a
+    batch, a bad record would stop a run at whichever step first drew it."""
     wanted = ["input_ids"] + (["returns"] if head == "value" else [])
     records = []
     try:
@@ -110,10 +124,35 @@ def read_sequences(path: str, head: str) -> list[dict[str, list[Any]]]:
                 raise BatchError(f"{where}: {name!r} must be a list as long as 'input_ids'")
         if len(kept["input_ids"]) < 2:
             raise BatchError(f"{where}: a sequence needs at least 2 tokens")
+        _check_record(kept, config, where)
         records.append(kept)
     if not records:
         raise BatchError(f"--data {path} holds no records")
     return records
+
+
+def _check_record(record: dict[str, list[Any]], config: Any, where: str) -> None:
+    vocab_size = config.model.vocab_size
+    for token in record["input_ids"]:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise BatchError(
+                f"{where}: 'input_ids' holds {token!r}; token ids are ints in [0, {vocab_size}) "
+                "(the model's vocab_size)"
+            )
+    for name, values in record.items():
+        allowed = (0, 1) if name == "loss_mask" else None
+        for value in values if name != "input_ids" else ():
+            number = not isinstance(value, bool) and isinstance(value, int | float)
+            if not number or (allowed is not None and value not in allowed):
+                kind = "0 or 1" if allowed is not None else "a number"
+                raise BatchError(f"{where}: {name!r} holds {value!r}; each value must be {kind}")
+    length = len(record["input_ids"])
+    for limit, limit_name in length_limits(config):
+        if length > limit:
+            raise BatchError(
+                f"{where}: {length} tokens, more than {limit_name} ({limit}); truncate or drop "
+                "the record, or raise the limit"
+            )
 
 
 def data_batches(
@@ -147,14 +186,12 @@ def train(args: argparse.Namespace) -> int:
             f"`train` has synthetic tasks for heads {', '.join(TASKS)}, not {args.head!r}"
         )
     loss_fn = getattr(losses, TASKS[args.head])
-    if args.max_length > config.model.max_sequence_length:
-        raise EngineError(
-            f"--max-length {args.max_length} exceeds the model's max_sequence_length "
-            f"({config.model.max_sequence_length})"
-        )
+    for limit, name in length_limits(config) if not args.data else ():  # synthetic data
+        if args.max_length > limit:
+            raise EngineError(f"--max-length {args.max_length} exceeds {name} ({limit})")
     if args.batch_size % int(os.environ.get("WORLD_SIZE", "1")):
         raise EngineError(f"--batch-size {args.batch_size} must divide by the number of ranks")
-    records = read_sequences(args.data, args.head) if args.data else None
+    records = read_sequences(args.data, args.head, config) if args.data else None
     if records is not None and len(records) < args.batch_size:
         raise BatchError(f"--data holds {len(records)} records, fewer than --batch-size")
     metrics = MetricsFile(Path(args.output_dir) / "metrics.jsonl") if args.output_dir else None

@@ -34,7 +34,7 @@ def from_token_lists(
     """A jagged batch from lists of token ids (and per-token fields of the same lengths)."""
     if not token_lists:
         raise BatchError("a batch needs at least one sequence")
-    ids = [torch.as_tensor(tokens, dtype=torch.long) for tokens in token_lists]
+    ids = [_token_ids(index, tokens) for index, tokens in enumerate(token_lists)]
     columns: dict[str, torch.Tensor] = {INPUT_IDS: jagged(ids)}
     for name, rows in per_token.items():
         values = [torch.as_tensor(row, dtype=torch.float32) for row in rows]
@@ -42,6 +42,16 @@ def from_token_lists(
             raise BatchError(f"per-token field {name!r} must have the lengths of input_ids")
         columns[name] = jagged(values)
     return TensorDict(columns, batch_size=[len(ids)])
+
+
+def _token_ids(index: int, tokens: Sequence[int]) -> torch.Tensor:
+    """One row of token ids as int64; floats and bools are refused (a cast would truncate)."""
+    row = torch.as_tensor(tokens)
+    if row.numel() and (row.dtype.is_floating_point or row.is_complex() or row.dtype == torch.bool):
+        raise BatchError(
+            f"sequence {index}: token ids must be integers, got {row.dtype} values ({_show(row)})"
+        )
+    return row.to(torch.long)
 
 
 def _jagged_class() -> type | None:
@@ -383,13 +393,16 @@ def split_fixed(batch: TensorDict, micro_batch_size: int) -> list[MicroBatch]:
 def split_into(
     batch: TensorDict, groups: Sequence[Sequence[int]], *, packed: bool = False
 ) -> list[MicroBatch]:
-    """One micro-batch per group of sequence indices, each right-padded to its own longest;
-    ``packed``: each also holds its sequences back to back in one row for the model."""
+    """One micro-batch per group of sequence indices, each right-padded to its own longest
+    (``input_ids`` int64); ``packed``: each also holds its sequences back to back in one row for
+    the model."""
     rows = to_jagged(batch)
     lengths = sequence_lengths(rows)
     sizes, longest = lengths.tolist(), int(lengths.max())
     # Every field padded once to the longest sequence; each micro-batch takes its rows of it.
     padded, real = _padded_fields(rows, longest, "right")
+    # token ids as heads and models take them, whichever integer type the batch holds
+    padded[INPUT_IDS] = padded[INPUT_IDS].long()
     micro_batches = []
     for group in groups:
         indices = torch.tensor(list(group), dtype=torch.long)

@@ -64,6 +64,10 @@ def train(batch: Any, loss: Any = value_regression_loss) -> Callable[[Engine, Pa
     return lambda engine, _: engine.train_batch(batch, loss)
 
 
+def plan(batch: Any) -> Callable[[Engine, Path], Any]:
+    return lambda engine, _: engine.plan_micro_batches(batch)
+
+
 def with_field(name: str, value: torch.Tensor, base: TensorDict = GOOD) -> TensorDict:
     batch = base.clone()
     batch[name] = value
@@ -293,6 +297,20 @@ BATCHES = {
         r"batch_size \[num_sequences > 0\]",
     ),
     "no input_ids": Case(train(fields(x=torch.zeros(2, 3))), BatchError, "has no 'input_ids'"),
+    # planning checks the batch as the steps do, so it never plans with wrong lengths
+    "planning no input_ids": Case(
+        plan(fields(x=torch.zeros(2, 3))), BatchError, "has no 'input_ids'"
+    ),
+    "planning a list": Case(plan([[1, 2]]), BatchError, "tensordict.TensorDict"),
+    "planning a mask with a hole": Case(
+        plan(
+            with_field(
+                "attention_mask", torch.tensor([[1, 1, 1, 0, 0], [1, 0, 1, 1, 1]] * 2)[:3], PADDED
+            )
+        ),
+        BatchError,
+        r"'attention_mask' row 1 has a hole",
+    ),
     "float input_ids": Case(
         train(fields(input_ids=torch.zeros(2, 3), returns=torch.zeros(2, 3))),
         BatchError,

@@ -8,6 +8,7 @@ Multi-process layouts (TP=2, PP=2, DP=2) are in ``test_packing_parallel.py``.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from engine import Engine
-from engine.data.batching import from_token_lists, split_into, to_padded
+from engine.data.batching import from_token_lists, jagged, split_into, to_padded
 from heads.base import HeadContext, at_last_token, shift_to_scored_token
 from heads.errors import ConfigError
 from strategies.backends.megatron.mesh import destroy_mesh
@@ -139,6 +140,23 @@ def test_a_budget_that_splits_the_batch_unevenly_still_matches(
     )
 
 
+@pytest.mark.parametrize("side", ["jagged", "left", "right"])
+def test_int32_token_ids_give_what_int64_ones_give(
+    engines: dict[tuple[str, str], Engine], side: str
+) -> None:
+    """validate_batch accepts int32 ids; every layout hands the head and the model int64 ones."""
+    batch = random_batch([5, 1, 12, 7], VOCAB, seed=4)
+    narrow = batch.clone()
+    narrow["input_ids"] = jagged([row.int() for row in batch["input_ids"].unbind()])
+    if side != "jagged":
+        narrow = to_padded(narrow, side=side)
+    for name in ("padded", "packed-3"):
+        expected = engines["lm", name].infer_batch(batch)
+        outputs = engines["lm", name].infer_batch(narrow)
+        for key in expected.keys():
+            torch.testing.assert_close(flat(outputs[key]), flat(expected[key]), msg=name)
+
+
 def test_packed_training_steps_follow_padded_ones() -> None:
     destroy_mesh()
     runs = {}
@@ -187,33 +205,54 @@ def test_a_head_that_ignores_the_packed_layout_is_refused_naming_it() -> None:
     destroy_mesh()
 
 
-def test_packed_attention_attends_within_each_sequence_only() -> None:
-    """Megatron's local core attention with packed input equals causal attention run on each
-    sequence alone (grouped-query heads included)."""
-    from megatron.core.packed_seq_params import PackedSeqParams
+@pytest.fixture
+def megatron_state() -> Iterator[Engine]:
+    """Megatron's process-global state on the CPU (an engine sets it up), torn down after."""
+    destroy_mesh()
+    yield build("value")
+    destroy_mesh()
+
+
+def packed_attention(engine: Engine, mask: str = "causal", **overrides: Any) -> Any:
+    """Layer 1's packed core attention for ``engine``'s model (megatron config ``overrides``)."""
     from megatron.core.transformer.enums import AttnMaskType
 
     from strategies.backends.megatron.attention import packed_dot_product_attention
     from strategies.backends.megatron.model import transformer_config
 
-    destroy_mesh()
-    engine = build("value")  # sets up megatron's state on the CPU
-    attention = packed_dot_product_attention()(
-        config=transformer_config(engine.config),
+    return packed_dot_product_attention()(
+        config=transformer_config(engine.config, overrides),
         layer_number=1,
-        attn_mask_type=AttnMaskType.causal,
+        attn_mask_type=AttnMaskType[mask],
         attention_type="self",
     )
-    bounds = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
+
+
+def thd_params(bounds: list[int]) -> Any:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    offsets = torch.tensor(bounds, dtype=torch.int32)
+    longest = int(offsets.diff().max())
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=offsets,
+        cu_seqlens_kv=offsets,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
+
+
+def test_packed_attention_attends_within_each_sequence_only(megatron_state: Engine) -> None:
+    """Megatron's local core attention with packed input equals causal attention run on each
+    sequence alone (grouped-query heads included)."""
+    attention = packed_attention(megatron_state)
+    bounds = [0, 5, 6, 13]
     generator = torch.Generator().manual_seed(0)
     heads, groups, dim = 4, 2, 8
     query = torch.randn(13, heads, dim, generator=generator)
     key, value = (torch.randn(13, groups, dim, generator=generator) for _ in range(2))
-    params = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=7, max_seqlen_kv=7
-    )
-    out = attention(query, key, value, None, packed_seq_params=params)
-    for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+    out = attention(query, key, value, None, packed_seq_params=thd_params(bounds))
+    for start, end in itertools.pairwise(bounds):
         q = query[start:end].transpose(0, 1)
         k, v = (x[start:end].transpose(0, 1).repeat_interleave(2, 0) for x in (key, value))
         scores = (q @ k.transpose(1, 2)) / dim**0.5
@@ -222,7 +261,62 @@ def test_packed_attention_attends_within_each_sequence_only() -> None:
         torch.testing.assert_close(
             out[start:end], alone.transpose(0, 1).reshape(end - start, -1), rtol=1e-5, atol=1e-6
         )
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"window_size": (2, 0)}, {"window_size": (3, 0), "window_attn_skip_freq": 2}],
+    ids=["every-layer", "every-other-layer"],
+)
+def test_packed_attention_keeps_the_sliding_window_of_the_padded_path(
+    overrides: dict[str, Any],
+) -> None:
     destroy_mesh()
+    engines = {
+        name: build("value", backend={"transformer_overrides": overrides}, **LAYOUTS[name])
+        for name in ("padded", "packed-3")
+    }
+    batch = random_batch([9, 4, 12, 1, 6], VOCAB, seed=2)
+    expected = engines["padded"].infer_batch(batch)["values"]
+    plain = build("value", **LAYOUTS["padded"]).infer_batch(batch)["values"]
+    assert not torch.allclose(flat(plain), flat(expected), atol=1e-4)  # the window matters
+    torch.testing.assert_close(
+        flat(engines["packed-3"].infer_batch(batch)["values"]),
+        flat(expected),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    destroy_mesh()
+
+
+def test_packed_attention_dropout_draws_from_the_model_parallel_rng_stream(
+    megatron_state: Engine,
+) -> None:
+    """As on the padded path, each tensor-parallel rank's attention dropout comes from
+    megatron's model-parallel RNG tracker, not from the default generator (which every rank
+    seeds alike)."""
+    from megatron.core import tensor_parallel
+
+    attention = packed_attention(megatron_state, attention_dropout=0.5)
+    params = thd_params([0, 5, 13])
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(13, 4, 8, generator=generator) for _ in range(3))
+    outputs = []
+    for default_seed in (1, 2):
+        tensor_parallel.model_parallel_cuda_manual_seed(7)
+        torch.manual_seed(default_seed)
+        outputs.append(attention(query, key, value, None, packed_seq_params=params))
+    attention.eval()
+    without_dropout = attention(query, key, value, None, packed_seq_params=params)
+    assert not torch.allclose(outputs[0], without_dropout)
+    torch.testing.assert_close(outputs[0], outputs[1])
+
+
+def test_packed_attention_refuses_a_mask_it_cannot_reproduce(megatron_state: Engine) -> None:
+    attention = packed_attention(megatron_state, mask="no_mask")
+    query = torch.zeros(5, 4, 8)
+    with pytest.raises(ConfigError, match="causal self-attention"):
+        attention(query, query, query, None, packed_seq_params=thd_params([0, 2, 5]))
 
 
 # ------------------------------------------------------------------------------- refusals

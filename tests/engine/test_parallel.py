@@ -169,6 +169,43 @@ def test_a_failing_rank_makes_every_rank_fail_instead_of_hanging() -> None:
     assert "still running" not in message
 
 
+def refuse_a_batch_on_rank_one() -> dict[str, Any]:
+    """Rank 1's batch holds a sequence over max_sequence_length; each rank catches what it is
+    told and trains on, with fixed-size and token-budget (packed) micro-batches."""
+    import os
+
+    from engine import Engine
+    from engine.losses import sft_loss
+    from heads.errors import BatchError
+    from tests.factories import random_batch
+
+    rank = int(os.environ["RANK"])
+    report: dict[str, Any] = {}
+    for name, layout in (
+        ("fixed", {}),
+        ("budget", {"packing": True, "max_tokens_per_micro_batch": 100}),
+    ):
+        engine = Engine.build(head="lm", device="cpu", config=_config({}, **layout)).initialize()
+        refused = random_batch([4, 70 if rank == 1 else 6, 9], 64, seed=rank)
+        try:
+            engine.train_batch(refused, sft_loss)
+            report[name] = "trained"
+        except BatchError as error:
+            report[name] = str(error)
+        report[f"{name}.loss"] = engine.train_batch(random_batch([4, 6, 9], 64), sft_loss)["loss"]
+    return report
+
+
+def test_a_batch_refused_on_one_rank_is_refused_on_every_rank_and_both_train_on() -> None:
+    """Otherwise the other rank runs the step and pairs its collectives with the refusing
+    rank's next step (silently averaging gradients of different steps)."""
+    first, second = run_ranks(refuse_a_batch_on_rank_one, 2, timeout=180)
+    for name in ("fixed", "budget"):
+        assert "another data-parallel rank's batch was refused" in first[name]
+        assert "sequence 1 has 70 tokens" in second[name]
+        assert first[f"{name}.loss"] == second[f"{name}.loss"]
+
+
 def simulated_cell_at_tp2(device: str) -> dict[str, Any]:
     """Train both heads on a simulated platform at TP=2; report the hook order seen here."""
     from megatron.core import parallel_state

@@ -7,10 +7,15 @@ and, for packed input, attends within each sequence with ``scaled_dot_product_at
 squared sequence lengths, not the squared row length. It is device-neutral (the CPU, and GPU
 hosts without TransformerEngine); megatron's rotary embedding already restarts positions at
 each sequence in the ``thd`` layout (``cu_seqlens``).
+
+Inside a sequence it attends as the local path does: the same scale, the same sliding window
+(``window_size``, per layer as ``window_attn_skip_freq`` says) and attention dropout drawn from
+megatron's model-parallel RNG stream; what it cannot reproduce is refused, never ignored.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from typing import Any
@@ -24,7 +29,9 @@ from heads.errors import ConfigError
 @functools.cache
 def packed_dot_product_attention() -> type:
     """The class (built once, on first use, so megatron is imported lazily)."""
+    from megatron.core import tensor_parallel
     from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
 
     class PackedDotProductAttention(DotProductAttention):  # type: ignore[misc, unused-ignore]
         """Local core attention; packed ``thd`` input is attended sequence by sequence."""
@@ -50,30 +57,53 @@ def packed_dot_product_attention() -> type:
         ) -> torch.Tensor:
             """``query`` ``[t, heads, dim]``, ``key``/``value`` ``[t, groups, dim]`` ->
             ``[t, heads * dim]``, causal inside each ``cu_seqlens_q`` segment."""
-            if params.qkv_format != "thd" or self.softmax_offset is not None:
+            if (
+                params.qkv_format != "thd"
+                or self.softmax_offset is not None
+                or self.attn_mask_type != AttnMaskType.causal
+            ):
                 raise ConfigError(
-                    "packed micro-batches on megatron's local layer spec support the thd layout "
-                    "with vanilla softmax only"
+                    "packed micro-batches on megatron's local layer spec support causal "
+                    "self-attention in the thd layout with vanilla softmax only"
                 )
             scale = self.softmax_scale
             if self.config.apply_query_key_layer_scaling:  # the softmax multiplies it back
                 scale *= self.layer_number
+            # the local path's own choice for this layer (window_size, window_attn_skip_freq)
+            window: tuple[int, int] | None = self.scale_mask_softmax.window_size
+            dropout = self.attention_dropout.p if self.training else 0.0
+            # as the local path: each tensor-parallel rank draws its own dropout (its heads)
+            random = (
+                tensor_parallel.get_cuda_rng_tracker().fork()
+                if dropout and not self.config.sequence_parallel
+                else contextlib.nullcontext()
+            )
             bounds = params.cu_seqlens_q.tolist()
             pieces = []
-            for start, end in itertools.pairwise(bounds):
-                # [s, heads, dim] -> [1, heads, s, dim]: 4-D input lets the CPU pick its fused
-                # (flash) kernel, which also skips the causal half
-                q, k, v = (x[start:end].transpose(0, 1)[None] for x in (query, key, value))
-                out = F.scaled_dot_product_attention(
-                    q,
-                    k,
-                    v,
-                    dropout_p=self.attention_dropout.p if self.training else 0.0,
-                    is_causal=True,
-                    scale=scale,
-                    enable_gqa=k.shape[1] != q.shape[1],
-                )
-                pieces.append(out[0].transpose(0, 1))
+            with random:
+                for start, end in itertools.pairwise(bounds):
+                    # [s, heads, dim] -> [1, heads, s, dim]: 4-D input lets the CPU pick its
+                    # fused (flash) kernel, which also skips the causal half
+                    q, k, v = (x[start:end].transpose(0, 1)[None] for x in (query, key, value))
+                    out = F.scaled_dot_product_attention(
+                        q,
+                        k,
+                        v,
+                        attn_mask=None if window is None else _window(end - start, window, q),
+                        dropout_p=dropout,
+                        is_causal=window is None,
+                        scale=scale,
+                        enable_gqa=k.shape[1] != q.shape[1],
+                    )
+                    pieces.append(out[0].transpose(0, 1))
             return torch.cat(pieces).reshape(query.shape[0], -1)
 
     return PackedDotProductAttention
+
+
+def _window(length: int, window: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+    """Which keys each query of a ``length``-token sequence sees under megatron's sliding window
+    ``(left, right)``: keys ``i - left`` to ``i + right`` (True: attended), as its local mask."""
+    offsets = torch.arange(length, device=like.device)
+    relative = offsets[None, :] - offsets[:, None]  # key - query
+    return (relative >= -window[0]) & (relative <= window[1])

@@ -175,6 +175,16 @@ def test_train_reads_jsonl_data_and_writes_metrics_and_a_plot(tmp_path: Path) ->
         ('{"input_ids": [1, 2], "returns": [0.5]}\n', "'returns' must be a list as long as"),
         ('{"input_ids": [1, 2], "returns": [0, 1]}\nnot json\n', ":2 is not JSON"),
         ("", "holds no records"),
+        # checked when read, not when a step first draws the record
+        ('{"input_ids": [1, 2.7], "returns": [0, 1]}\n', ":1: 'input_ids' holds 2.7"),
+        ('{"input_ids": [1, 128], "returns": [0, 1]}\n', "holds 128; token ids are ints in [0, "),
+        ('{"input_ids": [1, 2], "returns": [0, "x"]}\n', "'returns' holds 'x'"),
+        ('{"input_ids": [1, 2], "returns": [0, 1], "loss_mask": [0, 2]}\n', "must be 0 or 1"),
+        (
+            '{"input_ids": [1, 2], "returns": [0, 1]}\n'
+            + json.dumps({"input_ids": [1] * 300, "returns": [0] * 300}),
+            ":2: 300 tokens, more than the model's max_sequence_length",
+        ),
     ],
 )
 def test_train_rejects_bad_jsonl_data_naming_the_line(
@@ -186,6 +196,22 @@ def test_train_rejects_bad_jsonl_data_naming_the_line(
     data.write_text(content)
     assert main(["train", "--head", "value", "--data", str(data), "--device", "cpu"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_train_refuses_sequences_over_the_token_budget_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from engine.cli import main
+
+    budget = ["--packing", "--max-tokens-per-micro-batch", "8", "--device", "cpu"]
+    data = tmp_path / "data.jsonl"
+    rows = [{"input_ids": [1] * n, "returns": [0.0] * n} for n in (4, 9, 3, 5)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = ["train", "--head", "value", "--data", str(data), "--batch-size", "2", *budget]
+    assert main(args) == 2
+    assert ":2: 9 tokens, more than max_tokens_per_micro_batch (8)" in capsys.readouterr().err
+    assert main(["train", "--max-length", "9", *budget]) == 2
+    assert "--max-length 9 exceeds max_tokens_per_micro_batch (8)" in capsys.readouterr().err
 
 
 def test_train_refuses_to_overwrite_an_earlier_runs_metrics(

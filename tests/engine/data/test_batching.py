@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -52,6 +53,12 @@ def test_fixed_micro_batches_pad_to_their_own_longest_and_restore_input_order(
     )
     for original, back in zip(batch["input_ids"].unbind(), restored["ids"].unbind(), strict=True):
         assert torch.equal(original.float(), back)
+
+
+@pytest.mark.parametrize("row", [[1, 2.7, 3], [1.0, 2.0], [True, False]])
+def test_from_token_lists_refuses_token_ids_that_are_not_integers(row: list[Any]) -> None:
+    with pytest.raises(BatchError, match="sequence 1: token ids must be integers"):
+        from_token_lists([[1, 2], row])
 
 
 def test_from_token_lists_rejects_per_token_fields_of_other_lengths() -> None:
