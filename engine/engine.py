@@ -57,10 +57,10 @@ from strategies.backends.base import (
     require,
 )
 from strategies.devices.base import DevicePlatform
+from strategies.distributed import all_reduce_values, world_size
 
 if TYPE_CHECKING:
     from engine.checkpointing import AsyncSave
-from strategies.distributed import all_reduce_values, world_size
 
 
 class Engine:

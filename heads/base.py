@@ -144,9 +144,7 @@ def check_results(
     batch, length = input_ids.shape
     packed = ctx.cu_seqlens if ctx is not None else None
     sequences = batch if packed is None else len(packed) - 1
-    starts = (
-        packed[:-1].to(device=input_ids.device, dtype=torch.long) if packed is not None else None
-    )
+    starts = packed[:-1].long() if packed is not None else None
     for key, granularity in declared.items():
         value = results[key]
         expected = [batch, length] if granularity == PER_TOKEN else [sequences]
