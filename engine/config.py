@@ -118,6 +118,10 @@ class EngineConfig:
     dtype: str = attrs.field(default="float32", validator=one_of("float32", "bfloat16"))
     #: Optimizer steps the LR schedule is laid out over (when the schedule has no decay_steps).
     total_steps: int = int_field(1000)
+    #: Mixture-of-experts router replay: every forward also returns ``routed_experts`` (the
+    #: experts each token went to, per MoE layer), and a batch carrying ``routed_experts`` is
+    #: routed exactly that way (needs a backend with the ``router_replay`` ability).
+    router_replay: bool = bool_field(False)
     head: dict[str, Any] = attrs.field(factory=dict, converter=_part_options)
     backend: dict[str, Any] = attrs.field(factory=dict, converter=_part_options)
     device: dict[str, Any] = attrs.field(factory=dict, converter=_part_options)

@@ -31,7 +31,8 @@ def _path_or_none(value: Any) -> Any:
 
 @attrs.frozen(kw_only=True)
 class ModelConfig:
-    """A decoder-only transformer (Llama family: RoPE, RMSNorm, SwiGLU, optional GQA)."""
+    """A decoder-only transformer (Llama family: RoPE, RMSNorm, SwiGLU, optional GQA), dense or
+    mixture-of-experts (``num_experts``: every layer's MLP is a set of routed SwiGLU experts)."""
 
     vocab_size: int = int_field(128)
     hidden_size: int = int_field(64)
@@ -54,6 +55,24 @@ class ModelConfig:
     rope_scaling_factor: float | None = attrs.field(
         default=None, validator=attrs.validators.optional([of_type((int, float)), finite, positive])
     )
+    #: Mixture of experts: routed experts in every layer's MLP (None: a dense model).
+    num_experts: int | None = optional_int_field()
+    #: Experts each token is routed to (top-k).
+    experts_per_token: int = int_field(2)
+    #: Each routed expert's FFN size (default: ``ffn_hidden_size``).
+    expert_ffn_hidden_size: int | None = optional_int_field()
+    #: FFN size of a shared expert every token also goes through (None: no shared expert).
+    shared_expert_ffn_hidden_size: int | None = optional_int_field()
+    #: How router logits become scores: ``softmax`` over all experts, or ``sigmoid`` per expert.
+    router_score_function: str = attrs.field(
+        default="softmax", validator=one_of("softmax", "sigmoid")
+    )
+    #: Renormalise the chosen experts' scores to sum to 1 (Mixtral, Qwen3-MoE ``norm_topk_prob``).
+    normalize_expert_weights: bool = bool_field(True)
+    #: Load-balancing loss coefficient (Switch/GShard auxiliary loss, per micro-batch).
+    router_aux_loss_coeff: float = float_field(0.0)
+    #: Router z-loss coefficient (penalises large router logits).
+    router_z_loss_coeff: float = float_field(0.0)
     #: A local Hugging Face checkpoint directory the weights are loaded from.
     hf_path: str | None = attrs.field(
         default=None,
@@ -67,6 +86,18 @@ class ModelConfig:
     )
 
     def __attrs_post_init__(self) -> None:
+        if self.num_experts is not None and self.experts_per_token > self.num_experts:
+            raise ConfigError(
+                f"ModelConfig.experts_per_token ({self.experts_per_token}) must be <= "
+                f"num_experts ({self.num_experts})"
+            )
+        if self.num_experts is None:
+            for name in ("expert_ffn_hidden_size", "shared_expert_ffn_hidden_size"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(
+                        f"ModelConfig.{name} describes experts, but num_experts is None (a dense "
+                        "model); set num_experts"
+                    )
         groups = self.num_query_groups
         if groups is not None and self.num_attention_heads % groups:
             raise ConfigError(
@@ -82,6 +113,14 @@ class ModelConfig:
     @property
     def resolved_ffn_hidden_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    @property
+    def resolved_expert_ffn_hidden_size(self) -> int:
+        return self.expert_ffn_hidden_size or self.resolved_ffn_hidden_size
 
 
 #: Named model descriptions; ``tiny`` runs a training step in milliseconds on a laptop CPU.
@@ -103,6 +142,20 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         num_query_groups=4,
         ffn_hidden_size=1408,
         max_sequence_length=1024,
+    ),
+    # A tiny mixture of experts: 4 experts of FFN 64, 2 per token (about the active size of tiny).
+    "moe": ModelConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        max_sequence_length=256,
+        num_experts=4,
+        experts_per_token=2,
+        expert_ffn_hidden_size=64,
+        router_aux_loss_coeff=0.01,
     ),
 }
 
@@ -198,3 +251,5 @@ class PartsConfig(Protocol):
     def forward_only(self) -> bool: ...
     @property
     def total_steps(self) -> int: ...
+    @property
+    def router_replay(self) -> bool: ...

@@ -275,6 +275,8 @@ def enable_megatron_cpu_compat() -> None:
         "distributed", "dist_checkpointing", "dist_checkpointing.serialization",
         "dist_checkpointing.strategies.torch", "dist_checkpointing.strategies.fully_parallel",
         "dist_checkpointing.exchange_utils", "dist_checkpointing.tensor_aware_state_dict",
+        "transformer.moe.moe_utils", "transformer.moe.router", "transformer.moe.experts",
+        "transformer.moe.token_dispatcher", "transformer.moe.moe_layer",
     )  # fmt: skip
     mod: dict[str, Any] = {n: importlib.import_module(f"megatron.core.{n}") for n in names}
     _install_torch_view()
@@ -318,4 +320,31 @@ def enable_megatron_cpu_compat() -> None:
     for name in ("dist_checkpointing", "dist_checkpointing.serialization"):
         for fn in ("save", "load"):
             setattr(mod[name], fn, run_scoped(getattr(mod[name], fn)))
+    _enable_moe(mod["transformer.moe.moe_utils"], mod["transformer.moe.token_dispatcher"])
     _state["enabled"] = True
+
+
+class _HostStream:
+    """Stands in for the CUDA stream megatron's all-to-all dispatcher copies split sizes on."""
+
+
+def _enable_moe(moe_utils: Any, dispatcher: Any) -> None:
+    """Mixture-of-experts layers on CPU: the router's gating GEMM falls back to torch (the
+    module reads ``te_general_gemm``, defined only when TransformerEngine imports), and the
+    all-to-all dispatcher takes its split sizes as host lists without a side stream."""
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    alltoall = dispatcher.MoEAlltoAllTokenDispatcher
+    alltoall.cuda_dtoh_stream = _HostStream()  # __init__ creates a torch.cuda.Stream otherwise
+    alltoall._maybe_dtoh_and_synchronize = _host_splits
+
+
+def _host_splits(self: Any, point: str, tokens_per_expert: Any = None) -> Any:
+    """The dispatcher's device-to-host step on CPU: nothing to copy or wait for, but gloo's
+    ``all_to_all_single`` takes split sizes as lists of ints."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name, None)
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.tolist())
+    return tokens_per_expert

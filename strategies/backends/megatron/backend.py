@@ -99,11 +99,7 @@ class MegatronBackend:
                 "virtual_pipeline_parallel_size needs pipeline_parallel_size > 1 (it splits each "
                 "pipeline stage into interleaved chunks)"
             )
-        if parallel.expert_parallel_size > 1:
-            raise ConfigError(
-                f"expert_parallel_size={parallel.expert_parallel_size} needs a mixture-of-experts "
-                "model; ModelConfig describes dense models only"
-            )
+        check_experts(config, world_size)
         uses_transformer_engine(self.layer_spec, parallel)
         check_transformer_overrides(self.transformer_overrides)
         if config.model.max_sequence_length <= 1:
@@ -398,6 +394,51 @@ class MegatronBackend:
     @override
     def __repr__(self) -> str:
         return f"{type(self).__name__}(layer_spec={self.layer_spec!r})"
+
+
+def check_experts(config: PartsConfig, world_size: int) -> None:
+    """What the megatron backend needs of a mixture-of-experts model and its layout."""
+    parallel, model = config.parallel, config.model
+    ep, tp, pp = (
+        parallel.expert_parallel_size,
+        parallel.tensor_parallel_size,
+        parallel.pipeline_parallel_size,
+    )
+    if model.num_experts is None:
+        if ep > 1:
+            raise ConfigError(
+                f"ParallelConfig.expert_parallel_size={ep} needs a mixture-of-experts model "
+                "(ModelConfig.num_experts is None)"
+            )
+        return
+    if model.num_experts % ep:
+        raise ConfigError(
+            f"ModelConfig.num_experts ({model.num_experts}) must be divisible by "
+            f"expert_parallel_size ({ep})"
+        )
+    if world_size % (ep * tp * pp):
+        raise ConfigError(
+            f"expert ({ep}) x tensor ({tp}) x pipeline ({pp}) parallel size must divide the world "
+            f"size {world_size} (experts are split over data-parallel ranks)"
+        )
+    for what, size in (
+        ("expert_ffn_hidden_size", model.resolved_expert_ffn_hidden_size),
+        ("shared_expert_ffn_hidden_size", model.shared_expert_ffn_hidden_size or 0),
+    ):
+        if size % tp:
+            raise ConfigError(
+                f"ModelConfig.{what} ({size}) must be divisible by tensor_parallel_size ({tp})"
+            )
+    if ep > 1 and tp > 1 and not parallel.sequence_parallel:
+        raise ConfigError(
+            "expert_parallel_size > 1 with tensor_parallel_size > 1 needs sequence_parallel "
+            "(megatron's rule for expert and tensor parallelism together)"
+        )
+    if model.router_score_function == "sigmoid" and not model.normalize_expert_weights:
+        raise ConfigError(
+            "ModelConfig.normalize_expert_weights=False with router_score_function='sigmoid' is "
+            "not supported by the megatron backend (megatron renormalises sigmoid top-k scores)"
+        )
 
 
 def check_micro_batch_count(sizes: list[int], model_config: Any) -> None:

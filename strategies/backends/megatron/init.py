@@ -23,6 +23,7 @@ from strategies.config import PartsConfig
 from strategies.init import normal_from_name
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 _SCALED_OUTPUTS = ("linear_proj.weight", "linear_fc2.weight")
 _EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -34,8 +35,6 @@ def initialize_parameters(
     of ``only``) from (seed, global name)."""
     from megatron.core import parallel_state as ps
 
-    tp_size = ps.get_tensor_model_parallel_world_size()
-    tp_rank = ps.get_tensor_model_parallel_rank()
     std = config.model.init_method_std
     scaled_std = std / math.sqrt(2.0 * config.model.num_layers)
     with torch.no_grad():
@@ -45,6 +44,7 @@ def initialize_parameters(
             if param.dim() == 1:
                 param.fill_(1.0 if global_name.endswith("weight") else 0.0)
                 continue
+            tp_rank, tp_size = tensor_parallel_place(global_name)
             full_shape = list(param.shape)
             parallel = bool(getattr(param, "tensor_model_parallel", False)) and tp_size > 1
             dim = int(getattr(param, "partition_dim", 0))
@@ -60,11 +60,41 @@ def initialize_parameters(
 
 
 def global_parameters(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """Parameters named as in the single-process model (global layer numbers; the last
-    pipeline stage's copy of a tied embedding under the embedding's name)."""
+    """Parameters named as in the single-process model (global layer numbers; global expert
+    numbers under expert parallelism; the last pipeline stage's copy of a tied embedding under
+    the embedding's name)."""
     layer_numbers = _global_layer_numbers(chunk)
+    expert_offset = _expert_offset(chunk)
     for name, param in chunk.named_parameters():
-        yield _global_name(name, param, layer_numbers), param
+        yield _global_name(name, param, layer_numbers, expert_offset), param
+
+
+def is_expert_parameter(global_name: str) -> bool:
+    """Whether the parameter belongs to a routed expert (split over expert-parallel ranks)."""
+    return _EXPERT.search(global_name) is not None
+
+
+def tensor_parallel_place(global_name: str) -> tuple[int, int]:
+    """(rank, size) of the tensor-parallel group that shards this parameter: routed experts
+    are sharded over megatron's expert tensor-parallel group, everything else over the
+    tensor-parallel group."""
+    from megatron.core import parallel_state as ps
+
+    if is_expert_parameter(global_name):
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+def _expert_offset(chunk: torch.nn.Module) -> int:
+    """Global number of this rank's first local expert (0 without expert parallelism)."""
+    from megatron.core import parallel_state as ps
+
+    config = getattr(chunk, "config", None)
+    experts = getattr(config, "num_moe_experts", None)
+    if not experts:
+        return 0
+    size = ps.get_expert_model_parallel_world_size()
+    return ps.get_expert_model_parallel_rank() * (experts // size)
 
 
 def _shard(full: torch.Tensor, dim: int, stride: int, rank: int, size: int) -> torch.Tensor:
@@ -86,9 +116,15 @@ def _global_layer_numbers(chunk: torch.nn.Module) -> dict[int, int]:
     return {index: int(layer.layer_number) for index, layer in enumerate(layers)}
 
 
-def _global_name(name: str, param: torch.nn.Parameter, layer_numbers: dict[int, int]) -> str:
+def _global_name(
+    name: str, param: torch.nn.Parameter, layer_numbers: dict[int, int], expert_offset: int
+) -> str:
     if getattr(param, "shared_embedding", False):
         return _EMBEDDING  # the last stage's copy of a tied embedding
+    expert = _EXPERT.search(name)
+    if expert and expert_offset:
+        number = int(expert.group(1)) + expert_offset
+        name = f"{name[: expert.start(1)]}{number}{name[expert.end(1) :]}"
     match = _LAYER.match(name)
     if match:
         number = layer_numbers[int(match.group(1))]

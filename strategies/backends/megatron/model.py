@@ -17,9 +17,11 @@ from strategies.backends.megatron.init import initialize_parameters
 from strategies.config import ParallelConfig, PartsConfig
 
 
-def transformer_config(config: PartsConfig, overrides: Mapping[str, Any] | None = None) -> Any:
-    """Megatron's TransformerConfig for a Llama-family model (RoPE, RMSNorm, SwiGLU, GQA), with
-    the backend's ``transformer_overrides`` on top."""
+def transformer_config(
+    config: PartsConfig, overrides: Mapping[str, Any] | None = None, *, use_te: bool = False
+) -> Any:
+    """Megatron's TransformerConfig for a Llama-family model (RoPE, RMSNorm, SwiGLU, GQA; dense
+    or mixture-of-experts), with the backend's ``transformer_overrides`` on top."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     model, parallel = config.model, config.parallel
@@ -69,6 +71,7 @@ def transformer_config(config: PartsConfig, overrides: Mapping[str, Any] | None 
         # attributes (``tensor_model_parallel``, ``partition_dim``) that grad norms rely on.
         "use_cpu_initialization": True,
     }
+    settings.update(moe_settings(config, use_te))
     settings.update(overrides or {})
     try:
         return TransformerConfig(**settings)
@@ -76,9 +79,94 @@ def transformer_config(config: PartsConfig, overrides: Mapping[str, Any] | None 
         raise ConfigError(f"megatron rejected the model config: {error}") from error
 
 
+def moe_settings(config: PartsConfig, use_te: bool) -> dict[str, Any]:
+    """TransformerConfig fields of a mixture-of-experts ModelConfig (none for a dense one)."""
+    model = config.model
+    if model.num_experts is None:
+        return {}
+    softmax = model.router_score_function == "softmax"
+    return {
+        "num_moe_experts": model.num_experts,
+        "moe_router_topk": model.experts_per_token,
+        "moe_ffn_hidden_size": model.resolved_expert_ffn_hidden_size,
+        "moe_shared_expert_intermediate_size": model.shared_expert_ffn_hidden_size,
+        "moe_router_score_function": model.router_score_function,
+        # softmax over the chosen experts' logits == softmax over all, then renormalised
+        "moe_router_pre_softmax": softmax and not model.normalize_expert_weights,
+        "moe_router_load_balancing_type": "aux_loss" if model.router_aux_loss_coeff else "none",
+        "moe_aux_loss_coeff": model.router_aux_loss_coeff,
+        "moe_z_loss_coeff": model.router_z_loss_coeff or None,
+        "moe_router_dtype": "fp32",
+        "moe_grouped_gemm": use_te,
+        "moe_permute_fusion": False,
+        "moe_router_fusion": False,
+    }
+
+
+#: TransformerConfig fields the engine sets from its own configs, or that decide which layer
+#: spec is built: an override would be accepted by megatron and silently not honoured (or would
+#: desynchronise the model from what initialisation, checkpoints and Hugging Face export assume).
+#: Each maps to where to set it instead.
+ENGINE_OWNED_FIELDS: dict[str, str] = {
+    **{
+        name: f"ModelConfig.{field}"
+        for name, field in (
+            ("num_layers", "num_layers"),
+            ("hidden_size", "hidden_size"),
+            ("num_attention_heads", "num_attention_heads"),
+            ("num_query_groups", "num_query_groups"),
+            ("kv_channels", "head_dim"),
+            ("add_qkv_bias", "add_qkv_bias"),
+            ("qk_layernorm", "qk_layernorm"),
+            ("ffn_hidden_size", "ffn_hidden_size"),
+            ("layernorm_epsilon", "norm_epsilon"),
+            ("init_method_std", "init_method_std"),
+            ("num_moe_experts", "num_experts"),
+            ("moe_router_topk", "experts_per_token"),
+            ("moe_ffn_hidden_size", "expert_ffn_hidden_size"),
+            ("moe_shared_expert_intermediate_size", "shared_expert_ffn_hidden_size"),
+            ("moe_router_score_function", "router_score_function"),
+            ("moe_router_pre_softmax", "normalize_expert_weights"),
+            ("moe_aux_loss_coeff", "router_aux_loss_coeff"),
+            ("moe_router_load_balancing_type", "router_aux_loss_coeff"),
+            ("moe_z_loss_coeff", "router_z_loss_coeff"),
+        )
+    },
+    **{
+        name: f"ParallelConfig.{field}"
+        for name, field in (
+            ("tensor_model_parallel_size", "tensor_parallel_size"),
+            ("pipeline_model_parallel_size", "pipeline_parallel_size"),
+            ("virtual_pipeline_model_parallel_size", "virtual_pipeline_parallel_size"),
+            ("context_parallel_size", "context_parallel_size"),
+            ("expert_model_parallel_size", "expert_parallel_size"),
+            ("expert_tensor_parallel_size", "tensor_parallel_size (experts use the same)"),
+            ("sequence_parallel", "sequence_parallel"),
+        )
+    },
+    "params_dtype": "EngineConfig.dtype",
+    "pipeline_dtype": "EngineConfig.dtype",
+    "bf16": "EngineConfig.dtype",
+    "fp16": "EngineConfig.dtype (float32 or bfloat16)",
+    "calculate_per_token_loss": "the loss function (losses normalise by global token counts)",
+    "variable_seq_lengths": "the engine (micro-batches have their own lengths)",
+    "moe_grouped_gemm": "MegatronBackend.layer_spec (transformer_engine: grouped GEMM)",
+    "moe_enable_routing_replay": "EngineConfig.router_replay",
+    "normalization": "nothing: the engine builds RMSNorm models",
+    "gated_linear_unit": "nothing: the engine builds SwiGLU models",
+    "add_bias_linear": "nothing: the engine builds models without linear biases",
+    "multi_latent_attention": "nothing: the layer spec has no multi-latent attention",
+    "moe_layer_freq": "nothing: every layer of a mixture-of-experts model is one",
+    "mtp_num_layers": "nothing: multi-token prediction layers are not built",
+    "qk_l2_norm": "nothing: the layer spec does not build it",
+    "heterogeneous_block_specs": "nothing: every layer has the same spec",
+}
+
+
 def check_transformer_overrides(overrides: Mapping[str, Any]) -> None:
-    """Every key names a field of megatron's TransformerConfig (ConfigError listing the
-    unknown ones), before anything is built."""
+    """Every key names a field of megatron's TransformerConfig that the backend honours
+    (ConfigError naming the key, and where to set it when the engine owns it), before anything
+    is built."""
     import dataclasses
 
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -89,6 +177,13 @@ def check_transformer_overrides(overrides: Mapping[str, Any]) -> None:
         raise ConfigError(
             f"MegatronBackend.transformer_overrides: {', '.join(map(repr, unknown))} "
             "is not a field of megatron's TransformerConfig"
+        )
+    owned = sorted(set(overrides) & set(ENGINE_OWNED_FIELDS))
+    if owned:
+        where = "; ".join(f"{name!r}: set {ENGINE_OWNED_FIELDS[name]}" for name in owned)
+        raise ConfigError(
+            f"MegatronBackend.transformer_overrides sets {', '.join(map(repr, owned))}, which "
+            f"the engine derives itself (an override would not be honoured everywhere); {where}"
         )
 
 
@@ -111,15 +206,25 @@ def uses_transformer_engine(kind: str, parallel: ParallelConfig) -> bool:
     return use_te
 
 
-def layer_spec(kind: str, parallel: ParallelConfig, qk_layernorm: bool = False) -> Any:
-    """The transformer layer spec: TransformerEngine's where available, else megatron's local
-    (with a core attention that also runs packed micro-batches)."""
+def layer_spec(
+    kind: str, parallel: ParallelConfig, qk_layernorm: bool = False, num_experts: int | None = None
+) -> Any:
+    """The transformer layer spec: TransformerEngine's where available (grouped-GEMM experts),
+    else megatron's local (sequential experts; a core attention that also runs packed
+    micro-batches)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if uses_transformer_engine(kind, parallel):
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts,
+            moe_grouped_gemm=num_experts is not None,
+            qk_layernorm=qk_layernorm,
+        )
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
-        normalization="RMSNorm", qk_layernorm=qk_layernorm
+        num_experts=num_experts,
+        moe_grouped_gemm=False,
+        normalization="RMSNorm",
+        qk_layernorm=qk_layernorm,
     )
     # The local DotProductAttention refuses packed (thd) micro-batches; this one runs both.
     spec.submodules.self_attention.submodules.core_attention = packed_dot_product_attention()
@@ -157,10 +262,11 @@ def build_gpt_model(
 
     model_config = config.model
     tie = spec.allow_tied_embeddings and model_config.tie_embeddings
+    use_te = uses_transformer_engine(layer_spec_kind, config.parallel)
     model = GPTModel(
-        config=transformer_config(config, overrides),
+        config=transformer_config(config, overrides, use_te=use_te),
         transformer_layer_spec=layer_spec(
-            layer_spec_kind, config.parallel, model_config.qk_layernorm
+            layer_spec_kind, config.parallel, model_config.qk_layernorm, model_config.num_experts
         ),
         vocab_size=model_config.vocab_size,
         max_sequence_length=model_config.max_sequence_length,
