@@ -33,7 +33,6 @@ def initialize_parameters(
 ) -> None:
     """Re-draw every parameter of a GPTModel chunk (or those whose global name starts with one
     of ``only``) from (seed, global name)."""
-    from megatron.core import parallel_state as ps
 
     std = config.model.init_method_std
     scaled_std = std / math.sqrt(2.0 * config.model.num_layers)
