@@ -21,6 +21,7 @@ from tensordict import TensorDict
 from engine.config import EngineConfig, coerce_config
 from engine.data.batching import (
     INPUT_IDS,
+    ROUTED_EXPERTS,
     MicroBatch,
     fields,
     first_non_finite,
@@ -33,6 +34,7 @@ from engine.data.batching import (
     validate_batch,
 )
 from engine.data.micro_batching import MicroBatchPlan, plan_fixed, plan_for_data_parallel
+from engine.data.routing import check_routed_experts
 from engine.losses.contract import (
     SCORED_TOKENS,
     SEQUENCES,
@@ -54,6 +56,8 @@ from strategies.backends.base import (
     HuggingFaceExport,
     Offloading,
     Packing,
+    RouterReplay,
+    RouterStatistics,
     require,
 )
 from strategies.devices.base import DevicePlatform
@@ -130,6 +134,13 @@ class Engine:
             require(self.backend, Offloading)  # config.offload asks for it
         if self.config.packing:
             require(self.backend, Packing).check_packing(self.config)
+        if self.config.router_replay:
+            if not self.config.model.is_moe:
+                raise ConfigError(
+                    "EngineConfig.router_replay needs a mixture-of-experts model "
+                    "(ModelConfig.num_experts is None)"
+                )
+            require(self.backend, RouterReplay).check_router_replay(self.config)
         self.backend.validate(self.config, int(os.environ.get("WORLD_SIZE", "1")))
 
     def initialize(self) -> Engine:
@@ -271,6 +282,11 @@ class Engine:
         grad_context = torch.no_grad() if forward_only else contextlib.nullcontext()
         with grad_context:
             self.backend.forward_backward(micro_batches, consume, forward_only)
+        if self.config.router_replay:  # collective: before the ranks without outputs leave
+            routes = require(self.backend, RouterReplay).recorded_routes()
+            for produced_here, routed in zip(produced, routes, strict=True):
+                if return_outputs:
+                    produced_here[ROUTED_EXPERTS] = routed
         if not self.backend.holds_outputs():
             return {"model_output": None, "loss": [], "metrics": {}}
         per_sequence = [key for key, kind in self.head.outputs.items() if kind == PER_SEQUENCE]
@@ -310,6 +326,7 @@ class Engine:
                     max_length=model.max_sequence_length,
                 )
             )
+            check_routed_experts(rows, model, replay=self.config.router_replay)
         except BatchError as error:
             failure = error
         group = self._data_parallel_group_if_any() if every_rank else None
@@ -373,6 +390,8 @@ class Engine:
         summary: dict[str, float | str] = {
             name: sum(values) / len(values) for name, values in result["metrics"].items() if values
         }
+        if isinstance(self.backend, RouterStatistics):  # collective: on every rank
+            summary.update(self.backend.router_statistics())
         if self.backend.holds_outputs():
             summary["loss"] = self._data_parallel_sum(sum(result["loss"]))
         summary.update(

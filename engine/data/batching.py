@@ -21,6 +21,8 @@ from heads.errors import BatchError
 
 INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
+#: Router replay's field: the experts each token is routed to, per MoE layer.
+ROUTED_EXPERTS = "routed_experts"
 
 
 def jagged(rows: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -161,6 +163,11 @@ class MicroBatch:
     @property
     def attention_mask(self) -> torch.Tensor:
         return self.data[ATTENTION_MASK]
+
+    @property
+    def routed_experts(self) -> torch.Tensor | None:
+        """Router replay: the experts to route each token to, ``[b, s, moe_layers, top_k]``."""
+        return self.data.get(ROUTED_EXPERTS) if ROUTED_EXPERTS in self.data.keys() else None
 
     @property
     def lengths(self) -> torch.Tensor:

@@ -48,6 +48,14 @@ class MicroBatch(Protocol):
     def attention_mask(self) -> torch.Tensor: ...
     @property
     def cu_seqlens(self) -> torch.Tensor | None: ...
+    @property
+    def routed_experts(self) -> torch.Tensor | None:
+        """Routes to force (router replay), right-padded ``[b, s, moe_layers, top_k]``."""
+        ...
+
+    def unpack(self, row: torch.Tensor) -> torch.Tensor:
+        """A packed per-token result ``[1, T, ...]`` -> right-padded ``[b, s, ...]``."""
+        ...
 
 
 #: Called by the backend with each micro-batch's index and raw model output, on the ranks that
@@ -206,6 +214,34 @@ class Packing(Protocol):
         ...
 
 
+@runtime_checkable
+class RouterReplay(Protocol):
+    """Ability: mixture-of-experts router replay (``EngineConfig.router_replay``): every
+    forward records the experts each token went to, and a micro-batch carrying
+    ``routed_experts`` is routed exactly that way, each forced expert weighted by the live
+    router scores."""
+
+    def check_router_replay(self, config: PartsConfig) -> None:
+        """ConfigError when this configuration cannot replay routes (before any build)."""
+        ...
+
+    def recorded_routes(self) -> list[torch.Tensor]:
+        """The last ``forward_backward``'s routes per micro-batch, right-padded
+        ``[b, s, moe_layers, top_k]`` int64 (collective over the model-parallel ranks; what
+        ranks that hold no outputs get is unspecified)."""
+        ...
+
+
+@runtime_checkable
+class RouterStatistics(Protocol):
+    """Ability: per mixture-of-experts layer statistics of the last training step."""
+
+    def router_statistics(self) -> dict[str, float]:
+        """Metrics per MoE layer since the last call (e.g. aux loss, load balance); empty for
+        a dense model (collective over the model-parallel ranks)."""
+        ...
+
+
 #: What ``Offloading`` moves: the names ``Engine.to`` and ``OffloadConfig`` use.
 OFFLOAD_PARTS = ("model", "optimizer", "grad")
 
@@ -216,6 +252,8 @@ ABILITIES: dict[str, type] = {
     "huggingface_export": HuggingFaceExport,
     "offload": Offloading,
     "packing": Packing,
+    "router_replay": RouterReplay,
+    "router_statistics": RouterStatistics,
 }
 
 

@@ -29,7 +29,9 @@ from strategies.backends.megatron.optimizer import (
     build_scheduler,
     step_with_grad_norm,
 )
-from strategies.config import ParallelConfig, PartsConfig
+from strategies.backends.megatron.routing import Routing
+from strategies.config import ModelConfig, ParallelConfig, PartsConfig
+from strategies.distributed import all_reduce_values
 from strategies.megatron_version import check_megatron_version
 from strategies.offload import OffloadedParts
 from strategies.publish import FileChecksums
@@ -64,6 +66,13 @@ class MegatronBackend:
     _head_context: HeadContext = attrs.field(factory=HeadContext, init=False)
     #: Host copies of the state an asynchronous save writes, reused by the next one.
     _staging_buffers: dict[Any, torch.Tensor] = attrs.field(factory=dict, init=False)
+    _model: ModelConfig | None = attrs.field(default=None, init=False)
+    #: Mixture-of-experts routers (load statistics, router replay); empty for a dense model.
+    _routing: Routing = attrs.field(factory=lambda: Routing([], 0, 0), init=False)
+    #: The last forward_backward's micro-batches and row widths (for its recorded routes).
+    _last_run: tuple[Sequence[MicroBatch], list[int]] = attrs.field(
+        factory=lambda: ((), []), init=False
+    )
 
     # -- checks --------------------------------------------------------------------------------
     def required_capabilities(self, config: PartsConfig) -> frozenset[str]:
@@ -133,6 +142,8 @@ class MegatronBackend:
                     overrides=self.transformer_overrides,
                 ).to(device)
             )
+        self._model = config.model
+        self._routing = Routing.attach(self._chunks, record=config.router_replay)
         if config.model.hf_path is not None:
             from strategies.backends.megatron.hf.loading import load_hf_weights
 
@@ -206,11 +217,18 @@ class MegatronBackend:
         ]
         device, head_context = self._device, self._head_context
         widths = row_widths(micro_batches, config)
+        routing, chunk_of = self._routing, {id(module): i for i, module in enumerate(self._wrapped)}
+        self._last_run = (micro_batches, widths)
+        if routing.is_moe:
+            self._start_routing(micro_batches, widths, forward_only)
 
         def forward_step(iterator: Iterator[tuple[int, MicroBatch]], model: Any) -> Any:
             index, micro_batch = next(iterator)
             input_ids = micro_batch.input_ids.to(device=device, dtype=torch.long)
             length, width = input_ids.shape[1], widths[index]
+            routes = micro_batch.routed_experts
+            if routes is not None and routing.is_moe:
+                routing.force(chunk_of[id(model)], micro_batch, routes.to(device), width)
             # Padding goes at the end of each row (never inside a sequence); the head never
             # sees it: the raw output is sliced back to ``length``.
             if width > length:
@@ -236,6 +254,70 @@ class MegatronBackend:
             seq_length=max(widths),
             micro_batch_size=max(int(mb.input_ids.shape[0]) for mb in micro_batches),
             forward_only=forward_only,
+        )
+
+    def _start_routing(
+        self, micro_batches: Sequence[MicroBatch], widths: list[int], forward_only: bool
+    ) -> None:
+        """Clear the routers' records, and scale the aux and z losses for this step.
+
+        With per-token losses megatron multiplies each micro-batch's aux / z loss by the tokens
+        its routers saw and leaves the division to a finalize step that this engine replaces
+        (its losses are normalised by global counts): the coefficient is divided here by the
+        tokens every router of the step sees over the data-parallel ranks, so the gradient is
+        that of their token-weighted mean, whatever the micro-batch split or DP size."""
+        from megatron.core.transformer.moe import moe_utils
+
+        self._routing.reset()
+        moe_utils.clear_aux_losses_tracker()
+        model = self._model
+        if (
+            model is None
+            or forward_only
+            or not (model.router_aux_loss_coeff or model.router_z_loss_coeff)
+        ):
+            return
+        tokens = sum(
+            int(mb.input_ids.shape[0]) * w for mb, w in zip(micro_batches, widths, strict=True)
+        )
+        (total,) = all_reduce_values([float(tokens)], group=self.data_parallel_group())
+        for chunk in self._chunks:
+            chunk_config: Any = chunk.config  # read by the routers at every forward
+            chunk_config.moe_aux_loss_coeff = model.router_aux_loss_coeff / total
+            chunk_config.moe_z_loss_coeff = (model.router_z_loss_coeff / total) or None
+
+    def check_router_replay(self, config: PartsConfig) -> None:
+        """Routes are recorded and forced per token of whole sequences: layouts that split a
+        sequence over ranks are refused."""
+        parallel = config.parallel
+        for what, wanted in (
+            ("sequence_parallel", parallel.sequence_parallel),
+            ("context_parallel_size > 1", parallel.context_parallel_size > 1),
+        ):
+            if wanted:
+                raise ConfigError(
+                    f"EngineConfig.router_replay with {what} is not supported by the megatron "
+                    "backend (each rank routes part of every sequence)"
+                )
+
+    def recorded_routes(self) -> list[torch.Tensor]:
+        """The last forward_backward's routes per micro-batch, ``[b, s, layers, k]``."""
+        from megatron.core import parallel_state as ps
+
+        micro_batches, widths = self._last_run
+        return self._routing.recorded_routes(
+            micro_batches, widths, ps.get_pipeline_model_parallel_group()
+        )
+
+    def router_statistics(self) -> dict[str, float]:
+        """Per MoE layer: load balance (max / mean tokens per expert) and mean aux / z loss of
+        the last forward_backward."""
+        from megatron.core import parallel_state as ps
+
+        if not self._routing.is_moe:
+            return {}
+        return self._routing.statistics(
+            len(self._last_run[0]), ps.get_pipeline_model_parallel_group()
         )
 
     def check_packing(self, config: PartsConfig) -> None:

@@ -1,0 +1,221 @@
+"""Mixture-of-experts routers of a megatron model: load statistics, the aux-loss scale, and
+router replay (the experts recorded for each token in one forward are forced in later ones).
+
+Each ``TopKRouter`` of this rank's chunks gets a :class:`RouteSlot` as its ``router_replay``:
+megatron asks it for the top-k of every forward, so one object sees every routing decision
+without changing any (it calls megatron's own top-k unless a route is forced). A forced route
+takes its weights from the live scores of the forced experts, as megatron's replay does: the
+router still gets a gradient, and a drifted route never reads a zero weight.
+
+Token order is megatron's: a micro-batch's ``[b, width]`` rows run as ``[width, b]`` and the
+router sees them flattened, position-major. Routes leave and enter the engine right-padded,
+``[b, s, num_moe_layers, top_k]``, in the rows of the micro-batch.
+
+Micro-batches reach each router in order (every pipeline schedule runs a chunk's forwards, and
+its backwards, in micro-batch order), so one queue per router holds the forced routes of the
+forwards to come, and one the routes to force again when activation recompute re-runs a
+forward inside the backward pass.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from strategies.backends.base import MicroBatch
+from strategies.distributed import collective_device
+
+#: Metric names per MoE layer (0-based global layer number).
+AUX_LOSS = "router/layer_{}/aux_loss"
+Z_LOSS = "router/layer_{}/z_loss"
+LOAD = "router/layer_{}/load_max_over_mean"
+#: megatron's tracker names for the aux and z losses, and the metric each becomes.
+_TRACKED = {"load_balancing_loss": AUX_LOSS, "z_loss": Z_LOSS}
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass (activation recompute re-runs forwards
+    there)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+class RouteSlot:
+    """What one router chose, and what it is told to choose (megatron's ``router_replay``)."""
+
+    def __init__(self, layer: int, num_experts: int, record: bool) -> None:
+        self.layer = layer
+        self.num_experts = num_experts
+        self.record = record
+        #: Tokens routed to each expert since the last ``reset`` (forwards only).
+        self.load: torch.Tensor | None = None
+        self.recorded: list[torch.Tensor] = []
+        self.forced: collections.deque[torch.Tensor] = collections.deque()
+        self.forced_again: collections.deque[torch.Tensor] = collections.deque()
+
+    def get_replay_topk(
+        self,
+        scores: torch.Tensor,
+        topk: int,
+        num_groups: int | None = None,
+        group_topk: int | None = None,
+        default_compute_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k (scores, expert ids) of ``scores`` ``[tokens, experts]``, or the forced
+        experts and their live scores."""
+        recompute = _in_backward()
+        queue = self.forced_again if recompute else self.forced
+        if queue:
+            chosen = queue.popleft().to(scores.device)
+            if not recompute:
+                self.forced_again.append(chosen)
+            probs, indices = scores.gather(1, chosen), chosen
+        else:
+            assert default_compute_topk is not None
+            probs, indices = default_compute_topk(
+                scores, topk, num_groups=num_groups, group_topk=group_topk
+            )
+        if not recompute:
+            counts = torch.bincount(indices.flatten(), minlength=self.num_experts)
+            self.load = counts if self.load is None else self.load + counts
+            if self.record:
+                self.recorded.append(indices.detach())
+        return probs, indices
+
+    def reset(self) -> None:
+        self.load = None
+        self.recorded.clear()
+        self.forced.clear()
+        self.forced_again.clear()
+
+
+class Routing:
+    """The route slots of this rank's model chunks (empty for a dense model)."""
+
+    def __init__(self, slots_per_chunk: list[list[RouteSlot]], num_layers: int, top_k: int):
+        self.slots_per_chunk = slots_per_chunk
+        self.num_layers = num_layers
+        self.top_k = top_k
+
+    @classmethod
+    def attach(cls, chunks: Sequence[torch.nn.Module], record: bool) -> Routing:
+        """Give every router of ``chunks`` a slot (``record``: keep each forward's routes)."""
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        slots_per_chunk: list[list[RouteSlot]] = []
+        num_layers = top_k = 0
+        for chunk in chunks:
+            slots = []
+            for module in chunk.modules():
+                if isinstance(module, TopKRouter):
+                    slot = RouteSlot(int(module.layer_number) - 1, module.num_experts, record)
+                    module.router_replay = slot
+                    slots.append(slot)
+                    num_layers, top_k = int(module.config.num_layers), int(module.topk)
+            slots_per_chunk.append(slots)
+        return cls(slots_per_chunk, num_layers, top_k)
+
+    @property
+    def slots(self) -> list[RouteSlot]:
+        return [slot for slots in self.slots_per_chunk for slot in slots]
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_layers)
+
+    def reset(self) -> None:
+        for slot in self.slots:
+            slot.reset()
+
+    def force(self, chunk: int, micro_batch: MicroBatch, routes: torch.Tensor, width: int) -> None:
+        """Queue a micro-batch's routes ``[b, s, layers, k]`` for chunk ``chunk``'s next
+        forward, on rows of ``width`` tokens."""
+        tokens = model_order(routes, micro_batch, width)
+        for slot in self.slots_per_chunk[chunk]:
+            slot.forced.append(tokens[:, slot.layer].contiguous())
+
+    def recorded_routes(
+        self,
+        micro_batches: Sequence[MicroBatch],
+        widths: Sequence[int],
+        pipeline_group: dist.ProcessGroup | None,
+    ) -> list[torch.Tensor]:
+        """Each micro-batch's recorded routes, right-padded ``[b, s, layers, k]`` (int64);
+        every pipeline stage contributes its own layers (collective over ``pipeline_group``)."""
+        outputs = []
+        for index, (micro_batch, width) in enumerate(zip(micro_batches, widths, strict=True)):
+            rows, length = micro_batch.attention_mask.shape
+            routes = torch.zeros(rows, length, self.num_layers, self.top_k, dtype=torch.long)
+            for slot in self.slots:
+                chosen = slot.recorded[index].to("cpu", torch.long)
+                routes[:, :, slot.layer] = rows_order(chosen, micro_batch, width, length)
+            outputs.append(routes)
+        if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
+            flat = torch.cat([routes.flatten() for routes in outputs])
+            flat = flat.to(collective_device(pipeline_group))
+            dist.all_reduce(flat, group=pipeline_group)
+            flat = flat.cpu()
+            outputs = [
+                part.view_as(routes)
+                for part, routes in zip(
+                    flat.split([routes.numel() for routes in outputs]), outputs, strict=True
+                )
+            ]
+        return outputs
+
+    def statistics(self, num_forwards: int, pipeline_group: dist.ProcessGroup | None) -> dict:
+        """Per MoE layer: the load balance of the forwards since ``reset`` (the most tokens any
+        expert got over the mean) and the mean aux / z losses megatron tracked (training
+        forwards only); every pipeline stage contributes its own layers (collective)."""
+        from megatron.core.transformer.moe import moe_utils
+
+        if not self.is_moe:
+            return {}
+        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+        tracked = [name for name in _TRACKED if name in tracker]
+        values = torch.zeros(len(tracked) + 1, self.num_layers, dtype=torch.float64)
+        for slot in self.slots:
+            if slot.load is not None:
+                load = slot.load.double()
+                values[-1, slot.layer] = float(load.max() / load.mean().clamp_min(1e-30))
+        for row, name in enumerate(tracked):
+            layer_values = tracker[name]["values"].detach().double().cpu()
+            values[row] = layer_values[: self.num_layers] / max(num_forwards, 1)
+        moe_utils.clear_aux_losses_tracker()
+        if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
+            values = values.to(collective_device(pipeline_group))
+            dist.all_reduce(values, group=pipeline_group)
+            values = values.cpu()
+        metrics: dict[str, float] = {}
+        templates = [_TRACKED[name] for name in tracked] + [LOAD]
+        for row, template in enumerate(templates):
+            for layer in range(self.num_layers):
+                metrics[template.format(layer)] = float(values[row, layer])
+        return metrics
+
+
+def model_order(routes: torch.Tensor, micro_batch: MicroBatch, width: int) -> torch.Tensor:
+    """Right-padded routes ``[b, s, layers, k]`` -> ``[width * b, layers, k]``, in the order the
+    router sees the micro-batch's tokens (packed: the real tokens back to back in one row).
+    Padding is routed to experts 0..k-1 (distinct, so every token has k experts)."""
+    real = micro_batch.attention_mask.to(routes.device)
+    rows, length, layers, k = routes.shape
+    filler = torch.arange(k, device=routes.device).expand(layers, k)
+    routes = torch.where(real[..., None, None], routes, filler)
+    if micro_batch.cu_seqlens is not None:
+        tokens = routes[real]
+        return torch.cat([tokens, filler.expand(width - len(tokens), layers, k)])
+    padded = torch.cat([routes, filler.expand(rows, width - length, layers, k)], dim=1)
+    return padded.transpose(0, 1).reshape(width * rows, layers, k)
+
+
+def rows_order(
+    chosen: torch.Tensor, micro_batch: MicroBatch, width: int, length: int
+) -> torch.Tensor:
+    """Inverse of :func:`model_order` for one layer: ``[width * b, k]`` -> ``[b, s, k]``."""
+    if micro_batch.cu_seqlens is not None:
+        return micro_batch.unpack(chosen[None])
+    rows = len(chosen) // width
+    return chosen.view(width, rows, -1).transpose(0, 1)[:, :length]
