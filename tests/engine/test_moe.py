@@ -286,14 +286,19 @@ def test_routes_given_to_an_engine_without_router_replay_are_refused(
         ),
         ({"model": moe_model(num_experts=3), "parallel": {"expert_parallel_size": 2}}, "divisible"),
         (
+            {"model": moe_model(), "parallel": {"tensor_parallel_size": 2}},
+            r"mixture-of-experts model with tensor_parallel_size > 1 needs sequence_parallel",
+        ),
+        (
             {"model": moe_model(router_score_function="sigmoid", normalize_expert_weights=False)},
             r"normalize_expert_weights=False with router_score_function='sigmoid'",
         ),
     ],
 )
 def test_what_the_megatron_backend_cannot_do_is_refused_naming_the_field(
-    config: dict[str, Any], message: str
+    config: dict[str, Any], message: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as a 2-rank launch: the layouts themselves fit
     with pytest.raises(ConfigError, match=message):
         Engine.build(head="lm", backend="megatron", device="cpu", config=config)
 

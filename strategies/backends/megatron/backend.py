@@ -511,10 +511,11 @@ def check_experts(config: PartsConfig, world_size: int) -> None:
             raise ConfigError(
                 f"ModelConfig.{what} ({size}) must be divisible by tensor_parallel_size ({tp})"
             )
-    if ep > 1 and tp > 1 and not parallel.sequence_parallel:
+    if tp > 1 and not parallel.sequence_parallel and not config.forward_only:
         raise ConfigError(
-            "expert_parallel_size > 1 with tensor_parallel_size > 1 needs sequence_parallel "
-            "(megatron's rule for expert and tensor parallelism together)"
+            "training a mixture-of-experts model with tensor_parallel_size > 1 needs "
+            "sequence_parallel (megatron's MoE layer refuses it otherwise; sequence_parallel "
+            "needs the TransformerEngine layer spec); forward-only engines may use it"
         )
     if model.router_score_function == "sigmoid" and not model.normalize_expert_weights:
         raise ConfigError(

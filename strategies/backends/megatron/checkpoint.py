@@ -230,8 +230,7 @@ def _load_optimizer(optimizer: Any, state: Any) -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
-    states = [state] if len(parts) == 1 else [state[index] for index in range(len(parts))]
-    for part, part_state in zip(parts, states, strict=True):
+    for part, part_state in zip(parts, _part_states(parts, state), strict=True):
         if not isinstance(part, DistributedOptimizer):
             # megatron saves the shared step only when it is non-zero (``if step:``)
             part_state["state"].setdefault("common_step", torch.zeros((), dtype=torch.float32))
@@ -249,6 +248,47 @@ def _load_optimizer(optimizer: Any, state: Any) -> None:
         finally:
             for param, step in steps.items():  # megatron hands every parameter one shared
                 inner_state[param]["step"] = step.clone()  # tensor; Adam bumps each in place
+
+
+def _part_states(parts: Sequence[Any], state: dict[Any, Any]) -> list[dict[Any, Any]]:
+    """Each chained optimizer's loaded state. Expert parallelism splits megatron's optimizer
+    in two (dense and expert parameters): a checkpoint saved with another number of parts
+    has the right tensors (they load by parameter name) but its other entries (the shared
+    step, param groups, sharding type) under the other structure. They are taken from there,
+    and the param groups from the live optimizer: their settings come from this engine's
+    config, and the LR from the schedule restored after."""
+    if len(parts) == 1:
+        per_part, saved = [state], state.get(0, {})  # saved by several parts, or one
+    else:
+        per_part = [state[index] for index in range(len(parts))]
+        saved = {key: value for key, value in state.items() if not isinstance(key, int)}
+    if not saved:
+        return per_part
+    for part, part_state in zip(parts, per_part, strict=True):
+        live = part.state_dict()
+        for key, value in saved.items():
+            if isinstance(value, dict) and isinstance(part_state.get(key), dict):
+                for inner, inner_value in value.items():
+                    part_state[key].setdefault(inner, inner_value)
+            else:
+                part_state.setdefault(key, value)
+        if "param_groups" in live:
+            part_state["param_groups"] = _live_groups(live, part_state)
+        if "optimizer" in live and "optimizer" in part_state:
+            groups = _live_groups(live["optimizer"], part_state["optimizer"])
+            part_state["optimizer"] = {**part_state["optimizer"], "param_groups": groups}
+    return per_part
+
+
+def _live_groups(live: dict[str, Any], saved: dict[str, Any]) -> list[dict[str, Any]]:
+    """The live optimizer's param groups with the saved step count (megatron's distributed
+    optimizer keeps Adam's step in its groups)."""
+    steps = [group["step"] for group in saved.get("param_groups", []) if "step" in group]
+    groups = [dict(group) for group in live["param_groups"]]
+    if steps:
+        for group in groups:
+            group["step"] = steps[0]
+    return groups
 
 
 def _restart(optimizer: Any, scheduler: Any) -> None:

@@ -1,0 +1,211 @@
+"""Mixture-of-experts engines across processes match one process: expert and pipeline parallel
+layouts train to the same losses and weights (1e-5 after 3 steps, aux and z losses
+on), record the same routes and replay them, and a checkpoint saved at EP=2 loads at EP=1.
+
+Each step records the routes of the rank's shard (``infer_batch``) and trains on them replayed,
+so every layout trains through identical routing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from strategies.backends.megatron.init import unshard
+from tests.multiprocess import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 3
+LENGTHS = [6, 11, 3, 9, 14, 5, 8, 12]
+VOCAB = 64
+
+
+def _config(parallel: dict[str, Any], backend: dict[str, Any]) -> dict[str, Any]:
+    """Every layout uses megatron's distributed optimizer (checkpoints of one optimizer kind
+    load only into the same kind)."""
+    from tests.factories import tiny_model
+
+    model = tiny_model(
+        num_experts=4,
+        experts_per_token=2,
+        expert_ffn_hidden_size=32,
+        router_aux_loss_coeff=0.01,
+        router_z_loss_coeff=0.001,
+    )
+    return {
+        "model": model,
+        "parallel": parallel,
+        "backend": {"use_distributed_optimizer": True, **backend},
+        "micro_batch_size": 2,
+        "seed": 11,
+        "optimizer": {"lr": 1e-3},
+        "router_replay": True,
+    }
+
+
+def _parameters(engine: Any) -> dict[str, tuple[torch.Tensor, bool, int, int]]:
+    from strategies.backends.megatron.init import global_parameters
+
+    return {
+        name: (
+            param.detach().clone(),
+            bool(getattr(param, "tensor_model_parallel", False)),
+            int(getattr(param, "partition_dim", 0)),
+            int(getattr(param, "partition_stride", 1)),
+        )
+        for chunk in engine.backend.modules()
+        for name, param in global_parameters(chunk)
+    }
+
+
+def train_moe(
+    parallel: dict[str, Any], backend: dict[str, Any], save_to: str | None, load_from: str | None
+) -> dict[str, Any]:
+    """On every rank: record routes, train on them replayed, report losses, routes, weights;
+    save a checkpoint to ``save_to``; load ``load_from`` into a fresh engine and report its
+    weights before and after one more step."""
+    from megatron.core import parallel_state as ps
+
+    from engine import Engine
+    from engine.losses import sft_loss
+    from tests.factories import random_batch
+
+    engine = Engine.build(head="lm", device="cpu", config=_config(parallel, backend)).initialize()
+    dp_rank, dp_size = engine.get_data_parallel_rank(), engine.get_data_parallel_size()
+    shard = len(LENGTHS) // dp_size
+    losses, routes = [], []
+
+    def step(engine: Any, seed: int) -> None:
+        rows = random_batch(LENGTHS, VOCAB, seed=seed)[dp_rank * shard : (dp_rank + 1) * shard]
+        recorded = engine.infer_batch(rows)
+        if recorded is not None:
+            routes.append(recorded["routed_experts"].values().clone())
+        # every rank of the replica forces the routes its output rank was handed
+        rows["routed_experts"] = from_output_rank(recorded)["routed_experts"]
+        losses.append(engine.train_batch(rows, sft_loss).get("loss"))
+
+    for seed in range(STEPS):
+        step(engine, seed)
+    report: dict[str, Any] = {
+        "losses": losses,
+        "routes": routes,
+        "params": _parameters(engine),
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "dp": dp_rank,
+        "ep": ps.get_expert_model_parallel_rank(),
+        "output_rank": engine.holds_outputs(),
+    }
+    if save_to is not None:
+        engine.save_checkpoint(save_to, global_step=STEPS)
+    if load_from is not None:
+        fresh = Engine.build(head="lm", device="cpu", config=_config(parallel, backend))
+        fresh.initialize().load_checkpoint(load_from)
+        report["loaded"] = _parameters(fresh)
+        step(fresh, STEPS)  # resumes from the loaded weights and Adam state
+        report["continued"] = _parameters(fresh)
+    return report
+
+
+def from_output_rank(value: Any) -> Any:
+    """The one non-None ``value`` of this rank's model-parallel group (its output rank's)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_model_parallel_group()
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, value, group=group)
+    (found,) = [item for item in gathered if item is not None]
+    return found
+
+
+def full_parameters(reports: list[dict[str, Any]], key: str = "params") -> dict[str, torch.Tensor]:
+    """Full tensors from every rank's shards: experts from every expert-parallel rank (under
+    their global numbers), tensor-parallel shards joined; replicas must agree."""
+    by_name: dict[str, dict[int, tuple[torch.Tensor, bool, int, int]]] = {}
+    for report in reports:
+        for name, entry in report[key].items():
+            held = by_name.setdefault(name, {})
+            if report["tp"] in held:  # another data-parallel replica of the same shard
+                assert torch.equal(held[report["tp"]][0], entry[0]), name
+            held[report["tp"]] = entry
+    full = {}
+    for name, shards in by_name.items():
+        tensor, parallel, dim, stride = shards[0]
+        if parallel and len(shards) > 1:
+            tensor = unshard([shards[r][0] for r in sorted(shards)], dim, stride)
+        full[name] = tensor
+    return full
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("moe-checkpoints")
+
+
+@pytest.fixture(scope="module")
+def single_process(checkpoints: Path) -> dict[str, Any]:
+    directory = str(checkpoints / "ep1")
+    (report,) = run_ranks(train_moe, 1, {}, {}, directory, directory, timeout=180)
+    return report
+
+
+def _assert_matches(reports: list[dict[str, Any]], expected: dict[str, Any]) -> None:
+    outputs = [r for r in reports if r["output_rank"]]
+    assert outputs, "no rank reported outputs"
+    for report in outputs:
+        want = expected["losses"][:STEPS]  # (then the one process resumed for a step)
+        assert report["losses"][:STEPS] == pytest.approx(want, rel=1e-5, abs=1e-6)
+    # the output ranks' routes, in data-parallel order, are the one process's routes
+    by_dp = sorted({r["dp"]: r for r in outputs}.items())
+    for step in range(STEPS):
+        joined = torch.cat([r["routes"][step] for _, r in by_dp])
+        assert torch.equal(joined, expected["routes"][step]), f"routes of step {step}"
+    got, want = full_parameters(reports), full_parameters([expected])
+    assert set(got) == set(want)
+    for name, tensor in got.items():
+        torch.testing.assert_close(tensor, want[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.timeout(420)
+def test_expert_parallel_matches_one_process_and_checkpoints_reshard_both_ways(
+    single_process: dict[str, Any], checkpoints: Path
+) -> None:
+    reports = run_ranks(
+        train_moe,
+        2,
+        {"expert_parallel_size": 2},
+        {},
+        str(checkpoints / "ep2"),
+        str(checkpoints / "ep1"),
+        timeout=300,
+    )
+    _assert_matches(reports, single_process)
+    assert {r["ep"] for r in reports} == {0, 1}
+    # EP=1 -> EP=2: the one process's checkpoint loads into the expert-parallel engines
+    # and the next step (Adam state resharded) is the one process's next step
+    for key, exact in (("loaded", True), ("continued", False)):
+        got, want = full_parameters(reports, key), full_parameters([single_process], key)
+        for name, tensor in got.items():
+            if exact:
+                assert torch.equal(tensor, want[name]), f"{key} {name}"
+            else:
+                torch.testing.assert_close(tensor, want[name], atol=1e-5, rtol=1e-5, msg=name)
+    # EP=2 -> EP=1: the expert-parallel checkpoint loads in one process, and trains on alike
+    (back,) = run_ranks(train_moe, 1, {}, {}, None, str(checkpoints / "ep2"), timeout=180)
+    trained_at_ep2 = full_parameters(reports)
+    for name, tensor in full_parameters([back], "loaded").items():
+        assert torch.equal(tensor, trained_at_ep2[name]), name
+    want = full_parameters([single_process], "continued")
+    for name, tensor in full_parameters([back], "continued").items():
+        torch.testing.assert_close(tensor, want[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_parallel_moe_matches_one_process(single_process: dict[str, Any]) -> None:
+    """The routes of both stages' layers reach the output rank (the last stage)."""
+    parallel = {"pipeline_parallel_size": 2}
+    _assert_matches(run_ranks(train_moe, 2, parallel, {}, None, None, timeout=240), single_process)
