@@ -37,6 +37,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="ppo (GAE with a critic; the default), or critic-free: grpo, rloo, reinforce_pp "
         "(REINFORCE++ with a group-mean baseline), each sampling a group of responses per prompt",
     )
+    demo.add_argument(
+        "--model",
+        help="model preset for every role (tiny, small, moe) or a Hugging Face checkpoint "
+        "directory (default tiny)",
+    )
+    demo.add_argument(
+        "--router-replay",
+        action="store_true",
+        help="mixture-of-experts actors: record each token's experts at the old-log-prob pass "
+        "and route the updates the same way",
+    )
     demo.add_argument("--device", help="cpu, cuda, npu or auto (default auto)")
     demo.add_argument("--backend", help="backend name (default megatron)")
     demo.add_argument("--steps", type=positive_int, help="iterations (default 120)")
@@ -87,9 +98,16 @@ def demo(args: argparse.Namespace) -> int:
         for key in ("algorithm", "device", "backend", "steps", "seed", "output_dir")
         if getattr(args, key) is not None
     }
+    engine: dict[str, Any] = {}
+    if args.model is not None:
+        engine["model"] = args.model
     parallel = parallel_overrides(args)
     if parallel:
-        overrides["engine"] = {"parallel": parallel}
+        engine["parallel"] = parallel
+    if engine:
+        overrides["engine"] = engine
+    if args.router_replay:
+        overrides["actor"] = {"router_replay": True}
     config = ppo_demo.resolve_config(args.config, overrides, args.resume, args.output_dir)
     try:
         summary = ppo_demo.run(config, resume=args.resume)

@@ -58,6 +58,7 @@ from engine.cli.demo.rollout import (
     sample,
 )
 from engine.cli.progress import Column, MetricsFile, ProgressReporter, plot_metrics
+from engine.data.batching import ROUTED_EXPERTS
 from engine.losses import (
     ActorLoss,
     AdvantageEstimator,
@@ -249,7 +250,10 @@ def _iteration(
     dp_rank, dp_size = actor.get_data_parallel_rank(), actor.get_data_parallel_size()
     shard = _shard(batch, dp_rank, dp_size)
     with actor.eval_mode():
-        batch["old_log_probs"] = _gather_outputs(actor, actor.infer_batch(shard), "log_probs")
+        old = actor.infer_batch(shard)
+        batch["old_log_probs"] = _gather_outputs(actor, old, "log_probs")
+        if actor.config.router_replay:  # the updates route each token as this pass did
+            batch[ROUTED_EXPERTS] = _gather_outputs(actor, old, ROUTED_EXPERTS, torch.long)
     with reference.eval_mode():
         batch["ref_log_probs"] = _gather_outputs(
             reference, reference.infer_batch(shard), "log_probs"
@@ -275,7 +279,10 @@ def _iteration(
                 _collect(trained, "actor_", actor.train_batch(mini, training.actor_loss))
             if critic is not None:
                 with critic.train_mode():
-                    _collect(trained, "critic_", critic.train_batch(mini, training.critic_loss))
+                    values_batch = mini.exclude(ROUTED_EXPERTS)  # the actor's routes
+                    _collect(
+                        trained, "critic_", critic.train_batch(values_batch, training.critic_loss)
+                    )
     elapsed = time.perf_counter() - began
     phases["train_s"] = elapsed - sum(phases.values())
     record.update({name: sum(values) / len(values) for name, values in trained.items()})
@@ -377,11 +384,13 @@ def _shard(batch: Any, rank: int, size: int) -> Any:
     return batch[rank * share : (rank + 1) * share]
 
 
-def _gather_outputs(engine: Any, outputs: Any, key: str) -> torch.Tensor:
-    """The global batch's ``key`` output ``[B, T]`` on every rank, from the output ranks."""
+def _gather_outputs(
+    engine: Any, outputs: Any, key: str, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The global batch's ``key`` output ``[B, T, ...]`` on every rank, from the output ranks."""
     local = None
     if outputs is not None:
-        local = outputs[key].to_padded_tensor(0.0).float().cpu()
+        local = outputs[key].to_padded_tensor(0).to(dtype).cpu()
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         assert local is not None
         return local
@@ -442,7 +451,10 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
 
 def _describe_model(config: DemoConfig) -> str:
     model = config.engine_config("actor").model
-    return f"{model.num_layers} layers x {model.hidden_size} hidden, vocab {model.vocab_size}"
+    shape = f"{model.num_layers} layers x {model.hidden_size} hidden, vocab {model.vocab_size}"
+    if model.num_experts is not None:
+        shape += f", {model.num_experts} experts (top-{model.experts_per_token})"
+    return shape
 
 
 def summarise(records: list[dict[str, Any]], window: int = 10) -> dict[str, Any]:
