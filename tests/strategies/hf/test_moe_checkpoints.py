@@ -5,9 +5,11 @@ would compute differently is refused naming the field.
 
 Tiny random models (4 experts, top-2, 2 layers, hidden 64) saved with ``save_pretrained``, so
 the names on disk are the ones transformers writes even where it fuses experts in memory.
-Engines are built once per module. Measured here (float32, 4 sequences of 5-12 tokens):
-engine vs transformers <= 6e-7 (Qwen3-MoE, Mixtral; both backends), megatron vs fsdp2 <= 5e-7,
-expert parallel 2 vs transformers <= 5e-7.
+Engines are built once per module. Measured here (float32, 4 sequences of 5-12 tokens), all
+checked against 1e-4: engine vs transformers 4.8e-7 (Qwen3-MoE and Mixtral, both backends),
+megatron vs fsdp2 4.8e-7, and 9.5e-7 after one AdamW step (lr 1e-2); expert parallel 2 vs
+transformers 4.8e-7. Swapping each expert's gate and up projections moves the log-probs by
+3.6e-2 (Qwen3-MoE) and 5.4e-2 (Mixtral), so the comparison does fail when the mapping is wrong.
 """
 
 from __future__ import annotations
@@ -175,6 +177,23 @@ def test_export_is_the_checkpoint_under_its_own_names(
     }
 
 
+def test_a_training_step_agrees_across_backends(checkpoints: dict[str, Path], batch: Any) -> None:
+    """Backward through transformers' MoE modules (fsdp2) and megatron's experts alike."""
+    from engine.losses import sft_loss
+
+    after = {}
+    for backend in BACKENDS:
+        engine = build_engine(
+            checkpoints["qwen3_moe"], backend, forward_only=False, optimizer={"lr": 1e-2}
+        )
+        with engine.train_mode():
+            engine.train_batch(batch, sft_loss)
+        after[backend] = engine_log_probs(engine, batch)
+    diff = max_diff(after["megatron"], after["fsdp2"])
+    print(f"after one AdamW step: max |megatron - fsdp2| log-prob = {diff:.2e}")
+    assert diff <= TOLERANCE
+
+
 def test_a_model_from_scratch_saves_a_checkpoint_that_reads_back_alike(tmp_path: Path) -> None:
     """fsdp2 writes the config ``hf_config_for`` maps the ModelConfig to; reading that
     checkpoint back gives the same ModelConfig and, on megatron, the same log-probs."""
@@ -295,14 +314,22 @@ def test_fsdp2_refuses_what_it_cannot_run_naming_the_field(
 
 
 # -- expert parallelism ------------------------------------------------------------------------
-def load_with_expert_parallelism(path: str) -> dict[str, Any]:
-    """On every rank: the log-probs (output ranks) and the whole export."""
+def load_on_ranks(path: str) -> dict[str, Any]:
+    """On every rank: with experts split over the ranks, the log-probs (output ranks) and the
+    whole export; with each expert split over a tensor-parallel group, the whole export (no
+    forward: megatron's MoE layer under tensor parallelism needs sequence parallelism to train,
+    which CPU hosts lack, and the CPU dispatcher does not take tensor-parallel splits)."""
+    from strategies.backends.megatron.mesh import destroy_mesh
+
     engine = build_engine(path, parallel={"expert_parallel_size": 2})
-    batch = random_batch(LENGTHS, VOCAB, seed=1)
-    return {
-        "log_probs": engine_log_probs(engine, batch),
+    report = {
+        "log_probs": engine_log_probs(engine, random_batch(LENGTHS, VOCAB, seed=1)),
         "export": dict(engine.get_per_tensor_param()),
     }
+    destroy_mesh()
+    engine = build_engine(path, parallel={"tensor_parallel_size": 2})
+    report["tp_export"] = dict(engine.get_per_tensor_param())
+    return report
 
 
 @pytest.mark.multiprocess
@@ -310,12 +337,13 @@ def test_expert_parallel_ranks_load_their_experts_and_export_every_one(
     checkpoints: dict[str, Path], expected: dict[str, list[torch.Tensor]]
 ) -> None:
     path = checkpoints["qwen3_moe"]
-    reports = run_ranks(load_with_expert_parallelism, 2, str(path), timeout=240)
+    reports = run_ranks(load_on_ranks, 2, str(path), timeout=240)
     source = source_state_dict(path)
     for report in reports:
         assert report["log_probs"] is not None
         diff = max_diff(report["log_probs"], expected["qwen3_moe"])
         print(f"expert parallel 2: max |engine - transformers| log-prob = {diff:.2e}")
         assert diff <= TOLERANCE
-        assert sorted(report["export"]) == sorted(source)
-        assert all(torch.equal(report["export"][name], source[name]) for name in source)
+        for export in (report["export"], report["tp_export"]):
+            assert sorted(export) == sorted(source)
+            assert all(torch.equal(export[name], source[name]) for name in source)
