@@ -10,6 +10,8 @@ checked against 1e-4: engine vs transformers 4.8e-7 (Qwen3-MoE and Mixtral, both
 megatron vs fsdp2 4.8e-7, and 9.5e-7 after one AdamW step (lr 1e-2); expert parallel 2 vs
 transformers 4.8e-7. Swapping each expert's gate and up projections moves the log-probs by
 3.6e-2 (Qwen3-MoE) and 5.4e-2 (Mixtral), so the comparison does fail when the mapping is wrong.
+The file also passes on transformers 5.10.4 (fused experts, as 5.24) and 4.56.2 (experts held
+under the checkpoint names; 9.5e-6 after the AdamW step).
 """
 
 from __future__ import annotations
