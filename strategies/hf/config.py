@@ -1,4 +1,5 @@
-"""A ModelConfig from a Hugging Face ``config.json`` (Llama, Qwen2, Qwen3, Mistral).
+"""A ModelConfig from a Hugging Face ``config.json`` (Llama, Qwen2, Qwen3, Mistral; the
+mixture-of-experts Qwen3-MoE and Mixtral).
 
 The family comes from ``model_type``, as transformers' ``AutoModelForCausalLM`` decides it;
 ``architectures`` is not consulted (a reward model's ``...ForSequenceClassification`` entry is
@@ -53,6 +54,7 @@ def model_config_from_hf(path: str | os.PathLike[str]) -> ModelConfig:
     theta, factor = _rope(hf)
     heads = int(hf.num_attention_heads)
     head_dim = getattr(hf, "head_dim", None)
+    experts = _EXPERT_FIELDS[family](hf) if family in _EXPERT_FIELDS else {}
     config = ModelConfig(
         vocab_size=int(hf.vocab_size),
         hidden_size=int(hf.hidden_size),
@@ -66,11 +68,12 @@ def model_config_from_hf(path: str | os.PathLike[str]) -> ModelConfig:
         init_method_std=float(getattr(hf, "initializer_range", 0.02)),
         tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         add_qkv_bias=family == "qwen2",
-        qk_layernorm=family == "qwen3",
+        qk_layernorm=family in ("qwen3", "qwen3_moe"),
         head_dim=int(head_dim) if head_dim and head_dim * heads != hf.hidden_size else None,
         rope_scaling_factor=factor,
         hf_path=os.fspath(path),
         checkpoint_dtype=_dtype_name(hf),
+        **experts,
     )
     check_checkpoint_tensors(os.fspath(path), hf)
     return config
@@ -118,11 +121,82 @@ def _mistral(hf: Any) -> None:
     _full_attention(hf)
 
 
+def _no_shared_experts(hf: Any) -> None:
+    for field in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
+        if getattr(hf, field, None):
+            raise ConfigError(
+                f"config.json {field}={getattr(hf, field)!r}: shared experts are not supported "
+                "for Hugging Face checkpoints"
+            )
+
+
+def _qwen3_moe(hf: Any) -> None:
+    """Every layer sparse (megatron builds no dense MLP layers between MoE ones)."""
+    _qwen3(hf)
+    _no_shared_experts(hf)
+    if getattr(hf, "mlp_only_layers", None):
+        raise ConfigError(
+            f"config.json mlp_only_layers={list(hf.mlp_only_layers)!r} is not supported: every "
+            "layer must be a mixture of experts"
+        )
+    _require(hf, "decoder_sparse_step", 1)
+
+
+def _mixtral(hf: Any) -> None:
+    _full_attention(hf)
+    _no_shared_experts(hf)
+    if getattr(hf, "router_jitter_noise", 0.0):
+        raise ConfigError(
+            f"config.json router_jitter_noise={hf.router_jitter_noise!r} is not supported (it "
+            "scales training inputs by random noise megatron does not draw); only 0"
+        )
+
+
 _FAMILY_CHECKS: dict[str, Callable[[Any], None]] = {
     "llama": _llama,
     "qwen2": _qwen2,
     "qwen3": _qwen3,
     "mistral": _mistral,
+    "qwen3_moe": _qwen3_moe,
+    "mixtral": _mixtral,
+}
+
+
+def _router_aux_loss(hf: Any) -> float:
+    """``router_aux_loss_coef`` only when ``output_router_logits`` is true: transformers adds
+    the load-balancing loss to the LM loss only then, so a checkpoint that leaves it false
+    (Qwen3-MoE's and Mixtral's releases) trains without it, and so does the engine."""
+    if not getattr(hf, "output_router_logits", False):
+        return 0.0
+    return float(getattr(hf, "router_aux_loss_coef", 0.0))
+
+
+def _qwen3_moe_experts(hf: Any) -> dict[str, Any]:
+    return {
+        "num_experts": int(hf.num_experts),
+        "experts_per_token": int(hf.num_experts_per_tok),
+        "expert_ffn_hidden_size": int(hf.moe_intermediate_size),
+        "normalize_expert_weights": bool(getattr(hf, "norm_topk_prob", False)),
+        "router_aux_loss_coeff": _router_aux_loss(hf),
+    }
+
+
+def _mixtral_experts(hf: Any) -> dict[str, Any]:
+    """Mixtral's experts are its only MLPs (``intermediate_size``); top-k scores are always
+    renormalised."""
+    return {
+        "num_experts": int(hf.num_local_experts),
+        "experts_per_token": int(hf.num_experts_per_tok),
+        "expert_ffn_hidden_size": int(hf.intermediate_size),
+        "normalize_expert_weights": True,
+        "router_aux_loss_coeff": _router_aux_loss(hf),
+    }
+
+
+#: ModelConfig expert fields of the mixture-of-experts families (softmax routing in both).
+_EXPERT_FIELDS: dict[str, Callable[[Any], dict[str, Any]]] = {
+    "qwen3_moe": _qwen3_moe_experts,
+    "mixtral": _mixtral_experts,
 }
 
 #: Weight dtypes a checkpoint may state (``dtype`` in transformers 5.x, ``torch_dtype`` before).

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from heads.errors import CheckpointError
+from strategies.hf.experts import CheckpointLayout
 from strategies.hf.files import INDEX_FILE, SafetensorsCheckpoint
 
 #: Tensors a checkpoint may hold that no model parameter takes, known to be harmless.
@@ -62,15 +63,21 @@ def check_checkpoint_tensors(path: str, hf_config: Any) -> None:
 
 
 def _parameter_names(hf_config: Any) -> set[str]:
-    """The parameter names of the causal LM transformers builds from ``hf_config`` (on the
-    meta device: nothing is allocated). A tied ``lm_head`` is not a separate tensor."""
+    """The checkpoint tensor names of the causal LM transformers builds from ``hf_config`` (on
+    the meta device: nothing is allocated), as ``save_pretrained`` writes them (one tensor per
+    expert projection, where transformers fuses a layer's experts in memory). A tied
+    ``lm_head`` is not a separate tensor."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    return set(model.state_dict(keep_vars=True)) - (
-        {_LM_HEAD} if getattr(hf_config, "tie_word_embeddings", False) else set()
-    )
+    layout = CheckpointLayout(getattr(hf_config, "model_type", None))
+    names = {
+        stored
+        for name, tensor in model.state_dict(keep_vars=True).items()
+        for stored in layout.names(name, tensor.shape)
+    }
+    return names - ({_LM_HEAD} if getattr(hf_config, "tie_word_embeddings", False) else set())
 
 
 def _listed(names: list[str], limit: int = 5) -> str:

@@ -1,6 +1,10 @@
 """The FSDP2 backend: a Hugging Face causal LM, ``fully_shard``-ed over every rank (data
 parallel only), AdamW, megatron's LR schedule, DCP checkpoints.
 
+Mixture-of-experts models run through transformers' own MoE modules (Qwen3-MoE, Mixtral):
+every rank holds every expert's shard (no expert parallelism), routing is not replayed, and
+transformers' body model returns no load-balancing loss, so none enters the loss.
+
 torch's FSDP, DCP and transformers are imported inside functions, so listing or constructing the
 backend is cheap.
 """
@@ -83,7 +87,14 @@ class Fsdp2Backend:
         self._check_replicate_size(world_size)
         if config.model.max_sequence_length <= 1:
             raise ConfigError("ModelConfig.max_sequence_length must be > 1")
-        hf_config_for(config.model)  # the model must map onto a transformers architecture
+        if config.router_replay:
+            raise ConfigError(
+                "EngineConfig.router_replay: the fsdp2 backend cannot replay routing "
+                "(transformers' MoE modules route on their own); use the megatron backend"
+            )
+        # the model must map onto a transformers architecture (a mixture of experts: softmax
+        # routing, no shared experts)
+        hf_config_for(config.model)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def init_mesh(self, parallel: ParallelConfig) -> None:
@@ -247,7 +258,7 @@ class Fsdp2Backend:
         """(Hugging Face name, full tensor) pairs, one at a time (collective)."""
         from strategies.backends.fsdp2.export import export_hf
 
-        return export_hf(self._require_model())
+        return export_hf(self._require_model(), config.model)
 
     def save_hf(self, config: PartsConfig, directory: str) -> None:
         """Write a Hugging Face checkpoint of the model (collective: every rank calls it)."""

@@ -4,7 +4,8 @@
 Parameters already carry Hugging Face names; each sharded parameter is all-gathered on its own
 (``DTensor.full_tensor``), so no rank ever holds more than one full tensor for export. Collective:
 every rank walks the parameters in the same order. A value head's layer is yielded as
-``value_head.weight`` (megatron's export name too).
+``value_head.weight`` (megatron's export name too). Experts that transformers fuses in memory
+are yielded per expert, under the names its checkpoints use.
 """
 
 from __future__ import annotations
@@ -18,23 +19,25 @@ import torch
 from strategies.config import ModelConfig
 from strategies.distributed import barrier, rank
 from strategies.hf.architecture import hf_config_for
+from strategies.hf.experts import CheckpointLayout
 from strategies.hf.files import SINGLE_FILE
 from strategies.hf.metadata import write_hf_metadata
 from strategies.publish import publish_directory
 
 
-def export_hf(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf(model: torch.nn.Module, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, full tensor) for every parameter (a tied ``lm_head`` once, as the
-    embedding), each a tensor of its own."""
+    embedding; fused experts one tensor per expert projection), each a tensor of its own."""
     from torch.distributed.tensor import DTensor
 
+    layout = CheckpointLayout.of(config)
     for name, param in model.named_parameters():
         held = param.detach()
         shard = held.to_local() if isinstance(held, DTensor) else held
         full = held.full_tensor() if isinstance(held, DTensor) else held
         if full.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr():
             full = full.clone()  # a world of one may hand back the parameter's own storage
-        yield name, full
+        yield from layout.split(name, full)
 
 
 def save_hf(model: torch.nn.Module, config: ModelConfig, directory: str) -> None:
@@ -49,7 +52,7 @@ def save_hf(model: torch.nn.Module, config: ModelConfig, directory: str) -> None
     if writer:
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
-    tensors = {name: tensor.contiguous() for name, tensor in export_hf(model) if writer}
+    tensors = {name: tensor.contiguous() for name, tensor in export_hf(model, config) if writer}
     if writer:
         save_file(tensors, os.path.join(staging, SINGLE_FILE), metadata={"format": "pt"})
         if config.hf_path is not None:

@@ -2,14 +2,19 @@
 from (seed, global name) or read from the model's Hugging Face checkpoint.
 
 Parameters carry their Hugging Face names (``model.layers.0.self_attn.q_proj.weight``,
-``lm_head.weight``), so export needs no adapter. A replicated output layer (value and reward
-heads) is ``value_head`` and is drawn under megatron's name for it, ``output_layer.weight``:
-with the same checkpoint, both backends start a value or reward model from the same weights.
+``lm_head.weight``), so export needs no adapter beyond the experts of a mixture of experts
+(Qwen3-MoE, Mixtral: transformers' own MoE modules), which transformers 5.x fuses per layer in
+memory: they are read, drawn and exported under the checkpoints' per-expert names
+(``strategies.hf.experts.CheckpointLayout``). transformers' body model returns no router
+load-balancing (aux) loss, so ``ModelConfig.router_aux_loss_coeff`` does not enter the loss on
+this backend. A replicated output layer (value and reward heads) is ``value_head`` and is drawn
+under megatron's name for it, ``output_layer.weight``: with the same checkpoint, both backends
+start a value or reward model from the same weights.
 
 Initialisation scheme (megatron's): matrices and embeddings ~ N(0, std); each layer's output
-projections (``o_proj``, ``down_proj``) ~ N(0, std / sqrt(2 * num_layers)); norm weights 1;
-biases 0. Every full tensor is drawn on the host from (seed, name), before sharding, so any
-data-parallel layout starts from the same weights.
+projections (``o_proj``, ``down_proj``, each expert's ``down_proj`` / ``w2``) ~ N(0, std /
+sqrt(2 * num_layers)); norm weights 1; biases 0. Every full tensor is drawn on the host from
+(seed, name), before sharding, so any data-parallel layout starts from the same weights.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 from heads.base import OutputSpec
 from strategies.config import PartsConfig
 from strategies.hf.architecture import hf_config_for
+from strategies.hf.experts import CheckpointLayout
 from strategies.hf.files import SafetensorsCheckpoint
 from strategies.init import normal_from_name
 
@@ -28,7 +34,7 @@ LM_HEAD = "lm_head"
 VALUE_HEAD = "value_head"
 #: The global name a replicated output layer is drawn under (megatron's ``output_layer``).
 REPLICATED_INIT_NAME = "output_layer.weight"
-_SCALED_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+_SCALED_OUTPUTS = ("self_attn.o_proj.weight", "down_proj.weight", ".w2.weight")
 
 
 class CausalModel(torch.nn.Module):
@@ -83,7 +89,7 @@ def build_causal_model(
     if model_config.hf_path is None:
         initialize_parameters(model, config)
     else:
-        load_hf_weights(model, model_config.hf_path)
+        load_hf_weights(model, model_config.hf_path, CheckpointLayout.of(model_config))
         if spec.kind == "replicated":  # the checkpoint brings everything else
             initialize_parameters(model, config, only=(VALUE_HEAD,))
     return model
@@ -93,9 +99,11 @@ def initialize_parameters(
     model: torch.nn.Module, config: PartsConfig, only: tuple[str, ...] | None = None
 ) -> None:
     """Re-draw every parameter of a model with Hugging Face names (or those whose name starts
-    with one of ``only``) from (seed, global name)."""
+    with one of ``only``) from (seed, checkpoint name): a fused expert tensor is drawn per
+    expert, as the checkpoint stores it, whether or not transformers fuses it."""
     std = config.model.init_method_std
     scaled_std = std / math.sqrt(2.0 * config.model.num_layers)
+    layout = CheckpointLayout.of(config.model)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if only is not None and not name.startswith(only):
@@ -103,17 +111,30 @@ def initialize_parameters(
             if param.dim() == 1:
                 param.fill_(1.0 if name.endswith("weight") else 0.0)
                 continue
-            sigma = scaled_std if name.endswith(_SCALED_OUTPUTS) else std
-            global_name = REPLICATED_INIT_NAME if name.startswith(VALUE_HEAD) else name
-            full = normal_from_name(param.shape, sigma, config.seed, global_name)
+            parts = layout.split(name, torch.empty(param.shape, device="meta"))
+            drawn = [
+                normal_from_name(
+                    part.shape,
+                    scaled_std if stored.endswith(_SCALED_OUTPUTS) else std,
+                    config.seed,
+                    REPLICATED_INIT_NAME if name.startswith(VALUE_HEAD) else stored,
+                )
+                for stored, part in parts
+            ]
+            full = layout.join(name, param.shape, drawn)
             param.copy_(full.to(dtype=param.dtype, device=param.device))
 
 
-def load_hf_weights(model: CausalModel, path: str) -> None:
-    """Copy the safetensors checkpoint at ``path`` into ``model``, one tensor at a time (a
-    value head's layer keeps its own initialisation: an LM's ``lm_head`` is not loaded)."""
+def load_hf_weights(model: CausalModel, path: str, layout: CheckpointLayout) -> None:
+    """Copy the safetensors checkpoint at ``path`` (its tensors named as ``layout`` says) into
+    ``model``, one parameter at a time (a value head's layer keeps its own initialisation: an
+    LM's ``lm_head`` is not loaded)."""
     with torch.no_grad(), SafetensorsCheckpoint(path) as checkpoint:
         for name, param in model.named_parameters():
             if name.startswith(VALUE_HEAD):
                 continue
-            param.copy_(checkpoint.read(name, param.shape).to(param.dtype))
+            parts = layout.split(name, torch.empty(param.shape, device="meta"))
+            full = layout.join(
+                name, param.shape, [checkpoint.read(stored, part.shape) for stored, part in parts]
+            )
+            param.copy_(full.to(param.dtype))

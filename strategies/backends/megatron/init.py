@@ -73,6 +73,20 @@ def is_expert_parameter(global_name: str) -> bool:
     return _EXPERT.search(global_name) is not None
 
 
+def expert_number(name: str) -> int | None:
+    """The expert number in a parameter name (local or global, as the name has it), or None."""
+    match = _EXPERT.search(name)
+    return int(match.group(1)) if match else None
+
+
+def renumber_expert(name: str, number: int) -> str:
+    """``name`` with its expert number replaced by ``number``."""
+    match = _EXPERT.search(name)
+    if match is None:
+        raise ValueError(f"{name!r} is not a routed expert's parameter")
+    return f"{name[: match.start(1)]}{number}{name[match.end(1) :]}"
+
+
 def tensor_parallel_place(global_name: str) -> tuple[int, int]:
     """(rank, size) of the tensor-parallel group that shards this parameter: routed experts
     are sharded over megatron's expert tensor-parallel group, everything else over the
@@ -120,10 +134,9 @@ def _global_name(
 ) -> str:
     if getattr(param, "shared_embedding", False):
         return _EMBEDDING  # the last stage's copy of a tied embedding
-    expert = _EXPERT.search(name)
-    if expert and expert_offset:
-        number = int(expert.group(1)) + expert_offset
-        name = f"{name[: expert.start(1)]}{number}{name[expert.end(1) :]}"
+    expert = expert_number(name)
+    if expert is not None and expert_offset:
+        name = renumber_expert(name, expert + expert_offset)
     match = _LAYER.match(name)
     if match:
         number = layer_numbers[int(match.group(1))]

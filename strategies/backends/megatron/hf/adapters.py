@@ -2,7 +2,9 @@
 tensors under the single-process names of ``init.global_parameters``.
 
 One adapter per architecture family. Llama, Qwen2 (q/k/v biases), Qwen3 (q/k norms) and Mistral
-share the Llama family's names; a new family adds its adapter class and a case in
+share the Llama family's names; so do the mixture-of-experts Qwen3-MoE and Mixtral outside their
+MLPs, whose router and experts are named by the family's table
+(``strategies.hf.experts.EXPERT_NAMES``). A new family adds its adapter class and a case in
 ``adapter_for``.
 """
 
@@ -15,8 +17,10 @@ from typing import ClassVar
 import torch
 
 from strategies.config import ModelConfig
+from strategies.hf.experts import CheckpointLayout
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 _HF_LAYER = "model.layers.{}.{}"
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
@@ -36,7 +40,8 @@ def split_qkv(qkv: torch.Tensor, groups: int, heads: int) -> tuple[torch.Tensor,
 
 
 class LlamaFamilyAdapter:
-    """Llama / Qwen2 / Qwen3 / Mistral: HF names and layouts <-> megatron GPTModel."""
+    """Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral: HF names and layouts <->
+    megatron GPTModel. An expert's ``linear_fc1`` is cat(gate, up), as a dense one's."""
 
     #: megatron name inside a layer -> HF names inside ``model.layers.N`` that make it up.
     #: ``*.layer_norm_weight`` are the TransformerEngine spec's fused-norm names.
@@ -62,6 +67,7 @@ class LlamaFamilyAdapter:
     def __init__(self, config: ModelConfig) -> None:
         self.heads = config.num_attention_heads
         self.groups = config.num_query_groups or config.num_attention_heads
+        self.experts = CheckpointLayout.of(config).experts
 
     def hf_names(self, name: str) -> tuple[str, ...]:
         """The HF tensors the megatron tensor ``name`` is made of (KeyError if none)."""
@@ -69,6 +75,13 @@ class LlamaFamilyAdapter:
         if match is None:
             return self.TOP_NAMES[name]
         layer, inner = match.groups()
+        if self.experts is not None:
+            if inner == "mlp.router.weight":
+                return (self.experts.router(layer),)
+            expert = _EXPERT.match(inner)
+            if expert is not None:
+                gate, up, down = self.experts.expert(layer, expert.group(1))
+                return (gate, up) if expert.group(2) == "linear_fc1" else (down,)
         return tuple(_HF_LAYER.format(layer, hf) for hf in self.LAYER_NAMES[inner])
 
     def to_megatron(self, name: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:

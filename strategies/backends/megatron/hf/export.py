@@ -1,9 +1,11 @@
 """This rank's chunk as Hugging Face tensors, one full tensor at a time.
 
-Tensor-parallel shards are all-gathered, so every TP rank yields the same full tensors. Under
-pipeline parallelism each stage yields only its own layers (and the last stage not its copy of
-a tied embedding): the union over stages is the whole model. A value head's layer is yielded as
-``value_head.weight``.
+Tensor-parallel shards are all-gathered (experts' over the expert tensor-parallel group), so
+every TP rank yields the same full tensors. Under expert parallelism each local expert is
+all-gathered over the expert-parallel group, so every rank yields every expert, under its
+global number. Under pipeline parallelism each stage yields only its own layers (and the last
+stage not its copy of a tied embedding): the union over stages is the whole model. A value
+head's layer is yielded as ``value_head.weight``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,14 @@ import torch
 import torch.distributed as dist
 
 from strategies.backends.megatron.hf.adapters import adapter_for
-from strategies.backends.megatron.init import global_parameters, unshard
+from strategies.backends.megatron.init import (
+    expert_number,
+    global_parameters,
+    is_expert_parameter,
+    renumber_expert,
+    tensor_parallel_place,
+    unshard,
+)
 from strategies.backends.megatron.model import ReplicatedOutputLayer
 from strategies.config import ModelConfig
 
@@ -34,25 +43,47 @@ def _full_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     from megatron.core import parallel_state as ps
 
-    tp_size = ps.get_tensor_model_parallel_world_size()
-    group = ps.get_tensor_model_parallel_group() if tp_size > 1 else None
     adapter = adapter_for(config)
+    ep_size = ps.get_expert_model_parallel_world_size() if config.is_moe else 1
+    per_rank = (config.num_experts or 0) // ep_size
     value_head = isinstance(getattr(chunk, "output_layer", None), ReplicatedOutputLayer)
     local_names = [name for name, _ in chunk.named_parameters()]
     for local_name, (name, param) in zip(local_names, global_parameters(chunk), strict=True):
         head_layer = local_name.startswith("output_layer.")
         if head_layer and getattr(param, "shared_embedding", False):
             continue  # the last stage's copy of a tied embedding: the first stage yields it
-        full = param.detach()
-        if group is not None and getattr(param, "tensor_model_parallel", False):
-            shards = [torch.empty_like(full) for _ in range(tp_size)]
-            dist.all_gather(shards, full.contiguous(), group=group)
-            full = unshard(
-                shards,
-                int(getattr(param, "partition_dim", 0)),
-                int(getattr(param, "partition_stride", 1)),
-            )
+        full = _tensor_parallel_full(name, param)
         if value_head and head_layer:
             yield VALUE_HEAD, full.clone()
+        elif ep_size > 1 and (local := expert_number(local_name)) is not None:
+            group = ps.get_expert_model_parallel_group()
+            for ep_rank, expert in enumerate(_all_gather(full, ep_size, group)):
+                yield from adapter.to_hf(renumber_expert(name, ep_rank * per_rank + local), expert)
         else:
             yield from adapter.to_hf(name, full)
+
+
+def _tensor_parallel_full(name: str, param: torch.nn.Parameter) -> torch.Tensor:
+    """The full tensor of a parameter sharded over its (expert) tensor-parallel group."""
+    from megatron.core import parallel_state as ps
+
+    _, size = tensor_parallel_place(name)
+    full = param.detach()
+    if size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    group = (
+        ps.get_expert_tensor_parallel_group()
+        if is_expert_parameter(name)
+        else ps.get_tensor_model_parallel_group()
+    )
+    shards = _all_gather(full, size, group)
+    return unshard(
+        shards, int(getattr(param, "partition_dim", 0)), int(getattr(param, "partition_stride", 1))
+    )
+
+
+def _all_gather(tensor: torch.Tensor, size: int, group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` in ``group``, in group-rank order."""
+    gathered = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(gathered, tensor.contiguous(), group=group)
+    return gathered

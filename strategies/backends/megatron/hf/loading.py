@@ -1,10 +1,12 @@
 """Stream a Hugging Face safetensors checkpoint into this rank's GPTModel chunk.
 
 Tensors are read one megatron parameter at a time (q/k/v together), converted to megatron's
-full layout, and this rank keeps its tensor-parallel shard, split exactly as ``init`` splits
-freshly drawn weights. Peak host memory is about one full tensor plus the local shards. Layers
-of other pipeline stages are never read. A value head's output layer keeps the engine's own
-initialisation: an LM checkpoint's ``lm_head`` is not loaded into it.
+full layout, and this rank keeps its tensor-parallel shard (experts: their expert
+tensor-parallel shard), split exactly as ``init`` splits freshly drawn weights. Under expert
+parallelism a rank reads only its own experts, by their global numbers. Peak host memory is
+about one full tensor plus the local shards. Layers of other pipeline stages are never read. A
+value head's output layer keeps the engine's own initialisation: an LM checkpoint's ``lm_head``
+is not loaded into it.
 """
 
 from __future__ import annotations
@@ -12,18 +14,15 @@ from __future__ import annotations
 import torch
 
 from strategies.backends.megatron.hf.adapters import adapter_for
-from strategies.backends.megatron.init import _shard, global_parameters
+from strategies.backends.megatron.init import _shard, global_parameters, tensor_parallel_place
 from strategies.backends.megatron.model import ReplicatedOutputLayer
 from strategies.config import ModelConfig
 from strategies.hf.files import SafetensorsCheckpoint
 
 
 def load_hf_weights(chunk: torch.nn.Module, config: ModelConfig, path: str) -> None:
-    """Copy the checkpoint at ``path`` into ``chunk`` (this rank's stage and TP shard)."""
-    from megatron.core import parallel_state as ps
-
-    tp_size = ps.get_tensor_model_parallel_world_size()
-    tp_rank = ps.get_tensor_model_parallel_rank()
+    """Copy the checkpoint at ``path`` into ``chunk`` (this rank's stage, experts and TP
+    shard)."""
     adapter = adapter_for(config)
     value_head = isinstance(getattr(chunk, "output_layer", None), ReplicatedOutputLayer)
     local_names = [name for name, _ in chunk.named_parameters()]
@@ -31,6 +30,7 @@ def load_hf_weights(chunk: torch.nn.Module, config: ModelConfig, path: str) -> N
         for local_name, (name, param) in zip(local_names, global_parameters(chunk), strict=True):
             if value_head and local_name.startswith("output_layer."):
                 continue
+            tp_rank, tp_size = tensor_parallel_place(name)
             parallel = bool(getattr(param, "tensor_model_parallel", False)) and tp_size > 1
             dim = int(getattr(param, "partition_dim", 0))
             full_shape = list(param.shape)
