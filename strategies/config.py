@@ -155,7 +155,6 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         num_experts=4,
         experts_per_token=2,
         expert_ffn_hidden_size=64,
-        router_aux_loss_coeff=0.01,
     ),
 }
 

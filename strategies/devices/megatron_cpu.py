@@ -343,7 +343,7 @@ def _host_splits(self: Any, point: str, tokens_per_expert: Any = None) -> Any:
     """The dispatcher's device-to-host step on CPU: nothing to copy or wait for, but gloo's
     ``all_to_all_single`` takes split sizes as lists of ints."""
     if not self.drop_and_pad and point == self.cuda_dtoh_point:
-        for name in ("input_splits", "output_splits", "output_splits_tp"):
+        for name in ("input_splits", "output_splits"):  # the all-to-all's; the rest stay
             value = getattr(self, name, None)
             if isinstance(value, torch.Tensor):
                 setattr(self, name, value.tolist())

@@ -54,7 +54,7 @@ def push_weights(actor: Any, generator: torch.nn.Module) -> int:
     Every rank holds a full generator: under model parallelism the ranks' tensors (each pipeline
     stage yields its own layers) are exchanged first.
     """
-    params = dict(generator.named_parameters())
+    params = checkpoint_views(generator, actor.config.model)
     pairs: Iterator[tuple[str, torch.Tensor]] = actor.get_per_tensor_param()
     if dist.is_initialized() and dist.get_world_size() > 1:
         local = [(name, tensor.cpu()) for name, tensor in pairs]
@@ -72,6 +72,23 @@ def push_weights(actor: Any, generator: torch.nn.Module) -> int:
     if missing:
         raise EngineStateError(f"the actor exported no weights for {', '.join(missing[:5])}")
     return len(received)
+
+
+def checkpoint_views(generator: torch.nn.Module, model: Any) -> dict[str, torch.Tensor]:
+    """The generator's weights under the names the engine exports (a checkpoint's): a
+    parameter that transformers holds fused (experts) is viewed as its checkpoint tensors."""
+    from strategies.hf.experts import CheckpointLayout
+
+    layout = CheckpointLayout.of(model)
+    views: dict[str, torch.Tensor] = {}
+    for name, param in generator.named_parameters():
+        names = layout.names(name, param.shape)
+        if len(names) == 1:
+            views[names[0]] = param
+            continue
+        pieces = param.data.view(-1, param.shape[-1]).chunk(len(names))
+        views.update(zip(names, pieces, strict=True))
+    return views
 
 
 @torch.no_grad()

@@ -87,11 +87,13 @@ class Fsdp2Backend:
         self._check_replicate_size(world_size)
         if config.model.max_sequence_length <= 1:
             raise ConfigError("ModelConfig.max_sequence_length must be > 1")
-        if config.router_replay:
-            raise ConfigError(
-                "EngineConfig.router_replay: the fsdp2 backend cannot replay routing "
-                "(transformers' MoE modules route on their own); use the megatron backend"
-            )
+        for field in ("router_aux_loss_coeff", "router_z_loss_coeff"):
+            if getattr(config.model, field):
+                raise ConfigError(
+                    f"ModelConfig.{field}={getattr(config.model, field)}: the fsdp2 backend's "
+                    "transformers MoE modules compute no router loss; set it to 0, or use the "
+                    "megatron backend"
+                )
         # the model must map onto a transformers architecture (a mixture of experts: softmax
         # routing, no shared experts)
         hf_config_for(config.model)

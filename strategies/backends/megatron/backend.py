@@ -155,6 +155,8 @@ class MegatronBackend:
         if not config.forward_only:
             wrapped = self._wrap_ddp(config, wrapped)
         self._wrapped = wrapped
+        if config.forward_only:  # a reference model never trains (megatron's MoE layer under
+            self.eval()  # tensor parallelism refuses training mode without sequence parallel)
         tp = ps.get_tensor_model_parallel_world_size()
         if spec.kind == "vocab" and tp > 1:
             shard = config.model.vocab_size // tp

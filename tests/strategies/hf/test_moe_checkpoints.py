@@ -301,8 +301,10 @@ def test_a_model_no_family_computes_is_refused_naming_the_field(
         ({"router_replay": True}, "router_replay"),
         ({"model": {"shared_expert_ffn_hidden_size": 32}}, "shared_expert_ffn_hidden_size"),
         ({"model": {"router_score_function": "sigmoid"}}, "router_score_function"),
+        ({"model": {"router_aux_loss_coeff": 0.01}}, "router_aux_loss_coeff"),
+        ({"model": {"router_z_loss_coeff": 0.001}}, "router_z_loss_coeff"),
     ],
-    ids=["expert-parallel", "router-replay", "shared-expert", "sigmoid"],
+    ids=["expert-parallel", "router-replay", "shared-expert", "sigmoid", "aux-loss", "z-loss"],
 )
 def test_fsdp2_refuses_what_it_cannot_run_naming_the_field(
     config: dict[str, Any], field: str
@@ -317,10 +319,9 @@ def test_fsdp2_refuses_what_it_cannot_run_naming_the_field(
 
 # -- expert parallelism ------------------------------------------------------------------------
 def load_on_ranks(path: str) -> dict[str, Any]:
-    """On every rank: with experts split over the ranks, the log-probs (output ranks) and the
-    whole export; with each expert split over a tensor-parallel group, the whole export (no
-    forward: megatron's MoE layer under tensor parallelism needs sequence parallelism to train,
-    which CPU hosts lack, and the CPU dispatcher does not take tensor-parallel splits)."""
+    """On every rank: with experts split over the ranks, and with each expert split over a
+    tensor-parallel group (forward-only: training MoE under tensor parallelism needs sequence
+    parallelism, which CPU hosts lack), the log-probs (output ranks) and the whole export."""
     from strategies.backends.megatron.mesh import destroy_mesh
 
     engine = build_engine(path, parallel={"expert_parallel_size": 2})
@@ -330,6 +331,7 @@ def load_on_ranks(path: str) -> dict[str, Any]:
     }
     destroy_mesh()
     engine = build_engine(path, parallel={"tensor_parallel_size": 2})
+    report["tp_log_probs"] = engine_log_probs(engine, random_batch(LENGTHS, VOCAB, seed=1))
     report["tp_export"] = dict(engine.get_per_tensor_param())
     return report
 
@@ -346,6 +348,10 @@ def test_expert_parallel_ranks_load_their_experts_and_export_every_one(
         diff = max_diff(report["log_probs"], expected["qwen3_moe"])
         print(f"expert parallel 2: max |engine - transformers| log-prob = {diff:.2e}")
         assert diff <= TOLERANCE
+    tensor_parallel = [report["tp_log_probs"] for report in reports if report["tp_log_probs"]]
+    assert len(tensor_parallel) == 1  # tensor-parallel rank 0 holds the outputs
+    assert max_diff(tensor_parallel[0], expected["qwen3_moe"]) <= TOLERANCE
+    for report in reports:
         for export in (report["export"], report["tp_export"]):
             assert sorted(export) == sorted(source)
             assert all(torch.equal(export[name], source[name]) for name in source)
