@@ -408,7 +408,8 @@ class Engine:
 
     def infer_batch(self, batch: TensorDict, loss_function: LossFn | None = None) -> TensorDict:
         """Forward only, no gradients: the head's outputs in input order, per-token ones jagged,
-        per-sequence ones ``[B]`` (None on ranks that hold no outputs)."""
+        per-sequence ones ``[B]`` (None on ranks that hold no outputs); with
+        ``config.router_replay`` also ``routed_experts`` (jagged ``[B, tokens, layers, k]``)."""
         result = self.forward_backward_batch(batch, loss_function, forward_only=True)
         output: TensorDict = result["model_output"]
         return output
@@ -473,8 +474,9 @@ class Engine:
     # -- weights -------------------------------------------------------------------------------
     def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's weights as (Hugging Face name, full tensor), one at a time (e.g. to update
-        an inference engine). Collective over tensor-parallel ranks; under pipeline parallelism
-        each stage yields its own layers."""
+        an inference engine). Collective over tensor- and expert-parallel ranks (every expert
+        comes out on every rank); under pipeline parallelism each stage yields its own
+        layers."""
         self._require_initialized("get_per_tensor_param")
         self._require_resident("get_per_tensor_param", ("model",))
         weights = require(self.backend, HuggingFaceExport).export_hf(self.config)

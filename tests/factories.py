@@ -73,3 +73,20 @@ def unchanged(before: list[torch.Tensor], engine: Engine) -> bool:
         return False
     pairs = zip(before, after, strict=True)
     return all(torch.equal(a, b) or bool((a.isnan() & b.isnan()).all()) for a, b in pairs)
+
+
+#: One rank's copy of a parameter: (tensor, tensor-parallel?, partition_dim, partition_stride).
+Shard = tuple[torch.Tensor, bool, int, int]
+
+
+def join_shards(by_name: Mapping[str, Mapping[int, Shard]]) -> dict[str, torch.Tensor]:
+    """Full tensors from each parameter's shards by tensor-parallel rank."""
+    from strategies.backends.megatron.init import unshard
+
+    full = {}
+    for name, shards in by_name.items():
+        tensor, parallel, dim, stride = shards[min(shards)]
+        if parallel and len(shards) > 1:
+            tensor = unshard([shards[r][0] for r in sorted(shards)], dim, stride)
+        full[name] = tensor
+    return full

@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--backend", default="megatron", help="backend name")
     train.add_argument("--device", default="auto", help="cpu, cuda, npu or auto")
     train.add_argument("--config", help="YAML file with EngineConfig settings")
-    train.add_argument("--model", help="model preset (tiny, small); overrides the config file")
+    train.add_argument("--model", help="model preset (tiny, small, moe); overrides the config file")
     train.add_argument("--steps", type=positive_int, default=20)
     train.add_argument("--batch-size", type=positive_int, default=16, help="sequences per step")
     train.add_argument(

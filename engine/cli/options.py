@@ -14,6 +14,11 @@ def parallel_flags(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         help="under torchrun: pipeline parallel size (data parallel takes the remaining ranks)",
     )
+    parser.add_argument(
+        "--expert-parallel-size",
+        type=positive_int,
+        help="under torchrun, mixture-of-experts models: ranks the experts are split over",
+    )
 
 
 def positive_int(text: str) -> int:
@@ -31,5 +36,5 @@ def non_negative_int(text: str) -> int:
 
 
 def parallel_overrides(args: argparse.Namespace) -> dict[str, int]:
-    flags = ("tensor_parallel_size", "pipeline_parallel_size")
+    flags = ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size")
     return {flag: getattr(args, flag) for flag in flags if getattr(args, flag) is not None}

@@ -1,5 +1,6 @@
-"""Every head x backend x device cell known to the registries builds, trains and infers, packed
-or padded (a backend without the packing ability refuses packing by name).
+"""Every head x backend x device cell known to the registries builds, trains and infers, dense or
+mixture-of-experts, packed or padded (a backend without the packing ability refuses packing by
+name).
 
 CUDA and NPU cells run *simulated* on this CPU (see tests/simulation.py) unless the hardware is
 present; then they run for real and the hook assertions that need doubles are skipped.
@@ -35,6 +36,7 @@ CELLS = [
 @st.composite
 def cell_settings(draw: st.DrawFn) -> dict[str, Any]:
     heads = draw(st.sampled_from([2, 4]))
+    experts = draw(st.sampled_from([{}, {"num_experts": 4, "expert_ffn_hidden_size": 16}]))
     return {
         "model": tiny_model(
             hidden_size=draw(st.sampled_from([16, 32])),
@@ -42,6 +44,7 @@ def cell_settings(draw: st.DrawFn) -> dict[str, Any]:
             num_attention_heads=heads,
             num_query_groups=draw(st.sampled_from([1, heads])),
             vocab_size=draw(st.sampled_from([32, 64])),
+            **experts,
         ),
         "lengths": draw(st.lists(st.integers(2, 24), min_size=1, max_size=6)),
         "micro_batch_size": draw(st.integers(1, 4)),

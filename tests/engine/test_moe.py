@@ -198,6 +198,19 @@ def test_aux_and_z_loss_gradients_are_token_weighted_means_over_micro_batches(
     assert float(once["decoder.layers.0.mlp.router.weight"].abs().sum()) > 0
 
 
+def test_offloading_between_phases_changes_nothing_in_training(engines: dict[str, Engine]) -> None:
+    offloaded = build(offload={"model": True, "optimizer": True, "grad": True})
+    plain = build()
+    losses = {}
+    for name, engine in (("offloaded", offloaded), ("plain", plain)):
+        losses[name] = []
+        for seed in range(2):
+            with engine.train_mode():
+                losses[name].append(engine.train_batch(batch(seed=seed), sft_loss)["loss"])
+    assert losses["offloaded"] == losses["plain"]
+    assert offloaded.backend.offloaded() == {"model", "optimizer", "grad"}
+
+
 def test_train_batch_reports_router_statistics_per_layer(engines: dict[str, Engine]) -> None:
     engine = engines["single"]
     with engine.train_mode():

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from strategies.backends.megatron.init import unshard
+from tests.factories import Shard, join_shards
 from tests.multiprocess import run_ranks
 
 pytestmark = pytest.mark.multiprocess
@@ -47,7 +47,7 @@ def _config(parallel: dict[str, Any], backend: dict[str, Any]) -> dict[str, Any]
     }
 
 
-def _parameters(engine: Any) -> dict[str, tuple[torch.Tensor, bool, int, int]]:
+def _parameters(engine: Any) -> dict[str, Shard]:
     from strategies.backends.megatron.init import global_parameters
 
     return {
@@ -125,20 +125,14 @@ def from_output_rank(value: Any) -> Any:
 def full_parameters(reports: list[dict[str, Any]], key: str = "params") -> dict[str, torch.Tensor]:
     """Full tensors from every rank's shards: experts from every expert-parallel rank (under
     their global numbers), tensor-parallel shards joined; replicas must agree."""
-    by_name: dict[str, dict[int, tuple[torch.Tensor, bool, int, int]]] = {}
+    by_name: dict[str, dict[int, Shard]] = {}
     for report in reports:
         for name, entry in report[key].items():
             held = by_name.setdefault(name, {})
             if report["tp"] in held:  # another data-parallel replica of the same shard
                 assert torch.equal(held[report["tp"]][0], entry[0]), name
             held[report["tp"]] = entry
-    full = {}
-    for name, shards in by_name.items():
-        tensor, parallel, dim, stride = shards[0]
-        if parallel and len(shards) > 1:
-            tensor = unshard([shards[r][0] for r in sorted(shards)], dim, stride)
-        full[name] = tensor
-    return full
+    return join_shards(by_name)
 
 
 @pytest.fixture(scope="module")

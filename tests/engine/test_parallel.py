@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from strategies.backends.megatron.init import unshard
+from tests.factories import Shard, join_shards
 from tests.multiprocess import RankFailure, run_ranks
 
 pytestmark = pytest.mark.multiprocess
@@ -82,19 +82,13 @@ def train_both_heads(parallel: dict[str, Any], extra: dict[str, Any]) -> dict[st
 
 def full_parameters(reports: list[dict[str, Any]], head: str) -> dict[str, torch.Tensor]:
     """Reassemble full tensors from the ranks of data-parallel replica 0."""
-    by_name: dict[str, dict[int, tuple[torch.Tensor, bool, int, int]]] = {}
+    by_name: dict[str, dict[int, Shard]] = {}
     for report in reports:
         if report["dp"] != 0:
             continue
         for name, entry in report[head]["params"].items():
             by_name.setdefault(name, {})[report["tp"]] = entry
-    full = {}
-    for name, shards in by_name.items():
-        tensor, parallel, dim, stride = shards[0]
-        if parallel and len(shards) > 1:
-            tensor = unshard([shards[r][0] for r in sorted(shards)], dim, stride)
-        full[name] = tensor
-    return full
+    return join_shards(by_name)
 
 
 @pytest.fixture(scope="module")

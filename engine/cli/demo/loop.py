@@ -291,6 +291,7 @@ def _iteration(
         ("vf_loss", "critic_vf_loss"),
         ("kl", "actor_kl"),
         ("entropy", "actor_entropy"),
+        ("router_load_max_over_mean", "actor_router_load_max_over_mean"),
     ):
         if name in record:
             record[short] = record.pop(name)
@@ -405,6 +406,9 @@ def _collect(into: dict[str, list[float]], prefix: str, values: Mapping[str, flo
     for name in ("loss", "grad_norm", "pg_loss", "pg_clipfrac", "kl", "entropy", "vf_loss"):
         if name in values:
             into.setdefault(prefix + name, []).append(float(values[name]))
+    loads = [float(v) for k, v in values.items() if k.endswith("/load_max_over_mean")]
+    if loads:  # a mixture of experts: its layers' mean load balance
+        into.setdefault(prefix + "router_load_max_over_mean", []).append(sum(loads) / len(loads))
 
 
 def _save(engines: Mapping[str, Any], roots: Mapping[str, Path], iteration: int, keep: int) -> None:

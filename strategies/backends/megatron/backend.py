@@ -21,6 +21,7 @@ from strategies.backends.megatron import mesh, offload
 from strategies.backends.megatron.model import (
     build_gpt_model,
     check_transformer_overrides,
+    sequence_splitting,
     transformer_config,
     uses_transformer_engine,
 )
@@ -291,16 +292,11 @@ class MegatronBackend:
     def check_router_replay(self, config: PartsConfig) -> None:
         """Routes are recorded and forced per token of whole sequences: layouts that split a
         sequence over ranks are refused."""
-        parallel = config.parallel
-        for what, wanted in (
-            ("sequence_parallel", parallel.sequence_parallel),
-            ("context_parallel_size > 1", parallel.context_parallel_size > 1),
-        ):
-            if wanted:
-                raise ConfigError(
-                    f"EngineConfig.router_replay with {what} is not supported by the megatron "
-                    "backend (each rank routes part of every sequence)"
-                )
+        for feature in sequence_splitting(config.parallel):
+            raise ConfigError(
+                f"EngineConfig.router_replay with {feature} is not supported by the megatron "
+                "backend (each rank routes part of every sequence)"
+            )
 
     def recorded_routes(self) -> list[torch.Tensor]:
         """The last forward_backward's routes per micro-batch, ``[b, s, layers, k]``."""

@@ -194,16 +194,21 @@ def uses_transformer_engine(kind: str, parallel: ParallelConfig) -> bool:
     if use_te and not has_te:
         raise ConfigError("layer_spec='transformer_engine' but transformer_engine is not installed")
     if not use_te:
-        for feature, wanted in (
-            ("sequence_parallel", parallel.sequence_parallel),
-            ("context_parallel_size > 1", parallel.context_parallel_size > 1),
-        ):
-            if wanted:
-                raise ConfigError(
-                    f"{feature} needs the TransformerEngine layer spec (megatron's local spec "
-                    "cannot do it); install transformer_engine on a GPU host, or turn it off"
-                )
+        for feature in sequence_splitting(parallel):
+            raise ConfigError(
+                f"{feature} needs the TransformerEngine layer spec (megatron's local spec "
+                "cannot do it); install transformer_engine on a GPU host, or turn it off"
+            )
     return use_te
+
+
+def sequence_splitting(parallel: ParallelConfig) -> list[str]:
+    """The layout features that split each sequence over ranks (sequence, context parallel)."""
+    features = {
+        "sequence_parallel": parallel.sequence_parallel,
+        "context_parallel_size > 1": parallel.context_parallel_size > 1,
+    }
+    return [feature for feature, wanted in features.items() if wanted]
 
 
 def layer_spec(

@@ -174,26 +174,32 @@ class Routing:
         if not self.is_moe:
             return {}
         tracker = moe_utils.get_moe_layer_wise_logging_tracker()
-        tracked = [name for name in _TRACKED if name in tracker]
-        values = torch.zeros(len(tracked) + 1, self.num_layers, dtype=torch.float64)
+        # one row per tracked loss, whether or not this rank tracked it, then the load: every
+        # pipeline stage reduces the same shape
+        values = torch.zeros(len(_TRACKED) + 1, self.num_layers, dtype=torch.float64)
         for slot in self.slots:
             if slot.load is not None:
                 load = slot.load.double()
                 values[-1, slot.layer] = float(load.max() / load.mean().clamp_min(1e-30))
-        for row, name in enumerate(tracked):
-            layer_values = tracker[name]["values"].detach().double().cpu()
-            values[row] = layer_values[: self.num_layers] / max(num_forwards, 1)
+        tracked = [name for name in _TRACKED if name in tracker]
+        for row, name in enumerate(_TRACKED):
+            if name in tracked:
+                layer_values = tracker[name]["values"].detach().double().cpu()
+                values[row] = layer_values[: self.num_layers] / max(num_forwards, 1)
         moe_utils.clear_aux_losses_tracker()
         if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
             values = values.to(collective_device(pipeline_group))
             dist.all_reduce(values, group=pipeline_group)
             values = values.cpu()
-        metrics: dict[str, float] = {}
-        templates = [_TRACKED[name] for name in tracked] + [LOAD]
-        for row, template in enumerate(templates):
-            for layer in range(self.num_layers):
-                metrics[template.format(layer)] = float(values[row, layer])
-        return metrics
+        shown = [
+            (row, metric) for row, (name, metric) in enumerate(_TRACKED.items()) if name in tracked
+        ]
+        shown.append((len(_TRACKED), LOAD))
+        return {
+            metric.format(layer): float(values[row, layer])
+            for row, metric in shown
+            for layer in range(self.num_layers)
+        }
 
 
 def model_order(routes: torch.Tensor, micro_batch: MicroBatch, width: int) -> torch.Tensor:

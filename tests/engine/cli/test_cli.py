@@ -126,6 +126,8 @@ def test_matrix_lists_every_cell_and_why_npu_cannot_run_here() -> None:
         "async_checkpoints",
         *common[1:],
         "packing",
+        "router_replay",
+        "router_statistics",
     ]
     for backend in ("megatron", "fsdp2"):
         assert cells[("value", backend, "cpu")]["runs_here"]

@@ -21,6 +21,7 @@ from engine.cli import main
 from engine.cli.demo.config import ROLES, DemoConfig, resolve_config
 from engine.cli.demo.rollout import (
     build_generator,
+    checkpoint_views,
     in_groups,
     make_prompts,
     parity_reward,
@@ -113,6 +114,24 @@ def test_demo_grpo_trains_the_actor_without_a_critic_and_records_advantage_stati
     assert sorted(path.name for path in (out / "checkpoints").iterdir()) == ["actor"]
     assert checkpoint_steps(out, "actor") == [2, 3]
     assert json.loads((out / "run.json").read_text())["algorithm"] == "grpo"
+
+
+def test_a_moe_actor_with_router_replay_runs_grpo_and_reports_its_routers(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    config = tmp_path / "grpo.yaml"
+    config.write_text(SHORT_GROUPS)
+    result = run(
+        "demo", "--algorithm", "grpo", "--model", "moe", "--router-replay",
+        "--config", str(config), "--steps", "2", "--output-dir", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "4 experts (top-2)" in result.stdout
+    saved = json.loads((out / "run.json").read_text())
+    assert saved["engine"]["model"] == "moe" and saved["actor"]["router_replay"] is True
+    for record in records(out):
+        assert 1.0 <= record["router_load_max_over_mean"] <= 4.0
 
 
 def test_a_critic_free_run_resumes_from_the_actor_alone_with_its_kl_controller(
@@ -303,8 +322,10 @@ def test_the_reward_is_the_share_of_answer_tokens_with_the_instructed_parity() -
     [
         {"rotary_base": 500000},
         {"tie_embeddings": True, "num_query_groups": 4},
+        {"num_experts": 4, "expert_ffn_hidden_size": 32},  # Mixtral: experts fused in memory
+        {"num_experts": 4, "expert_ffn_hidden_size": 32, "qk_layernorm": True},  # Qwen3-MoE
     ],
-    ids=["rope-base", "tied"],
+    ids=["rope-base", "tied", "mixtral", "qwen3-moe"],
 )
 def test_the_generator_gets_the_actors_weights_and_samples_its_distribution(
     fresh_mesh: None, model: dict[str, Any]
@@ -316,7 +337,8 @@ def test_the_generator_gets_the_actors_weights_and_samples_its_distribution(
     actor = Engine.build(head="lm", device="cpu", config=config.engine_config("actor"))
     actor.initialize()
     generator = build_generator(actor.config.model, torch.device("cpu"))
-    assert push_weights(actor, generator) == len(list(generator.parameters()))
+    # one per checkpoint tensor: transformers may hold several (experts) in one parameter
+    assert push_weights(actor, generator) == len(checkpoint_views(generator, actor.config.model))
     vocab = actor.config.model.vocab_size
     prompts = make_prompts(config.prompts, config.task.prompt_length, vocab, seed=0, iteration=1)
     responses = sample(generator, prompts, 6, torch.Generator().manual_seed(0))

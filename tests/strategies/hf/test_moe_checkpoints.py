@@ -35,6 +35,7 @@ from tests.strategies.backends.megatron.test_hf import (
     engine_log_probs,
     hf_log_probs,
     max_diff,
+    save_random_model,
     source_state_dict,
     token_lists,
 )
@@ -78,16 +79,7 @@ def hf_config(family: str) -> Any:
 
 def save_checkpoint(family: str, directory: Path, seed: int = 0) -> Path:
     """A random model of ``family`` saved to ``directory`` (every weight random, norms ~1)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(family))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn_like(param) * (0.1 if param.dim() == 1 else 0.05)
-            param.copy_(noise + (1.0 if "norm" in name else 0.0))
-    model.save_pretrained(directory)
-    return directory
+    return save_random_model(hf_config(family), directory, seed)
 
 
 def build_engine(path: Path | str, backend: str = "megatron", **extra: Any) -> Any:

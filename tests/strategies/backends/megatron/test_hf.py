@@ -71,10 +71,15 @@ def hf_config(family: str) -> Any:
 
 def save_checkpoint(family: str, directory: Path, seed: int = 0) -> Path:
     """A random model of ``family`` saved to ``directory`` (every weight random, norms ~1)."""
+    return save_random_model(hf_config(family), directory, seed)
+
+
+def save_random_model(config: Any, directory: Path, seed: int = 0) -> Path:
+    """The causal LM of the transformers ``config`` with random weights (norms ~1), saved."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(family))
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn_like(param) * (0.1 if param.dim() == 1 else 0.05)
