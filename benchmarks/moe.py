@@ -73,7 +73,8 @@ def expert_parallel_step(steps: int) -> tuple[float, int]:
     engine = Engine.build(head="lm", device="cpu", config=config).initialize()
     rank, size = engine.get_data_parallel_rank(), engine.get_data_parallel_size()
     lengths = _lengths()
-    shard = random_batch(lengths, 128)[rank * SEQUENCES // size : (rank + 1) * SEQUENCES // size]
+    rows = slice(rank * SEQUENCES // size, (rank + 1) * SEQUENCES // size)
+    shard = take_rows(random_batch(lengths, 128), rows)
     times = []
     with engine.train_mode():
         for step in range(steps + 2):

@@ -29,6 +29,7 @@ def step_times(
 ) -> Any:
     """On each rank: median train_batch seconds over ``steps`` after two warm-up steps."""
     from engine import Engine
+    from engine.data.batching import take_rows
     from engine.losses import sft_loss
     from tests.factories import random_batch
 
@@ -41,7 +42,7 @@ def step_times(
     vocab = engine.config.model.vocab_size
     lengths = [length - (i * 13) % (length // 2) for i in range(sequences)]
     batch = random_batch(lengths, vocab)
-    shard = batch[rank * sequences // size : (rank + 1) * sequences // size]
+    shard = take_rows(batch, slice(rank * sequences // size, (rank + 1) * sequences // size))
     times = []
     with engine.train_mode():
         for step in range(steps + 2):

@@ -178,6 +178,7 @@ def _default_mask(record: dict[str, list[Any]]) -> list[float]:
 def train(args: argparse.Namespace) -> int:
     from engine import Engine, losses
     from engine.cli.progress import MetricsFile, ProgressReporter, plot_metrics
+    from engine.data.batching import take_rows
 
     config = engine_config(args)
     engine = Engine.build(head=args.head, backend=args.backend, device=args.device, config=config)
@@ -228,7 +229,7 @@ def train(args: argparse.Namespace) -> int:
             f" data={args.data or 'synthetic'}"
         )
         for step in range(1, args.steps + 1):
-            batch = next(batches)[dp_rank * shard : (dp_rank + 1) * shard]
+            batch = take_rows(next(batches), slice(dp_rank * shard, (dp_rank + 1) * shard))
             result = engine.train_batch(batch, loss_fn)
             progress.update(step, result)
             if show and metrics is not None:

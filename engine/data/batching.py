@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterable, Iterator, Sequence
+from typing import TypeAlias
 
 import attrs
 import torch
@@ -388,6 +389,101 @@ def _show(values: torch.Tensor) -> str:
     items = values.flatten()[:16].tolist()
     text = " ".join(f"{item:g}" if isinstance(item, float) else str(item) for item in items)
     return text + (" ..." if values.numel() > 16 else "")
+
+
+#: Which sequences of a batch: a slice, indices, or a boolean mask ``[B]``.
+Rows: TypeAlias = "slice | Sequence[int] | torch.Tensor"
+
+
+def take_rows(batch: TensorDict, rows: Rows) -> TensorDict:
+    """Sequences ``rows`` of ``batch`` (a slice, indices or a boolean mask), as ``batch[rows]``
+    would give them on tensordict 0.15. tensordict 0.10 (verl 0.9.1's pin) indexes every field
+    with ``tensor[rows]``, which torch refuses for jagged tensors along the batch dim. A slice
+    of step 1 gives views; jagged fields that shared offsets share the new ones."""
+    total = batch.batch_size[0]
+    index: slice | torch.Tensor
+    if isinstance(rows, slice) and rows.indices(total)[2] == 1:
+        start, stop, _ = rows.indices(total)
+        index = slice(start, max(start, stop))
+        count = index.stop - start
+    else:
+        index = _row_indices(rows, total)
+        count = len(index)
+    done: dict[int, _Selection] = {}
+    columns: dict[str, torch.Tensor] = {}
+    for name, value in fields(batch):
+        columns[name] = _jagged_rows(value, index, done) if is_jagged(value) else value[index]
+    return TensorDict(columns, batch_size=[count], device=batch.device)
+
+
+def _row_indices(rows: Rows, total: int) -> torch.Tensor:
+    """``rows`` as int64 indices into ``[0, total)``: negative ones count from the end, one out
+    of range raises IndexError (as indexing does)."""
+    if isinstance(rows, slice):
+        return torch.arange(total)[rows]
+    index = torch.as_tensor(rows)
+    if index.dtype == torch.bool:
+        if index.shape != (total,):
+            raise BatchError(f"a row mask needs {total} entries, got shape {list(index.shape)}")
+        return index.nonzero().flatten()
+    if index.dim() != 1 or (index.numel() and (index.is_floating_point() or index.is_complex())):
+        raise BatchError(f"rows must be a slice, 1-D integer indices or a row mask, got {rows}")
+    return torch.arange(total, device=index.device)[index.long()]
+
+
+#: A jagged selection: new offsets, what to read of the buffer (a slice: a view; else the
+#: positions), and the shortest and longest row (None when no row is selected).
+_Selection: TypeAlias = "tuple[torch.Tensor, torch.Tensor | slice, int | None, int | None]"
+
+
+def _jagged_rows(
+    value: torch.Tensor,
+    index: slice | torch.Tensor,
+    done: dict[int, _Selection],
+) -> torch.Tensor:
+    """Rows ``index`` of a jagged tensor. Where to read in its buffer is worked out once per
+    offsets tensor (``done``), so fields that shared offsets get the same new ones."""
+    offsets = jagged_offsets(value)
+    key = id(offsets)
+    if key not in done:
+        holes: torch.Tensor | None = value.lengths()  # type: ignore[attr-defined]
+        done[key] = _jagged_selection(offsets, holes, index)
+    new_offsets, where, shortest, longest = done[key]
+    buffer = jagged_values(value)
+    picked = buffer[where] if isinstance(where, slice) else buffer.index_select(0, where)
+    return torch.nested.nested_tensor_from_jagged(
+        picked, new_offsets, min_seqlen=shortest, max_seqlen=longest
+    )
+
+
+def _jagged_selection(
+    offsets: torch.Tensor, lengths: torch.Tensor | None, index: slice | torch.Tensor
+) -> _Selection:
+    """Where rows ``index`` lie in a jagged buffer; every size is read in one sync."""
+    if isinstance(index, slice) and lengths is None:  # contiguous rows: a view
+        start, stop = index.start, index.stop
+        lens = offsets[start + 1 : stop + 1] - offsets[start:stop]
+        (begin, end), shortest, longest = _read([offsets[start], offsets[stop]], lens)
+        return offsets[start : stop + 1] - begin, slice(begin, end), shortest, longest
+    rows = torch.arange(index.start, index.stop) if isinstance(index, slice) else index
+    lens = (offsets.diff() if lengths is None else lengths)[rows]
+    new_offsets = torch.nn.functional.pad(lens.cumsum(0), (1, 0))
+    (total,), shortest, longest = _read([new_offsets[-1]], lens)
+    # each selected token's place in the buffer: its row's old start + its place in the row
+    positions = torch.repeat_interleave(
+        offsets[:-1][rows] - new_offsets[:-1], lens, output_size=total
+    ) + torch.arange(total, device=offsets.device)
+    return new_offsets, positions, shortest, longest
+
+
+def _read(
+    scalars: list[torch.Tensor], lens: torch.Tensor
+) -> tuple[list[int], int | None, int | None]:
+    """``scalars`` as ints, and the min and max of ``lens`` (None if empty), in one sync."""
+    if not lens.numel():
+        return [int(item) for item in torch.stack(scalars).tolist()], None, None
+    *read, shortest, longest = torch.stack([*scalars, lens.min(), lens.max()]).tolist()
+    return [int(item) for item in read], int(shortest), int(longest)
 
 
 def split_fixed(batch: TensorDict, micro_batch_size: int) -> list[MicroBatch]:

@@ -80,7 +80,9 @@ def train_moe(
     losses, routes = [], []
 
     def step(engine: Any, seed: int) -> None:
-        rows = random_batch(LENGTHS, VOCAB, seed=seed)[dp_rank * shard : (dp_rank + 1) * shard]
+        rows = take_rows(
+            random_batch(LENGTHS, VOCAB, seed=seed), slice(dp_rank * shard, (dp_rank + 1) * shard)
+        )
         recorded = engine.infer_batch(rows)
         if recorded is not None:
             routes.append(recorded["routed_experts"].values().clone())

@@ -39,6 +39,7 @@ def compare_packed_with_padded(parallel: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from engine import Engine
+    from engine.data.batching import take_rows
     from tests.engine.test_packing import flat, loss_and_gradients
     from tests.factories import random_batch, tiny_model
 
@@ -69,7 +70,10 @@ def compare_packed_with_padded(parallel: dict[str, Any]) -> dict[str, Any]:
         dp_rank, dp_size = padded.get_data_parallel_rank(), padded.get_data_parallel_size()
         for seed, lengths in enumerate(length_mixes(2, 12)):
             shard = len(lengths) // dp_size
-            batch = random_batch(lengths, 64, seed=seed)[dp_rank * shard : (dp_rank + 1) * shard]
+            batch = take_rows(
+                random_batch(lengths, 64, seed=seed),
+                slice(dp_rank * shard, (dp_rank + 1) * shard),
+            )
             micro_batch_tokens.append(list(packed.plan_micro_batches(batch).tokens))
             if padded.holds_outputs():
                 expected, got = padded.infer_batch(batch), packed.infer_batch(batch)

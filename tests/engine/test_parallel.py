@@ -40,6 +40,7 @@ def train_both_heads(parallel: dict[str, Any], extra: dict[str, Any]) -> dict[st
     from megatron.core import parallel_state as ps
 
     from engine import Engine
+    from engine.data.batching import take_rows
     from engine.losses import sft_loss, value_regression_loss
     from strategies.backends.megatron.init import global_parameters
     from tests.factories import random_batch
@@ -55,9 +56,10 @@ def train_both_heads(parallel: dict[str, Any], extra: dict[str, Any]) -> dict[st
         losses = []
         with engine.train_mode():
             for step in range(STEPS):
-                batch = random_batch(LENGTHS, 64, seed=step)[
-                    dp_rank * shard : (dp_rank + 1) * shard
-                ]
+                batch = take_rows(
+                    random_batch(LENGTHS, 64, seed=step),
+                    slice(dp_rank * shard, (dp_rank + 1) * shard),
+                )
                 losses.append(engine.train_batch(batch, loss).get("loss"))
         params = {}
         for name, param in (

@@ -58,7 +58,7 @@ from engine.cli.demo.rollout import (
     sample,
 )
 from engine.cli.progress import Column, MetricsFile, ProgressReporter, plot_metrics
-from engine.data.batching import ROUTED_EXPERTS
+from engine.data.batching import ROUTED_EXPERTS, take_rows
 from engine.losses import (
     ActorLoss,
     AdvantageEstimator,
@@ -274,7 +274,7 @@ def _iteration(
     for _ in range(ppo.epochs):
         order = torch.randperm(rows, generator=order_rng)
         for part in order.chunk(ppo.mini_batches):
-            mini = _shard(batch[part], dp_rank, dp_size)
+            mini = _shard(take_rows(batch, part), dp_rank, dp_size)
             with actor.train_mode():
                 _collect(trained, "actor_", actor.train_batch(mini, training.actor_loss))
             if critic is not None:
@@ -382,7 +382,7 @@ def _shard(batch: Any, rank: int, size: int) -> Any:
             "size"
         )
     share = rows // size
-    return batch[rank * share : (rank + 1) * share]
+    return take_rows(batch, slice(rank * share, (rank + 1) * share))
 
 
 def _gather_outputs(

@@ -9,13 +9,18 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tensordict import TensorDict
 
 from engine import Engine
 from engine.data.batching import (
     from_token_lists,
+    jagged,
+    jagged_offsets,
+    jagged_values,
     restore_outputs,
     sequence_lengths,
     split_fixed,
+    take_rows,
     to_jagged,
     to_padded,
     validate_batch,
@@ -152,3 +157,81 @@ def test_a_mask_value_other_than_0_or_1_is_refused_naming_its_row_and_token(
     place = f"row {row}, {'token' if side == 'jagged' else 'position'} {token} holds"
     with pytest.raises(BatchError, match=f"mask 'loss_mask' must hold only 0 and 1; {place}"):
         validate_batch(batch)
+
+
+def rows_of(batch: TensorDict, name: str, chosen: list[int]) -> list[list[float]]:
+    """Field ``name`` of rows ``chosen``, read row by row (jagged or not)."""
+    value = batch[name]
+    rows = value.unbind() if value.is_nested else list(value)
+    return [rows[i].tolist() for i in chosen]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    lengths=lengths_strategy,
+    data=st.data(),
+    kind=st.sampled_from(["slice", "indices", "tensor", "mask"]),
+    layout=st.sampled_from(["jagged", "padded"]),
+)
+def test_take_rows_gives_the_rows_that_indexing_names(
+    lengths: list[int], data: st.DataObject, kind: str, layout: str
+) -> None:
+    """``take_rows(batch, rows)`` holds what ``batch[rows]`` names, on every tensordict version
+    (0.10 cannot index jagged fields along the batch dim), in either layout."""
+    batch = random_batch(lengths, 50)
+    batch["score"] = torch.arange(len(lengths), dtype=torch.float32)
+    if layout == "padded":
+        batch = to_padded(batch)
+    total = len(lengths)
+    rows: Any
+    if kind == "slice":
+        start = data.draw(st.one_of(st.none(), st.integers(-total - 1, total + 1)))
+        stop = data.draw(st.one_of(st.none(), st.integers(-total - 1, total + 1)))
+        rows = slice(start, stop, data.draw(st.sampled_from([None, 1, 2, 3])))
+        chosen = list(range(total))[rows]
+    elif kind == "mask":
+        keep = data.draw(st.lists(st.booleans(), min_size=total, max_size=total))
+        rows, chosen = torch.tensor(keep), [i for i in range(total) if keep[i]]
+    else:
+        chosen = data.draw(st.lists(st.integers(-total, total - 1), max_size=10))
+        rows = torch.tensor(chosen, dtype=torch.long) if kind == "tensor" else chosen
+        chosen = [i % total for i in chosen]
+    taken = take_rows(batch, rows)
+    assert list(taken.batch_size) == [len(chosen)]
+    assert sorted(taken.keys()) == sorted(batch.keys())
+    for name in batch.keys():
+        assert taken[name].is_nested == batch[name].is_nested
+        assert rows_of(taken, name, list(range(len(chosen)))) == rows_of(batch, name, chosen)
+    if chosen and layout == "jagged":
+        assert validate_batch(taken, ["returns"]) is taken
+
+
+def test_take_rows_of_a_contiguous_range_is_a_view_and_keeps_shared_offsets() -> None:
+    """A slice reads no tokens (the engine's data-parallel shard of a big batch), and jagged
+    fields that shared offsets still do, so torch can still combine them token by token."""
+    ids = jagged([torch.arange(n) for n in (2, 3, 4, 1)])
+    mask = torch.nested.nested_tensor_from_jagged(torch.ones(10), jagged_offsets(ids))
+    batch = TensorDict({"input_ids": ids, "loss_mask": mask}, batch_size=[4])
+    for rows in (slice(1, 3), [3, 0]):
+        taken = take_rows(batch, rows)
+        assert jagged_offsets(taken["input_ids"]) is jagged_offsets(taken["loss_mask"])
+        assert (taken["input_ids"] * taken["loss_mask"]).shape[0] == 2
+    view = take_rows(batch, slice(1, 3))["input_ids"]
+    assert jagged_values(view).data_ptr() == jagged_values(ids)[2:].data_ptr()
+    assert view.unbind()[1].tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("rows", "error", "match"),
+    [
+        ([0, 5], IndexError, "out of bounds"),
+        (torch.tensor([True, False]), BatchError, "a row mask needs 3 entries"),
+        (torch.tensor([0.5]), BatchError, "1-D integer indices"),
+        (torch.zeros(1, 1, dtype=torch.long), BatchError, "1-D integer indices"),
+    ],
+)
+def test_take_rows_refuses_rows_the_batch_does_not_have(
+    rows: Any, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        take_rows(random_batch([1, 2, 3], 10), rows)

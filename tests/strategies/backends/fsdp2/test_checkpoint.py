@@ -14,6 +14,7 @@ import torch
 
 from engine import Engine
 from engine.checkpointing import KILL_AT_ENV, complete_checkpoints
+from engine.data.batching import take_rows
 from engine.losses import sft_loss, value_regression_loss
 from heads.errors import CheckpointError
 from tests.factories import random_batch, tiny_model
@@ -42,7 +43,10 @@ def _train(engine: Engine, head: str, steps: range) -> list[float]:
     share = len(LENGTHS) // size
     return [
         engine.train_batch(
-            random_batch(LENGTHS, 64, seed=step)[rank * share : (rank + 1) * share], LOSSES[head]
+            take_rows(
+                random_batch(LENGTHS, 64, seed=step), slice(rank * share, (rank + 1) * share)
+            ),
+            LOSSES[head],
         )["loss"]
         for step in steps
     ]

@@ -23,6 +23,7 @@ def train_both_heads(backend: dict[str, Any]) -> dict[str, Any]:
     """On every rank: train an LM and a value engine on this rank's data-parallel shard; report
     the losses and the full (gathered) weights."""
     from engine import Engine
+    from engine.data.batching import take_rows
     from engine.losses import sft_loss, value_regression_loss
     from tests.factories import random_batch, tiny_model
 
@@ -42,7 +43,11 @@ def train_both_heads(backend: dict[str, Any]) -> dict[str, Any]:
         with engine.train_mode():
             losses = [
                 engine.train_batch(
-                    random_batch(LENGTHS, 64, seed=step)[rank * shard : (rank + 1) * shard], loss
+                    take_rows(
+                        random_batch(LENGTHS, 64, seed=step),
+                        slice(rank * shard, (rank + 1) * shard),
+                    ),
+                    loss,
                 )["loss"]
                 for step in range(STEPS)
             ]
