@@ -182,16 +182,20 @@ def _engine_batch(rows: dict[str, list[torch.Tensor]]) -> TensorDict:
 
 
 def _worker(model_type: str, path: str, strategy: str = "fsdp2"):  # type: ignore[no-untyped-def]
+    from verl.workers.config.engine import EngineConfig as VerlEngineConfig
     from verl.workers.engine_workers import TrainingWorker
 
     model = HFModelConfig(path=path, load_tokenizer=False)
-    engine = FSDPEngineConfig(
-        strategy=strategy,
-        use_dynamic_bsz=False,
-        micro_batch_size_per_gpu=2,
-        infer_micro_batch_size_per_gpu=3,
-        mixed_precision={"param_dtype": "fp32"},
-        seed=7,
+    sizes = {
+        "use_dynamic_bsz": False,
+        "micro_batch_size_per_gpu": 2,
+        "infer_micro_batch_size_per_gpu": 3,
+        "seed": 7,
+    }
+    engine = (
+        FSDPEngineConfig(strategy=strategy, mixed_precision={"param_dtype": "fp32"}, **sizes)
+        if strategy == "fsdp2"
+        else VerlEngineConfig(strategy=strategy, dtype="float32", **sizes)  # our backend names
     )
     optim = FSDPOptimizerConfig(lr=1e-3, total_training_steps=10)
     worker = TrainingWorker(
@@ -207,11 +211,22 @@ def _worker(model_type: str, path: str, strategy: str = "fsdp2"):  # type: ignor
     return worker
 
 
-def _direct(head: str, path: str) -> Engine:
+def _direct(head: str, path: str, backend: str = "fsdp2") -> Engine:
     """The Engine the adapter builds, built directly."""
+    options = (
+        {"activation_checkpointing": True}
+        if backend == "fsdp2"
+        else {
+            "transformer_overrides": {
+                "recompute_granularity": "full",
+                "recompute_method": "uniform",
+                "recompute_num_layers": 1,
+            }
+        }
+    )
     return Engine.build(
         head=head,
-        backend="fsdp2",
+        backend=backend,
         device="cpu",
         config={
             "model": path,
@@ -219,7 +234,7 @@ def _direct(head: str, path: str) -> Engine:
             "seed": 7,
             "optimizer": {"lr": 1e-3},
             "total_steps": 10,
-            "backend": {"activation_checkpointing": True},
+            "backend": options,
         },
     ).initialize()
 
@@ -232,13 +247,18 @@ def _response_values(jagged_output: torch.Tensor) -> list[torch.Tensor]:
     ]
 
 
-def test_training_worker_actor_matches_actor_loss(qwen3: str, distributed: None) -> None:
-    worker = _worker("language_model", qwen3)
+@pytest.mark.parametrize(
+    ("strategy", "backend"), [("fsdp2", "fsdp2"), ("composable_megatron", "megatron")]
+)
+def test_training_worker_actor_matches_actor_loss(
+    qwen3: str, distributed: None, strategy: str, backend: str
+) -> None:
+    worker = _worker("language_model", qwen3, strategy)
     assert isinstance(worker.engine, ComposableEngine)
     config = ActorConfig(strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=2)
     worker.set_loss_fn(functools.partial(ppo_loss, config))
     rows = _rollout()
-    direct = _direct("lm", qwen3)
+    direct = _direct("lm", qwen3, backend)
 
     inferred = worker.infer_batch(_verl_batch(rows, compute_loss=False, calculate_entropy=True))
     assert set(inferred.keys()) >= {"log_probs", "entropy", "metrics"}
