@@ -304,3 +304,32 @@ def test_refuses_what_it_cannot_honour(qwen3: str, distributed: None) -> None:
     engine = FSDPEngineConfig(strategy="fsdp2", mixed_precision={"param_dtype": "fp32"})
     with pytest.raises(ConfigError, match="lora_rank"):
         ComposableEngine(model, engine, FSDPOptimizerConfig(), CheckpointConfig())
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="verl blocks its SFT trainer on CPU: verl/trainer/sft_trainer.py:455 calls "
+    "verl/utils/distributed.py:63 initialize_global_process_group, which asks torch for the "
+    "backend 'cpu:gloo,cpu:gloo' (duplicate device type; torch refuses it)",
+)
+def test_verl_initialises_its_process_group_on_cpu(tmp_path: os.PathLike[str]) -> None:
+    import subprocess
+    import sys
+
+    script = (
+        "import verl\n"
+        "from verl.utils.distributed import initialize_global_process_group\n"
+        "initialize_global_process_group()\n"
+    )
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
