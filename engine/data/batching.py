@@ -390,9 +390,9 @@ Rows: TypeAlias = "slice | Sequence[int] | torch.Tensor"
 
 def take_rows(batch: TensorDict, rows: Rows) -> TensorDict:
     """Sequences ``rows`` of ``batch`` (a slice, indices or a boolean mask), as ``batch[rows]``
-    would give them: tensordict before 0.11 (verl 0.9.1 pins 0.10) indexes every field with
-    ``tensor[rows]``, which torch refuses for jagged tensors along the batch dim. A slice of
-    step 1 gives views; jagged fields that shared offsets share the new ones."""
+    would give them on tensordict 0.15. tensordict 0.10 (verl 0.9.1's pin) indexes every field
+    with ``tensor[rows]``, which torch refuses for jagged tensors along the batch dim. A slice
+    of step 1 gives views; jagged fields that shared offsets share the new ones."""
     total = batch.batch_size[0]
     index: slice | torch.Tensor
     if isinstance(rows, slice) and rows.indices(total)[2] == 1:
