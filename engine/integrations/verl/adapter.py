@@ -1,0 +1,394 @@
+"""``ComposableEngine``: verl's ``BaseEngine`` interface over this project's one ``Engine``.
+
+One class for every registered cell (``cells.registered_cells``): the head, backend and device
+come from verl's model type, the engine config's ``strategy`` and verl's device, through the
+project's registries.
+
+Data contract (verl's ``NO_PADDING`` layout): ``input_ids`` jagged; verl's per-token outputs are
+aligned with the *next* token (``log_probs[t] = log p(x_{t+1} | x_<=t)``, ``values[t] = V(x_<=t)``,
+the last entry of a row unused), this engine's with the token they score (``log_probs[t] = log
+p(x_t | x_<t)``, entry 0 unused): the adapter shifts each row left by one. verl's loss functions
+are called per micro-batch as verl's engines call them, ``loss_fn(model_output=, data=,
+dp_group=)``, with the micro-batch's rows of verl's own TensorDict (every field and non-tensor
+entry) and ``dp_size`` / ``batch_num_tokens`` assigned first. verl's losses are scaled for
+gradients *averaged* over data-parallel ranks (a factor ``dp_size``); this engine sums them, so
+the adapter divides by ``dp_size`` before the backward pass and reports verl's values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Generator, Iterator
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_name
+from verl.workers.engine.base import BaseEngine
+
+from engine.data.batching import jagged_offsets, jagged_values
+from engine.engine import Engine
+from engine.integrations.verl.config import engine_config_from_verl
+from engine.losses.contract import LossContext
+from heads.errors import BatchError, ConfigError
+
+#: Per-sequence field carrying each row's index into verl's TensorDict through micro-batching.
+ROW = "verl_row"
+NO_PADDING = "no_padding"
+#: Non-tensor flags verl's engines understand that this one cannot honour, and why.
+REFUSED_FLAGS = {
+    "use_fused_kernels": "fused LM-head kernels are verl's own engines'",
+    "calculate_sum_pi_squared": "no sum of squared probabilities output",
+    "distillation_use_topk": "no top-k distillation outputs",
+    "distillation_only": "no distillation outputs",
+    "enable_routing_replay": "no router replay through verl",
+}
+
+
+def _flag(data: TensorDict, key: str, default: Any) -> Any:
+    return tu.get_non_tensor_data(data=data, key=key, default=default)
+
+
+def to_verl_layout(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Right-padded ``[b, s]`` per-token outputs aligned with the scored token -> jagged ones
+    aligned with the next token (each row shifted left by one, its last entry 0); differentiable."""
+    positions = torch.arange(values.shape[1], device=values.device)
+    shifted = torch.roll(values, shifts=-1, dims=1) * (positions < (lengths[:, None] - 1))
+    offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+    return torch.nested.nested_tensor_from_jagged(shifted[positions < lengths[:, None]], offsets)
+
+
+def jagged_to_verl_layout(values: torch.Tensor) -> torch.Tensor:
+    """Jagged outputs aligned with the scored token -> verl's layout (see ``to_verl_layout``)."""
+    offsets = jagged_offsets(values)
+    flat = jagged_values(values)
+    shifted = torch.roll(flat, shifts=-1, dims=0)
+    last = torch.zeros_like(flat, dtype=torch.bool)
+    last[offsets[1:] - 1] = True
+    shifted = shifted.masked_fill(last, 0.0)
+    return torch.nested.nested_tensor_from_jagged(shifted, offsets)
+
+
+class ComposableEngine(BaseEngine):
+    """verl's engine interface (``verl.workers.engine.BaseEngine``) delegating to ``Engine``."""
+
+    def __init__(
+        self,
+        model_config: Any,
+        engine_config: Any,
+        optimizer_config: Any,
+        checkpoint_config: Any,
+        **unsupported: Any,
+    ) -> None:
+        super().__init__()
+        if unsupported:
+            raise ConfigError(
+                f"ComposableEngine got unsupported argument(s): {', '.join(sorted(unsupported))}"
+            )
+        self.model_config = model_config
+        self.engine_config = engine_config
+        self.optimizer_config = optimizer_config
+        self.checkpoint_config = checkpoint_config
+        self.mode: str | None = None
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        head, backend, config = engine_config_from_verl(
+            model_config=model_config,
+            engine_config=engine_config,
+            optimizer_config=optimizer_config,
+            checkpoint_config=checkpoint_config,
+            world_size=world,
+        )
+        device = os.getenv("VERL_ENGINE_DEVICE") or get_device_name()
+        self.engine = Engine.build(head=head, backend=backend, device=device, config=config)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def initialize(self) -> None:
+        """Build the model and optimizer (idempotent), then offload as verl's config says."""
+        self._initialized()
+        self.to(
+            "cpu",
+            model=self.is_param_offload_enabled,
+            optimizer=self.is_optimizer_offload_enabled,
+            grad=self.is_param_offload_enabled,
+        )
+
+    def _initialized(self) -> Engine:
+        """The engine, initialised on first need: verl asks for the data-parallel rank right
+        after construction, before ``initialize``."""
+        return self.engine.initialize()
+
+    @property
+    def is_param_offload_enabled(self) -> bool:
+        return bool(getattr(self.engine_config, "param_offload", False))
+
+    @property
+    def is_optimizer_offload_enabled(self) -> bool:
+        return bool(getattr(self.engine_config, "optimizer_offload", False))
+
+    @contextlib.contextmanager
+    def train_mode(self, **kwargs: Any) -> Iterator[ComposableEngine]:
+        with self._mode("train", **kwargs):
+            yield self
+
+    @contextlib.contextmanager
+    def eval_mode(self, **kwargs: Any) -> Iterator[ComposableEngine]:
+        with self._mode("eval", **kwargs):
+            yield self
+
+    @contextlib.contextmanager
+    def _mode(
+        self, mode: str, *, disable_auto_offload: bool = False, **kwargs: Any
+    ) -> Iterator[None]:
+        """verl's mode contexts: on exit the parts its config offloads go to host memory
+        (unless ``disable_auto_offload``); the engine's own mode context brings them back."""
+        kwargs.pop("zero_grad_on_exit", None)
+        if kwargs:
+            raise ConfigError(f"{mode}_mode got unsupported argument(s): {', '.join(kwargs)}")
+        engine = self._initialized()
+        self.mode = mode
+        context = engine.train_mode() if mode == "train" else engine.eval_mode()
+        try:
+            with context:
+                yield
+        finally:
+            self.mode = None
+            if not disable_auto_offload:
+                train = mode == "train"
+                self.to(
+                    "cpu",
+                    model=self.is_param_offload_enabled,
+                    optimizer=train and self.is_optimizer_offload_enabled,
+                    grad=train and self.is_param_offload_enabled,
+                )
+
+    def to(
+        self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True
+    ) -> None:
+        """``"cpu"`` offloads the chosen parts, the device's name (or ``"device"``) loads them.
+        On a CPU platform the host *is* the device, so every call loads."""
+        super().to(device=device, model=model, optimizer=optimizer, grad=grad)
+        engine = self._initialized()
+        if not (model or optimizer or grad) or (engine.config.forward_only and not model):
+            return
+        target = "cpu" if device == "cpu" and engine.platform.device_type != "cpu" else "device"
+        if target == "cpu" and not engine.config.forward_only:
+            engine.to("cpu", model=model, optimizer=optimizer, grad=grad)
+        elif target == "cpu":
+            engine.to("cpu", model=model, optimizer=False, grad=False)
+        else:
+            engine.to("device", model=model, optimizer=optimizer, grad=grad)
+
+    # -- steps ---------------------------------------------------------------------------------
+    def forward_backward_batch(
+        self, data: TensorDict, loss_function: Callable[..., Any] | None, forward_only: bool = False
+    ) -> dict[str, Any]:
+        """verl's ``{"model_output": {key: jagged}, "loss": [per micro-batch], "metrics": {name:
+        [per micro-batch]}}``; ``model_output`` only when forward-only or asked for
+        (``return_model_output``), as verl's engines do."""
+        engine = self._initialized()
+        self._check_flags(data)
+        dp_group = engine.get_data_parallel_group()
+        dp_size = engine.get_data_parallel_size()
+        self._assign_global_counts(data, dp_group)
+        ids = data["input_ids"]
+        if not (ids.is_nested and ids.layout == torch.jagged):
+            raise BatchError("verl batches must hold jagged input_ids (pad_mode no_padding)")
+        rows = data.batch_size[0]
+        batch = TensorDict({"input_ids": ids, ROW: torch.arange(rows)}, batch_size=[rows])
+        losses: dict[int, float] = {}
+        metrics: dict[int, Any] = {}
+        wrapped = None
+        if loss_function is not None:
+            wrapped = self._loss(data, loss_function, dp_group, dp_size, losses, metrics)
+        keep = forward_only or bool(_flag(data, "return_model_output", False))
+        with self._call_settings(data, forward_only):
+            result = engine.forward_backward_batch(
+                batch, wrapped, forward_only=forward_only, return_outputs=keep
+            )
+        if not engine.holds_outputs():
+            return {"model_output": {}, "loss": [], "metrics": {}}
+        output: dict[str, Any] = {}
+        if keep and result["model_output"] is not None:
+            output = {
+                key: jagged_to_verl_layout(value)
+                for key, value in result["model_output"].items()
+                if key != ROW
+            }
+        merged: dict[str, list[Any]] = {}
+        for index in sorted(metrics):
+            for name, value in metrics[index].items():
+                merged.setdefault(name, []).append(value)
+        return {
+            "model_output": output,
+            "loss": [losses[index] for index in sorted(losses)],
+            "metrics": merged,
+        }
+
+    def _check_flags(self, data: TensorDict) -> None:
+        pad_mode = _flag(data, "pad_mode", NO_PADDING)
+        if str(getattr(pad_mode, "value", pad_mode)) != NO_PADDING:
+            raise ConfigError(
+                f"verl pad_mode {pad_mode!r} is not supported by the composable engine: "
+                "no_padding (jagged batches) only"
+            )
+        for key, why in REFUSED_FLAGS.items():
+            if _flag(data, key, False):
+                raise ConfigError(
+                    f"verl batch setting {key}=True is not supported by the composable engine: "
+                    f"{why}"
+                )
+
+    def _assign_global_counts(self, data: TensorDict, group: dist.ProcessGroup | None) -> None:
+        """``batch_num_tokens`` (the loss-mask sum over data-parallel ranks) and ``dp_size``, as
+        verl's engines assign them for its loss functions."""
+        engine = self.engine
+        if "loss_mask" in data.keys():
+            mask = data["loss_mask"]
+            local = (mask.values() if mask.is_nested else mask).sum().to(torch.float64)
+        else:
+            local = torch.zeros((), dtype=torch.float64)
+        count = local.to(engine.device or torch.device("cpu"))
+        if dist.is_initialized() and engine.get_data_parallel_size() > 1:
+            dist.all_reduce(count, group=group)
+        tu.assign_non_tensor(data, batch_num_tokens=int(count.item()))
+        tu.assign_non_tensor(data, dp_size=engine.get_data_parallel_size())
+
+    def _loss(
+        self,
+        data: TensorDict,
+        loss_function: Callable[..., Any],
+        dp_group: dist.ProcessGroup | None,
+        dp_size: int,
+        losses: dict[int, float],
+        metrics: dict[int, Any],
+    ) -> Callable[[Any, Any, LossContext], tuple[torch.Tensor, dict[str, float]]]:
+        """The engine's loss contract around verl's loss function (see the module doc)."""
+
+        def loss(
+            outputs: Any, micro: Any, ctx: LossContext
+        ) -> tuple[torch.Tensor, dict[str, float]]:
+            rows = micro[ROW].to("cpu")
+            lengths = micro["attention_mask"].sum(-1)
+            model_output = {key: to_verl_layout(value, lengths) for key, value in outputs.items()}
+            selected = tu.index_select_tensor_dict(data, rows)
+            device = lengths.device
+            if device.type != "cpu":
+                selected = selected.to(device)
+            value, loss_metrics = loss_function(
+                model_output=model_output, data=selected, dp_group=dp_group
+            )
+            losses[ctx.micro_batch_index] = float(value.detach())
+            metrics[ctx.micro_batch_index] = loss_metrics
+            return value / dp_size, {}
+
+        return loss
+
+    @contextlib.contextmanager
+    def _call_settings(self, data: TensorDict, forward_only: bool) -> Iterator[None]:
+        """The head (temperature, entropy) and micro-batching verl's batch asks for, for one
+        call: verl sends them with every batch, this engine fixes them at build time."""
+        engine = self.engine
+        head, config = engine.head, engine.config
+        changes: dict[str, Any] = {}
+        fields = {field.name for field in attrs.fields(type(head))}
+        if "temperature" in fields and "temperature" in data.keys():
+            changes["temperature"] = _temperature(data)
+        if "compute_entropy" in fields:
+            changes["compute_entropy"] = bool(_flag(data, "calculate_entropy", False))
+        settings: dict[str, int | None]
+        dynamic = _flag(data, "use_dynamic_bsz", config.max_tokens_per_micro_batch is not None)
+        if dynamic:
+            budget = _flag(data, "max_token_len_per_gpu", config.max_tokens_per_micro_batch)
+            if budget is None:
+                raise ConfigError("verl use_dynamic_bsz needs max_token_len_per_gpu")
+            settings = {"max_tokens_per_micro_batch": int(budget)}
+        else:
+            size = _flag(data, "micro_batch_size_per_gpu", config.micro_batch_size)
+            settings = {"micro_batch_size": int(size), "max_tokens_per_micro_batch": None}
+        engine.head = attrs.evolve(head, **changes) if changes else head
+        engine.config = config.replace(**settings)
+        try:
+            yield
+        finally:
+            engine.head, engine.config = head, config
+
+    def optimizer_zero_grad(self) -> None:
+        self._initialized().optimizer_zero_grad()
+
+    def optimizer_step(self) -> float:
+        return self._initialized().optimizer_step()
+
+    def lr_scheduler_step(self) -> float:
+        return self._initialized().lr_scheduler_step()
+
+    # -- layout --------------------------------------------------------------------------------
+    def get_data_parallel_rank(self) -> int:
+        return self._initialized().get_data_parallel_rank()
+
+    def get_data_parallel_size(self) -> int:
+        return self._initialized().get_data_parallel_size()
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup | None:
+        return self._initialized().get_data_parallel_group()
+
+    def is_mp_src_rank_with_outputs(self) -> bool:
+        return self._initialized().holds_outputs()
+
+    # -- weights and checkpoints ---------------------------------------------------------------
+    def get_per_tensor_param(
+        self, **kwargs: Any
+    ) -> tuple[Generator[tuple[str, torch.Tensor], None, None], dict[Any, Any] | None]:
+        """(Hugging Face name, full tensor) one at a time, and no PEFT config."""
+        weights = self._initialized().get_per_tensor_param()
+
+        def each() -> Generator[tuple[str, torch.Tensor], None, None]:
+            yield from weights
+
+        return each(), None
+
+    def save_checkpoint(
+        self,
+        local_path: str,
+        hdfs_path: str | None = None,
+        global_step: int = 0,
+        max_ckpt_to_keep: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """This engine's checkpoint under ``local_path`` (its ``global_step_<N>`` directory);
+        ``save_contents`` with ``hf_model`` adds a Hugging Face export in ``huggingface/``."""
+        if hdfs_path is not None:
+            raise ConfigError("ComposableEngine.save_checkpoint: hdfs_path is not supported")
+        engine = self._initialized()
+        engine.save_checkpoint(local_path, global_step=global_step)
+        contents = getattr(self.checkpoint_config, "save_contents", None) or ()
+        if "hf_model" in contents and engine.head.output_spec().kind == "vocab":
+            engine.save_hf(os.path.join(local_path, "huggingface"))
+
+    def load_checkpoint(
+        self,
+        local_path: str,
+        hdfs_path: str | None = None,
+        del_local_after_load: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        """The newest checkpoint ``save_checkpoint`` wrote under ``local_path``."""
+        if hdfs_path is not None:
+            raise ConfigError("ComposableEngine.load_checkpoint: hdfs_path is not supported")
+        self._initialized().load_checkpoint(local_path)
+
+
+def _temperature(data: TensorDict) -> float:
+    """verl's temperature: one number, or a per-sequence tensor that must hold one value."""
+    value = data["temperature"]
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 0 or not bool((value == value.flatten()[0]).all()):
+            raise ConfigError(
+                "verl per-sequence temperatures that differ are not supported by the composable "
+                "engine: one temperature per batch"
+            )
+        return float(value.flatten()[0])
+    return float(value)

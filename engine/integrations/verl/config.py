@@ -1,0 +1,240 @@
+"""verl's config objects -> this project's ``EngineConfig`` (no verl import: read by attribute).
+
+Every verl setting is either translated, or harmless to ignore because it only chooses how
+verl's own engines compute (kernels, compilation, wrapping), or refused by name with
+``ConfigError`` when this engine cannot honour it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.integrations.verl.cells import BACKENDS, HEADS
+from heads.errors import ConfigError
+
+
+def _get(obj: Any, name: str, default: Any = None) -> Any:
+    """A config field (a dataclass, a DictConfig or a dict)."""
+    if isinstance(obj, Mapping):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+def _off(value: Any) -> bool:
+    return not value
+
+
+def _no_mapping_entries(value: Any) -> bool:
+    return not value
+
+
+#: (config kind, field, accepted?, what to do instead). A field absent from the object is fine.
+REFUSED: list[tuple[str, str, Callable[[Any], bool], str]] = [
+    ("model", "lora_rank", lambda v: not v, "LoRA adapters are not supported"),
+    ("model", "lora_adapter_path", lambda v: v is None, "LoRA adapters are not supported"),
+    ("model", "use_liger", _off, "Liger kernels are verl's FSDP engine's"),
+    ("model", "use_fused_kernels", _off, "fused LM-head kernels are verl's own engines'"),
+    ("model", "external_lib", lambda v: v is None, "external model code is not loaded"),
+    ("model", "override_config", _no_mapping_entries, "config.json is read as it is"),
+    ("model", "enable_activation_offload", _off, "activation offload is not supported"),
+    ("model", "tiled_mlp", lambda v: not _get(v or {}, "enabled", False), "no tiled MLP"),
+    ("model", "mtp", lambda v: not _get(v, "enable", False), "no multi-token prediction"),
+    ("engine", "use_fused_kernels", _off, "fused LM-head kernels are verl's own engines'"),
+    ("engine", "full_determinism", _off, "not configurable here (runs are seeded)"),
+    ("engine", "router_replay", lambda v: _get(v, "mode", "disabled") == "disabled", "no replay"),
+    ("engine", "qat", lambda v: not _get(v, "enable", False), "no quantization-aware training"),
+    ("engine", "ulysses_sequence_parallel_size", lambda v: v == 1, "no Ulysses parallelism"),
+    ("engine", "offload_policy", _off, "use param_offload / optimizer_offload"),
+    ("engine", "model_dtype", lambda v: v in ("fp32", "float32"), "weights are kept in fp32"),
+    ("engine", "expert_tensor_parallel_size", lambda v: v in (None, 1), "no expert TP"),
+    ("engine", "dynamic_context_parallel", _off, "no dynamic context parallelism"),
+    ("engine", "use_dist_checkpointing", _off, "checkpoints are this engine's own"),
+    ("engine", "use_megatron_fsdp", _off, "use the fsdp2 backend"),
+    ("engine", "override_ddp_config", _no_mapping_entries, "not configurable here"),
+    ("engine", "override_mcore_model_config", _no_mapping_entries, "not configurable here"),
+    ("optimizer", "override_optimizer_config", _no_mapping_entries, "not configurable here"),
+    ("optimizer", "optimizer", lambda v: str(v).lower() in ("adamw", "adam"), "AdamW only"),
+    ("optimizer", "optimizer_impl", lambda v: v == "torch.optim", "torch.optim.AdamW only"),
+    ("optimizer", "num_cycles", lambda v: v == 0.5, "a half-cosine only"),
+    ("optimizer", "lr_warmup_init", lambda v: not v, "warmup starts from 0"),
+    ("optimizer", "weight_decay_incr_style", lambda v: v == "constant", "constant decay only"),
+    ("optimizer", "use_precision_aware_optimizer", _off, "not supported"),
+    ("checkpoint", "async_save", _off, "use a backend with async checkpoints directly"),
+]
+
+_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
+_SCHEDULES = {"constant": "constant", "cosine": "cosine", "linear": "linear"}
+
+
+def refuse_unsupported(**configs: Any) -> None:
+    """ConfigError naming the first setting in ``configs`` (kind -> object) we cannot honour."""
+    for kind, name, accepted, hint in REFUSED:
+        obj = configs.get(kind)
+        if obj is None:
+            continue
+        sentinel = object()
+        value = _get(obj, name, sentinel)
+        if value is not sentinel and not accepted(value):
+            raise ConfigError(
+                f"verl {kind} setting {name}={value!r} is not supported by the composable "
+                f"engine: {hint}"
+            )
+
+
+def head_and_backend(model_type: str, strategy: str) -> tuple[str, str]:
+    """This project's head and backend names for verl's model type and strategy."""
+    if model_type not in HEADS:
+        raise ConfigError(
+            f"verl model_type {model_type!r} is not supported; supported: {', '.join(HEADS)}"
+        )
+    if strategy not in BACKENDS:
+        raise ConfigError(
+            f"verl strategy {strategy!r} is not supported by the composable engine; "
+            f"supported: {', '.join(BACKENDS)}"
+        )
+    return HEADS[model_type], BACKENDS[strategy]
+
+
+def compute_dtype(engine_config: Any, backend: str) -> str:
+    """The engine's compute dtype: FSDP's ``mixed_precision.param_dtype`` (verl's default bf16)
+    for fsdp2, the engine config's ``dtype`` otherwise."""
+    if backend == "fsdp2" and _get(engine_config, "mixed_precision", None) is not None:
+        value = _get(_get(engine_config, "mixed_precision"), "param_dtype", "bf16")
+        setting = "mixed_precision.param_dtype"
+    elif backend == "fsdp2" and _get(engine_config, "model_dtype", None) is not None:
+        value, setting = "bf16", "mixed_precision.param_dtype"  # verl's FSDP default
+    else:
+        value, setting = _get(engine_config, "dtype", "bfloat16"), "dtype"
+    if str(value) not in _DTYPES:
+        raise ConfigError(
+            f"verl engine setting {setting}={value!r} is not supported by the composable engine: "
+            "float32 or bfloat16"
+        )
+    return _DTYPES[str(value)]
+
+
+def _parallel(engine_config: Any) -> dict[str, Any]:
+    tp = _get(engine_config, "tensor_model_parallel_size", 1)
+    return {
+        "tensor_parallel_size": tp,
+        "pipeline_parallel_size": _get(engine_config, "pipeline_model_parallel_size", 1),
+        "virtual_pipeline_parallel_size": _get(
+            engine_config, "virtual_pipeline_model_parallel_size", None
+        ),
+        "context_parallel_size": _get(engine_config, "context_parallel_size", 1),
+        "expert_parallel_size": _get(engine_config, "expert_model_parallel_size", 1),
+        "sequence_parallel": bool(_get(engine_config, "sequence_parallel", False)) and tp > 1,
+    }
+
+
+def _backend_options(
+    backend: str, model_config: Any, engine_config: Any, world_size: int
+) -> dict[str, Any]:
+    checkpointing = bool(_get(model_config, "enable_gradient_checkpointing", False))
+    if backend == "fsdp2":
+        options: dict[str, Any] = {
+            "activation_checkpointing": checkpointing,
+            "reshard_after_forward": bool(_get(engine_config, "reshard_after_forward", True)),
+        }
+        fsdp_size = _get(engine_config, "fsdp_size", -1)
+        if fsdp_size not in (-1, None, world_size):
+            if fsdp_size <= 0 or world_size % fsdp_size:
+                raise ConfigError(
+                    f"verl engine setting fsdp_size={fsdp_size} must divide the world size "
+                    f"({world_size})"
+                )
+            options["replicate_size"] = world_size // fsdp_size
+        return options
+    overrides = dict(_get(engine_config, "override_transformer_config", None) or {})
+    if checkpointing:
+        overrides.setdefault("recompute_granularity", "full")
+        overrides.setdefault("recompute_method", "uniform")
+        overrides.setdefault("recompute_num_layers", 1)
+    return {
+        "use_distributed_optimizer": bool(_get(engine_config, "use_distributed_optimizer", False)),
+        "transformer_overrides": overrides,
+    }
+
+
+def _optimizer_and_schedule(optimizer_config: Any) -> tuple[dict[str, Any], dict[str, Any], int]:
+    if optimizer_config is None:
+        return {}, {}, 1000
+    lr = float(_get(optimizer_config, "lr", 1e-3))
+    betas = _get(optimizer_config, "betas", (0.9, 0.999))
+    clip = _get(optimizer_config, "grad_clip", None)
+    clip = _get(optimizer_config, "clip_grad", 1.0) if clip is None else clip
+    min_lr = _get(optimizer_config, "min_lr", None)
+    ratio = _get(optimizer_config, "min_lr_ratio", None)
+    if min_lr is None:
+        min_lr = lr * float(ratio) if ratio is not None else 0.0
+    optimizer = {
+        "lr": lr,
+        "min_lr": float(min_lr),
+        "weight_decay": float(_get(optimizer_config, "weight_decay", 0.01)),
+        "adam_beta1": float(betas[0]),
+        "adam_beta2": float(betas[1]),
+        "adam_eps": float(_get(optimizer_config, "eps", 1e-8)),
+        "clip_grad": float(clip),
+    }
+    total = int(_get(optimizer_config, "total_training_steps", -1) or -1)
+    total_steps = total if total > 0 else 1000
+    warmup = _get(optimizer_config, "lr_warmup_steps", -1)
+    if warmup is None or warmup < 0:
+        warmup = int(float(_get(optimizer_config, "lr_warmup_steps_ratio", 0.0)) * max(total, 0))
+    style = (
+        _get(optimizer_config, "warmup_style", None)
+        or _get(optimizer_config, "lr_decay_style", None)
+        or _get(optimizer_config, "lr_scheduler_type", "constant")
+    )
+    if style not in _SCHEDULES:
+        raise ConfigError(
+            f"verl optimizer setting lr_scheduler_type={style!r} is not supported by the "
+            f"composable engine: {', '.join(_SCHEDULES)}"
+        )
+    schedule: dict[str, Any] = {"warmup_steps": int(warmup), "decay_style": _SCHEDULES[style]}
+    decay_steps = _get(optimizer_config, "lr_decay_steps", None)
+    if decay_steps:
+        schedule["decay_steps"] = int(decay_steps)
+    return optimizer, schedule, total_steps
+
+
+def engine_config_from_verl(
+    *,
+    model_config: Any,
+    engine_config: Any,
+    optimizer_config: Any,
+    checkpoint_config: Any,
+    world_size: int,
+) -> tuple[str, str, EngineConfig]:
+    """``(head, backend, EngineConfig)`` for verl's config objects (``HFModelConfig``, an
+    ``EngineConfig`` subclass, an ``OptimizerConfig`` subclass, ``CheckpointConfig``)."""
+    refuse_unsupported(
+        model=model_config,
+        engine=engine_config,
+        optimizer=optimizer_config,
+        checkpoint=checkpoint_config,
+    )
+    model_type = _get(model_config, "model_type", "language_model")
+    head, backend = head_and_backend(model_type, _get(engine_config, "strategy"))
+    path = _get(model_config, "local_path", None) or _get(model_config, "path")
+    optimizer, schedule, total_steps = _optimizer_and_schedule(optimizer_config)
+    dynamic = bool(_get(engine_config, "use_dynamic_bsz", False))
+    budget = _get(engine_config, "max_token_len_per_gpu", None)
+    config = EngineConfig.from_dict(
+        {
+            "model": str(path),
+            "parallel": _parallel(engine_config),
+            "optimizer": optimizer,
+            "scheduler": schedule,
+            "micro_batch_size": int(_get(engine_config, "micro_batch_size_per_gpu", None) or 1),
+            "max_tokens_per_micro_batch": int(budget) if dynamic and budget else None,
+            "forward_only": bool(_get(engine_config, "forward_only", False)),
+            "seed": int(_get(engine_config, "seed", 42)),
+            "dtype": compute_dtype(engine_config, backend),
+            "total_steps": total_steps,
+            "backend": _backend_options(backend, model_config, engine_config, world_size),
+        }
+    )
+    return head, backend, config
