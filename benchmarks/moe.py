@@ -65,6 +65,7 @@ def one_process(steps: int) -> dict[str, float]:
 def expert_parallel_step(steps: int) -> tuple[float, int]:
     """On each rank: median train_batch seconds of its half (or all) of the batch."""
     from engine import Engine
+    from engine.data.batching import take_rows
     from engine.losses import sft_loss
     from tests.factories import random_batch
 

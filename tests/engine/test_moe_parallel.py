@@ -71,6 +71,7 @@ def train_moe(
     from megatron.core import parallel_state as ps
 
     from engine import Engine
+    from engine.data.batching import take_rows
     from engine.losses import sft_loss
     from tests.factories import random_batch
 
