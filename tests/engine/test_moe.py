@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from tensordict import TensorDict
@@ -327,3 +328,31 @@ def test_what_the_megatron_backend_cannot_do_is_refused_naming_the_field(
 def test_the_model_config_checks_its_expert_fields(model: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         Engine.build(head="lm", device="cpu", config={"model": tiny_model(**model)})
+
+
+def test_transformer_engine_grouped_experts_get_global_numbers_too() -> None:
+    """Under expert parallelism every expert is drawn under its global number, whichever layer
+    spec names it (TransformerEngine's grouped GEMM: ``linear_fc1.weightE``)."""
+    from strategies.backends.megatron.init import expert_number, renumber_expert
+
+    for name, number in (
+        ("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight", 3),
+        ("decoder.layers.1.mlp.experts.linear_fc2.weight2", 2),
+    ):
+        assert expert_number(name) == number
+        assert expert_number(renumber_expert(name, number + 4)) == number + 4
+    for dense in ("decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.0.mlp.router.weight"):
+        assert expert_number(dense) is None
+
+
+def test_hugging_face_weights_of_grouped_experts_are_refused_naming_the_layer_spec(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from engine.config import EngineConfig
+    from strategies.backends.megatron import backend as megatron
+
+    monkeypatch.setattr(megatron, "uses_transformer_engine", lambda kind, parallel: True)
+    config = EngineConfig.from_dict({"model": moe_model()})
+    engine_config = config.replace(model=attrs.evolve(config.model, hf_path="/checkpoints/moe"))
+    with pytest.raises(ConfigError, match=r"layer_spec='local'"):
+        megatron.MegatronBackend(layer_spec="transformer_engine").validate(engine_config, 1)

@@ -24,12 +24,13 @@ LENGTHS = [6, 11, 3, 9, 14, 5, 8, 12]
 VOCAB = 64
 
 
-def _config(parallel: dict[str, Any], backend: dict[str, Any]) -> dict[str, Any]:
+def _config(parallel: dict[str, Any], backend: dict[str, Any], layers: int = 2) -> dict[str, Any]:
     """Every layout uses megatron's distributed optimizer (checkpoints of one optimizer kind
     load only into the same kind)."""
     from tests.factories import tiny_model
 
     model = tiny_model(
+        num_layers=layers,
         num_experts=4,
         experts_per_token=2,
         expert_ffn_hidden_size=32,
@@ -63,7 +64,11 @@ def _parameters(engine: Any) -> dict[str, Shard]:
 
 
 def train_moe(
-    parallel: dict[str, Any], backend: dict[str, Any], save_to: str | None, load_from: str | None
+    parallel: dict[str, Any],
+    backend: dict[str, Any],
+    save_to: str | None,
+    load_from: str | None,
+    layers: int = 2,
 ) -> dict[str, Any]:
     """On every rank: record routes, train on them replayed, report losses, routes, weights;
     save a checkpoint to ``save_to``; load ``load_from`` into a fresh engine and report its
@@ -75,7 +80,8 @@ def train_moe(
     from engine.losses import sft_loss
     from tests.factories import random_batch
 
-    engine = Engine.build(head="lm", device="cpu", config=_config(parallel, backend)).initialize()
+    config = _config(parallel, backend, layers)
+    engine = Engine.build(head="lm", device="cpu", config=config).initialize()
     dp_rank, dp_size = engine.get_data_parallel_rank(), engine.get_data_parallel_size()
     shard = len(LENGTHS) // dp_size
     losses, routes = [], []
@@ -105,7 +111,7 @@ def train_moe(
     if save_to is not None:
         engine.save_checkpoint(save_to, global_step=STEPS)
     if load_from is not None:
-        fresh = Engine.build(head="lm", device="cpu", config=_config(parallel, backend))
+        fresh = Engine.build(head="lm", device="cpu", config=config)
         fresh.initialize().load_checkpoint(load_from)
         report["loaded"] = _parameters(fresh)
         step(fresh, STEPS)  # resumes from the loaded weights and Adam state
@@ -206,3 +212,12 @@ def test_pipeline_parallel_moe_matches_one_process(single_process: dict[str, Any
     """The routes of both stages' layers reach the output rank (the last stage)."""
     parallel = {"pipeline_parallel_size": 2}
     _assert_matches(run_ranks(train_moe, 2, parallel, {}, None, None, timeout=240), single_process)
+
+
+@pytest.mark.timeout(400)
+def test_virtual_pipeline_stages_match_one_process() -> None:
+    """PP=2 x 2 virtual stages (4 layers, each rank two chunks): every chunk forces and records
+    the routes of its own layers."""
+    (expected,) = run_ranks(train_moe, 1, {}, {}, None, None, 4, timeout=180)
+    parallel = {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}
+    _assert_matches(run_ranks(train_moe, 2, parallel, {}, None, None, 4, timeout=240), expected)

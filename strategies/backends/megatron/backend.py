@@ -110,6 +110,8 @@ class MegatronBackend:
                 "pipeline stage into interleaved chunks)"
             )
         check_experts(config, world_size)
+        if model.hf_path is not None:
+            self._check_hf_experts(config)
         uses_transformer_engine(self.layer_spec, parallel)
         check_transformer_overrides(self.transformer_overrides)
         if config.model.max_sequence_length <= 1:
@@ -229,19 +231,22 @@ class MegatronBackend:
             index, micro_batch = next(iterator)
             input_ids = micro_batch.input_ids.to(device=device, dtype=torch.long)
             length, width = input_ids.shape[1], widths[index]
-            routes = micro_batch.routed_experts
-            if routes is not None and routing.is_moe:
-                routing.force(chunk_of[id(model)], micro_batch, routes.to(device), width)
+            extra: dict[str, Any] = {}
+            if routing.is_moe:  # routers leave the padding out of their losses and counts
+                extra["padding_mask"] = routing.before_forward(
+                    chunk_of[id(model)], micro_batch, width, device
+                )
             # Padding goes at the end of each row (never inside a sequence); the head never
             # sees it: the raw output is sliced back to ``length``.
             if width > length:
                 input_ids = torch.nn.functional.pad(input_ids, (0, width - length))
             if micro_batch.cu_seqlens is None:
                 positions = torch.arange(width, device=device).expand_as(input_ids)
-                output = model(input_ids, positions, attention_mask=None)
             else:
-                packed, positions = packed_layout(micro_batch.cu_seqlens, width, device)
-                output = model(input_ids, positions, attention_mask=None, packed_seq_params=packed)
+                extra["packed_seq_params"], positions = packed_layout(
+                    micro_batch.cu_seqlens, width, device
+                )
+            output = model(input_ids, positions, attention_mask=None, **extra)
 
             def loss_func(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
                 loss, metrics = consume(index, raw[:, :length], head_context)
@@ -264,11 +269,12 @@ class MegatronBackend:
     ) -> None:
         """Clear the routers' records, and scale the aux and z losses for this step.
 
-        With per-token losses megatron multiplies each micro-batch's aux / z loss by the tokens
-        its routers saw and leaves the division to a finalize step that this engine replaces
-        (its losses are normalised by global counts): the coefficient is divided here by the
-        tokens every router of the step sees over the data-parallel ranks, so the gradient is
-        that of their token-weighted mean, whatever the micro-batch split or DP size."""
+        With per-token losses megatron multiplies each micro-batch's aux / z loss by its real
+        tokens (the routers are handed the padding mask) and leaves the division to a finalize
+        step that this engine replaces (its losses are normalised by global counts): the
+        coefficient is divided here by the step's real tokens over the data-parallel ranks, so
+        the gradient is that of their token-weighted mean, whatever the micro-batch split,
+        padding or DP size."""
         from megatron.core.transformer.moe import moe_utils
 
         self._routing.reset()
@@ -280,9 +286,7 @@ class MegatronBackend:
             or not (model.router_aux_loss_coeff or model.router_z_loss_coeff)
         ):
             return
-        tokens = sum(
-            int(mb.input_ids.shape[0]) * w for mb, w in zip(micro_batches, widths, strict=True)
-        )
+        tokens = sum(int(mb.attention_mask.sum()) for mb in micro_batches)
         (total,) = all_reduce_values([float(tokens)], group=self.data_parallel_group())
         for chunk in self._chunks:
             chunk_config: Any = chunk.config  # read by the routers at every forward
@@ -451,6 +455,7 @@ class MegatronBackend:
         from strategies.backends.megatron.hf.export import export_hf
 
         self._require_model()
+        self._check_hf_experts(config)
         for chunk in self._chunks:
             yield from export_hf(chunk, config.model)
 
@@ -459,7 +464,17 @@ class MegatronBackend:
         from strategies.backends.megatron.hf.saving import save_hf
 
         self._require_model()
+        self._check_hf_experts(config)
         save_hf(self._chunks, config.model, directory)
+
+    def _check_hf_experts(self, config: PartsConfig) -> None:
+        """The Hugging Face adapter maps sequential experts (the local layer spec) only."""
+        if config.model.is_moe and uses_transformer_engine(self.layer_spec, config.parallel):
+            raise ConfigError(
+                "Hugging Face weights of a mixture-of-experts model need "
+                "MegatronBackend.layer_spec='local' (TransformerEngine's grouped experts are not "
+                "mapped to Hugging Face names)"
+            )
 
     def _require_model(self) -> None:
         if not self._wrapped:

@@ -23,7 +23,9 @@ from strategies.config import PartsConfig
 from strategies.init import normal_from_name
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
+#: A routed expert's number: sequential experts (local spec) ``experts.local_experts.E.*``, or
+#: TransformerEngine's grouped GEMM ``experts.linear_fc1.weightE``.
+_EXPERT = re.compile(r"\.experts\.(?:local_experts\.(\d+)\.|linear_fc[12]\.weight(\d+)$)")
 _SCALED_OUTPUTS = ("linear_proj.weight", "linear_fc2.weight")
 _EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -76,7 +78,7 @@ def is_expert_parameter(global_name: str) -> bool:
 def expert_number(name: str) -> int | None:
     """The expert number in a parameter name (local or global, as the name has it), or None."""
     match = _EXPERT.search(name)
-    return int(match.group(1)) if match else None
+    return int(match.group(match.lastindex or 0)) if match else None
 
 
 def renumber_expert(name: str, number: int) -> str:
@@ -84,7 +86,8 @@ def renumber_expert(name: str, number: int) -> str:
     match = _EXPERT.search(name)
     if match is None:
         raise ValueError(f"{name!r} is not a routed expert's parameter")
-    return f"{name[: match.start(1)]}{number}{name[match.end(1) :]}"
+    group = match.lastindex or 0
+    return f"{name[: match.start(group)]}{number}{name[match.end(group) :]}"
 
 
 def tensor_parallel_place(global_name: str) -> tuple[int, int]:

@@ -54,6 +54,8 @@ class RouteSlot:
         self.recorded: list[torch.Tensor] = []
         self.forced: collections.deque[torch.Tensor] = collections.deque()
         self.forced_again: collections.deque[torch.Tensor] = collections.deque()
+        #: Which tokens of the forwards to come are real (not padding), in router order.
+        self.real: collections.deque[torch.Tensor] = collections.deque()
 
     def get_replay_topk(
         self,
@@ -78,7 +80,8 @@ class RouteSlot:
                 scores, topk, num_groups=num_groups, group_topk=group_topk
             )
         if not recompute:
-            counts = torch.bincount(indices.flatten(), minlength=self.num_experts)
+            real = self.real.popleft() if self.real else slice(None)
+            counts = torch.bincount(indices[real].flatten(), minlength=self.num_experts)
             self.load = counts if self.load is None else self.load + counts
             if self.record:
                 self.recorded.append(indices.detach())
@@ -89,6 +92,7 @@ class RouteSlot:
         self.recorded.clear()
         self.forced.clear()
         self.forced_again.clear()
+        self.real.clear()
 
 
 class Routing:
@@ -129,12 +133,21 @@ class Routing:
         for slot in self.slots:
             slot.reset()
 
-    def force(self, chunk: int, micro_batch: MicroBatch, routes: torch.Tensor, width: int) -> None:
-        """Queue a micro-batch's routes ``[b, s, layers, k]`` for chunk ``chunk``'s next
-        forward, on rows of ``width`` tokens."""
-        tokens = model_order(routes, micro_batch, width)
+    def before_forward(
+        self, chunk: int, micro_batch: MicroBatch, width: int, device: torch.device
+    ) -> torch.Tensor:
+        """Prepare chunk ``chunk``'s routers for a micro-batch on rows of ``width`` tokens: the
+        tokens to count, and the routes to force where it carries them. Returns megatron's
+        padding mask ``[rows, width]`` (True: padding)."""
+        padding = padding_mask(micro_batch, width).to(device)
+        real = ~padding.transpose(0, 1).reshape(-1)
+        routes = micro_batch.routed_experts
+        tokens = None if routes is None else model_order(routes.to(device), micro_batch, width)
         for slot in self.slots_per_chunk[chunk]:
-            slot.forced.append(tokens[:, slot.layer].contiguous())
+            slot.real.append(real)
+            if tokens is not None:
+                slot.forced.append(tokens[:, slot.layer].contiguous())
+        return padding
 
     def recorded_routes(
         self,
@@ -200,6 +213,15 @@ class Routing:
             for row, metric in shown
             for layer in range(self.num_layers)
         }
+
+
+def padding_mask(micro_batch: MicroBatch, width: int) -> torch.Tensor:
+    """``[rows, width]`` True where the model's rows hold padding (packed: one row, its real
+    tokens first)."""
+    if micro_batch.cu_seqlens is not None:
+        return (torch.arange(width) >= int(micro_batch.cu_seqlens[-1]))[None]
+    real = micro_batch.attention_mask.bool()
+    return ~torch.nn.functional.pad(real, (0, width - real.shape[1]))
 
 
 def model_order(routes: torch.Tensor, micro_batch: MicroBatch, width: int) -> torch.Tensor:
