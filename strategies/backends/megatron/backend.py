@@ -273,8 +273,8 @@ class MegatronBackend:
         tokens (the routers are handed the padding mask) and leaves the division to a finalize
         step that this engine replaces (its losses are normalised by global counts): the
         coefficient is divided here by the step's real tokens over the data-parallel ranks, so
-        the gradient is that of their token-weighted mean, whatever the micro-batch split,
-        padding or DP size."""
+        each micro-batch's loss is weighted by its share of the step's tokens, whatever the
+        number of micro-batches, the padding or the DP size."""
         from megatron.core.transformer.moe import moe_utils
 
         self._routing.reset()
