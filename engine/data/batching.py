@@ -11,6 +11,7 @@ the input order.
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TypeAlias
 
@@ -19,6 +20,16 @@ import torch
 from tensordict import TensorDict
 
 from heads.errors import BatchError
+
+
+def _not_the_fx_tracing_notice(record: logging.LogRecord) -> bool:
+    """torch logs an ``is_fx_tracing`` deprecation notice the first time a jagged tensor is
+    built from buffers (``nested_tensor_from_jagged``); nothing a user of this engine can act
+    on, so that one message is dropped."""
+    return "is_fx_tracing will return true" not in record.getMessage()
+
+
+logging.getLogger("torch.fx._symbolic_trace").addFilter(_not_the_fx_tracing_notice)
 
 INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"

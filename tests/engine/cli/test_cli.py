@@ -41,6 +41,7 @@ def test_train_prints_one_metrics_line_per_step_and_learns(head: str, backend: s
     assert len(losses) == 12
     assert sum(losses[-3:]) < sum(losses[:3])
     assert "tokens/s" in result.stdout
+    assert "is_fx_tracing" not in result.stderr  # torch's notice users cannot act on
 
 
 def test_train_with_packing_learns_and_a_backend_without_it_refuses_by_name() -> None:
