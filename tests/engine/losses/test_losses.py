@@ -568,6 +568,16 @@ def test_straight_through_kl_has_its_base_estimators_value_and_k2s_gradient(kind
     torch.testing.assert_close(gradient, (logp - ref).detach())  # d/dlogp of 0.5 (logp - ref)^2
 
 
+def test_k2_plus_is_accepted_like_the_other_straight_through_names_and_is_k2_bit_for_bit() -> None:
+    logp = torch.tensor([-1.0, -0.5, -2.0, -0.1, -30.0], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([-1.2, -0.5, -0.3, -3.0, -0.1], dtype=torch.float64)
+    assert "k2+" in KL_TYPES and ActorLoss(kl_type="k2+").kl_type == "k2+"
+    plus, plain = kl_penalty(logp, ref, "k2+"), kl_penalty(logp, ref, "k2")
+    (plus_grad,) = torch.autograd.grad(plus.sum(), logp)
+    (plain_grad,) = torch.autograd.grad(plain.sum(), logp)
+    assert torch.equal(plus, plain) and torch.equal(plus_grad, plain_grad)
+
+
 def test_low_var_kl_is_clamped_to_ten_and_its_gradient_stays_finite() -> None:
     logp = torch.tensor([-200.0, 0.0, -1.0], dtype=torch.float64, requires_grad=True)
     ref = torch.tensor([0.0, -200.0, -1.0], dtype=torch.float64)
@@ -672,7 +682,8 @@ BAD_CONFIGS = [
     (ActorLoss, "entropy_coeff", -0.01),
     (ActorLoss, "kl_coeff", math.inf),
     (ActorLoss, "kl_type", "k4"),
-    (ActorLoss, "kl_type", "k2+"),
+    (ActorLoss, "kl_type", "k2++"),
+    (ActorLoss, "kl_type", "k4+"),
     (ActorLoss, "policy_loss", 3),
     (ActorLoss, "loss_agg_mode", "mean"),
     (ActorLoss, "horizon", 0),
