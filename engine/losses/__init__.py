@@ -35,7 +35,14 @@ from engine.losses.contract import (
 )
 from engine.losses.kl import KL_TYPES, kl_penalized_rewards, kl_penalty
 from engine.losses.kl_control import AdaptiveKLController, FixedKLController, kl_controller
-from engine.losses.policy import PolicyLoss, PolicyTerms, cispo, gspo, vanilla
+from engine.losses.policy import (
+    PolicyLoss,
+    PolicyTerms,
+    cispo,
+    dual_clip_by_default,
+    gspo,
+    vanilla,
+)
 from engine.losses.ppo import ActorLoss, CriticLoss, entropy_bonus, kl_loss
 from engine.losses.registries import (
     ADVANTAGE_ESTIMATORS,
@@ -72,6 +79,7 @@ __all__ = [
     "aggregate",
     "bradley_terry_loss",
     "cispo",
+    "dual_clip_by_default",
     "entropy_bonus",
     "gae_advantages",
     "gspo",

@@ -19,6 +19,7 @@ from engine.losses.aggregation import (
 )
 from engine.losses.contract import LossContext, LossResult, needs_fields
 from engine.losses.kl import KL_TYPES, MAX_LOG_RATIO, kl_penalty
+from engine.losses.policy import default_clip_ratio_c
 from engine.losses.registries import POLICY_LOSSES, policy_loss_field
 from heads.errors import BatchError, ConfigError
 from heads.validation import finite, non_negative, of_type, one_of, positive
@@ -58,6 +59,14 @@ def _mask_key_field() -> Any:
     return attrs.field(default=None, validator=attrs.validators.optional(of_type(str)))
 
 
+def _default_clip_ratio_c(loss: Any) -> float | None:
+    """The named policy loss's dual-clip default (None for a name the validator will refuse)."""
+    name = loss.policy_loss
+    if not isinstance(name, str) or name not in POLICY_LOSSES.names():
+        return None
+    return default_clip_ratio_c(POLICY_LOSSES.get(name))
+
+
 def _check_horizon(instance: Any) -> None:
     if instance.loss_agg_mode == "seq-mean-token-sum-norm" and instance.horizon is None:
         raise ConfigError(
@@ -74,8 +83,9 @@ class ActorLoss:
     (:mod:`engine.losses.policy`): ``vanilla`` is PPO's, with ``r = exp(logp - logp_old)``
     (log-ratio clamped to ``[-20, 20]``) and advantage ``A``:
     ``l = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``; for ``A < 0`` and
-    ``clip_ratio_c`` set, ``l = min(l, -A clip_ratio_c)`` (dual clip); ``gspo`` clips a
-    sequence ratio, ``cispo`` weights log-probs by the clipped ratio.
+    ``clip_ratio_c`` set, ``l = min(l, -A clip_ratio_c)`` (dual clip; by default 3.0 for
+    ``vanilla`` and off for the others); ``gspo`` clips a sequence ratio, ``cispo`` weights
+    log-probs by the clipped ratio.
     The loss is ``agg(l) - entropy_coeff * agg(entropy) + kl_coeff * agg(kl)``, every ``agg``
     being :func:`aggregate` with ``loss_agg_mode`` over the mask (``mask_key``, else
     ``loss_mask``, else ``response_mask``).
@@ -91,8 +101,13 @@ class ActorLoss:
     policy_loss: str = policy_loss_field()
     clip_ratio_low: float = _number(0.2, non_negative, _below_one)
     clip_ratio_high: float = _number(0.2, non_negative)
-    #: Dual-clip bound ``c > 1`` for negative advantages; None disables dual clipping.
-    clip_ratio_c: float | None = _number(3.0, _above_one, optional=True)
+    #: Dual-clip bound ``c > 1`` for negative advantages; None disables dual clipping. Unset:
+    #: the policy loss's own default (``vanilla`` 3.0; ``gspo``, ``cispo`` and losses that
+    #: declare none: None).
+    clip_ratio_c: float | None = attrs.field(
+        default=attrs.Factory(_default_clip_ratio_c, takes_self=True),
+        validator=attrs.validators.optional([of_type((int, float)), finite, _above_one]),
+    )
     loss_agg_mode: str = _mode_field()
     #: Fixed token count for ``seq-mean-token-sum-norm`` (required by that mode only).
     horizon: int | None = _horizon_field()

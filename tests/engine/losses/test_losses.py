@@ -32,6 +32,7 @@ from engine.losses import (
     LossContext,
     PolicyTerms,
     aggregate,
+    dual_clip_by_default,
     entropy_bonus,
     kl_controller,
     kl_loss,
@@ -428,6 +429,50 @@ def test_gspo_is_the_papers_sequence_level_clipped_objective_in_value_and_gradie
     clipped = (-a * torch.clamp(s, 1 - low, 1 + high) > -a * s).double()
     assert metrics["pg_clipfrac"] == pytest.approx(float((clipped[:, None] * m).sum() / m.sum()))
     assert 0 < metrics["pg_clipfrac"] < 1  # some sequences are clipped, some are not
+
+
+def test_dual_clipping_is_vanillas_default_only_and_an_explicit_bound_is_always_kept() -> None:
+    assert ActorLoss().clip_ratio_c == 3.0
+    assert ActorLoss(policy_loss="gspo").clip_ratio_c is None
+    assert ActorLoss(policy_loss="cispo").clip_ratio_c is None
+    assert ActorLoss(clip_ratio_c=None).clip_ratio_c is None
+    assert ActorLoss(policy_loss="gspo", clip_ratio_c=2.0).clip_ratio_c == 2.0
+
+    def plain(
+        log_probs: torch.Tensor,
+        old_log_probs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        clip: Any,
+    ) -> PolicyTerms:
+        never = torch.zeros_like(mask, dtype=torch.bool)
+        return PolicyTerms(per_token=-advantages * log_probs, clipped=never, clipped_lower=never)
+
+    try:
+        register_policy_loss("plain")(plain)
+        register_policy_loss("dual")(dual_clip_by_default(2.5)(functools.partial(plain)))
+        assert ActorLoss(policy_loss="plain").clip_ratio_c is None
+        assert ActorLoss(policy_loss="dual").clip_ratio_c == 2.5
+    finally:
+        POLICY_LOSSES.unregister("plain")
+        POLICY_LOSSES.unregister("dual")
+
+
+def test_gspo_by_default_has_no_dual_clip_and_gets_one_only_when_asked() -> None:
+    rollout = make_rollout([7, 4, 9, 5, 8, 6], seed=8, mask_prob=0.9)
+    batch, outputs, ctx = whole_batch(rollout)
+    m = batch[RESPONSE_MASK].double()
+    # sequences far above the clip range with negative advantages: where dual clipping acts
+    batch["old_log_probs"] = (outputs["log_probs"].detach() - 0.5) * m
+    batch["advantages"] = -torch.ones_like(m) * m
+    default, default_metrics = ActorLoss(policy_loss="gspo")(outputs, batch, ctx)
+    without, _ = ActorLoss(policy_loss="gspo", clip_ratio_c=None)(outputs, batch, ctx)
+    dual, dual_metrics = ActorLoss(policy_loss="gspo", clip_ratio_c=1.5)(outputs, batch, ctx)
+    assert torch.equal(default, without)
+    assert default_metrics["pg_clipfrac_lower"] == 0.0
+    torch.testing.assert_close(dual, torch.tensor(1.5, dtype=torch.float64))  # -A * c
+    assert float(default) == pytest.approx(math.exp(0.5))  # -A * s, s = exp(0.5)
+    assert dual_metrics["pg_clipfrac_lower"] == 1.0
 
 
 def test_cispo_is_minus_the_clipped_detached_ratio_times_advantage_times_log_prob() -> None:
