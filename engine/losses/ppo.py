@@ -21,6 +21,7 @@ from engine.losses.contract import LossContext, LossResult, needs_fields
 from engine.losses.kl import KL_TYPES, MAX_LOG_RATIO, kl_penalty
 from engine.losses.policy import default_clip_ratio_c
 from engine.losses.registries import POLICY_LOSSES, policy_loss_field
+from heads.base import PER_TOKEN, Granularity
 from heads.errors import BatchError, ConfigError
 from heads.validation import finite, non_negative, of_type, one_of, positive
 
@@ -121,13 +122,13 @@ class ActorLoss:
         _check_horizon(self)
 
     @property
-    def required_fields(self) -> tuple[str, ...]:
+    def required_fields(self) -> dict[str, Granularity | None]:
         names = ["old_log_probs", "advantages"]
         if self.kl_coeff > 0:
             names.append("ref_log_probs")
         if self.mask_key is not None:
             names.append(self.mask_key)
-        return tuple(names)
+        return dict.fromkeys(names, PER_TOKEN)
 
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], batch: Any, ctx: LossContext
@@ -198,13 +199,13 @@ class CriticLoss:
         _check_horizon(self)
 
     @property
-    def required_fields(self) -> tuple[str, ...]:
+    def required_fields(self) -> dict[str, Granularity | None]:
         names = ["returns"]
         if self.cliprange_value is not None:
             names.append("values")
         if self.mask_key is not None:
             names.append(self.mask_key)
-        return tuple(names)
+        return dict.fromkeys(names, PER_TOKEN)
 
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], batch: Any, ctx: LossContext
@@ -266,7 +267,7 @@ def entropy_bonus(
     return loss, {"entropy": float(local)}
 
 
-@needs_fields("ref_log_probs")
+@needs_fields(ref_log_probs=PER_TOKEN)
 def kl_loss(
     outputs: Mapping[str, torch.Tensor],
     batch: Any,

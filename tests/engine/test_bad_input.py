@@ -538,6 +538,25 @@ LOSS_FUNCTIONS = {
         "lacks field.*old_log_probs, advantages, ref_log_probs",
         head="lm",
     ),
+    "an actor loss given per-sequence advantages": Case(
+        train(
+            with_field(
+                "advantages",
+                torch.ones(3),
+                with_field("old_log_probs", jagged([torch.zeros(n) for n in (3, 5, 4)])),
+            ),
+            ActorLoss(),
+        ),
+        BatchError,
+        r"field 'advantages' is per-sequence \(\[3\], one value per row\) but the loss reads "
+        "it per token",
+        head="lm",
+    ),
+    "a value loss given per-sequence returns": Case(
+        train(with_field("returns", torch.zeros(3))),
+        BatchError,
+        "field 'returns' is per-sequence",
+    ),
     "an unknown aggregation mode": Case(
         lambda e, _: ActorLoss(loss_agg_mode="token_mean"), ConfigError, "loss_agg_mode"
     ),

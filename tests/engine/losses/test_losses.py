@@ -11,7 +11,7 @@ import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -32,17 +32,22 @@ from engine.losses import (
     LossContext,
     PolicyTerms,
     aggregate,
+    bradley_terry_loss,
     dual_clip_by_default,
     entropy_bonus,
+    field_granularity,
     kl_controller,
     kl_loss,
     kl_penalized_rewards,
     kl_penalty,
+    needs_fields,
     register_policy_loss,
     required_fields,
+    score_regression_loss,
     sft_loss,
     value_regression_loss,
 )
+from heads import PER_SEQUENCE, PER_TOKEN
 from heads.errors import BatchError, ConfigError, UnknownStrategyError
 
 HORIZON = 16
@@ -777,8 +782,8 @@ def test_bad_options_raise_config_error_naming_the_option() -> None:
 
 
 def test_required_fields_follow_the_configuration_and_partials() -> None:
-    assert ActorLoss().required_fields == ("old_log_probs", "advantages")
-    assert ActorLoss(kl_coeff=0.1, mask_key="turn_mask").required_fields == (
+    assert required_fields(ActorLoss()) == ("old_log_probs", "advantages")
+    assert required_fields(ActorLoss(kl_coeff=0.1, mask_key="turn_mask")) == (
         "old_log_probs",
         "advantages",
         "ref_log_probs",
@@ -793,6 +798,44 @@ def test_required_fields_follow_the_configuration_and_partials() -> None:
     )
     assert required_fields(value_regression_loss) == ("returns",)
     assert required_fields(kl_loss) == ("ref_log_probs",)
+
+
+def test_losses_declare_the_granularity_of_the_fields_they_read() -> None:
+    assert field_granularity(ActorLoss(kl_coeff=0.1, mask_key="turn_mask")) == dict.fromkeys(
+        ("old_log_probs", "advantages", "ref_log_probs", "turn_mask"), PER_TOKEN
+    )
+    assert field_granularity(CriticLoss()) == {"returns": PER_TOKEN, "values": PER_TOKEN}
+    assert field_granularity(functools.partial(kl_loss, kl_type="k1")) == {
+        "ref_log_probs": PER_TOKEN
+    }
+    assert field_granularity(value_regression_loss) == {"returns": PER_TOKEN}
+    assert field_granularity(score_regression_loss) == {"targets": PER_SEQUENCE}
+    assert field_granularity(bradley_terry_loss) == {
+        "pair_id": PER_SEQUENCE,
+        "chosen": PER_SEQUENCE,
+    }
+
+
+def test_plain_field_names_declare_no_granularity_and_a_bad_one_is_refused_by_field() -> None:
+    @needs_fields("pair_id", returns=PER_TOKEN)
+    def mixed(outputs: Any, batch: Any, ctx: LossContext) -> Any:
+        raise AssertionError("not called")
+
+    class Old:
+        required_fields = ("returns", "scores")
+
+    assert required_fields(mixed) == ("pair_id", "returns")
+    assert field_granularity(mixed) == {"returns": PER_TOKEN}
+    assert required_fields(Old()) == ("returns", "scores")
+    assert field_granularity(Old()) == {}
+    with pytest.raises(ConfigError, match="needs_fields: field 'returns' has granularity 'row'"):
+        needs_fields(returns="row")  # type: ignore[arg-type]
+
+    class Bad:
+        required_fields: ClassVar[dict[str, str]] = {"returns": "per_token"}
+
+    with pytest.raises(ConfigError, match=r"Bad\.required_fields: field 'returns'"):
+        required_fields(Bad())
 
 
 def test_a_users_own_loss_function_keeps_working_alongside_the_library() -> None:
