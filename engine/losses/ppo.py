@@ -21,6 +21,12 @@ from engine.losses.contract import LossContext, LossResult, needs_fields
 from engine.losses.kl import KL_TYPES, MAX_LOG_RATIO, kl_penalty
 from engine.losses.policy import default_clip_ratio_c
 from engine.losses.registries import POLICY_LOSSES, policy_loss_field
+from engine.losses.rollout_correction import (
+    ROLLOUT_LOG_PROBS,
+    RolloutCorrection,
+    rollout_metrics,
+    rollout_weights,
+)
 from heads.base import PER_TOKEN, Granularity
 from heads.errors import BatchError, ConfigError
 from heads.validation import finite, non_negative, of_type, one_of, positive
@@ -96,6 +102,12 @@ class ActorLoss:
     output (LM head ``compute_entropy=True``). Metrics (local to the micro-batch): ``pg_loss``,
     ``pg_clipfrac``, ``ppo_kl``, ``pg_clipfrac_lower``, ``entropy`` (when the head outputs it),
     ``kl`` (when the batch has ``ref_log_probs``).
+
+    With ``rollout_correction`` (:class:`~engine.losses.rollout_correction.RolloutCorrection`)
+    ``l`` is multiplied by the importance weights ``pi_old / pi_rollout`` (batch field
+    ``rollout_log_probs``) before aggregation, whatever the policy loss; metrics
+    ``rollout_is_mean``, ``rollout_is_max``, ``rollout_is_dropped``, ``rollout_is_seq_dropped``,
+    ``rollout_old_kl``, ``rollout_old_k3_kl``.
     """
 
     #: A name in the policy loss registry (``vanilla``, ``gspo``, ``cispo`` or registered).
@@ -117,6 +129,11 @@ class ActorLoss:
     kl_type: str = attrs.field(default="low_var_kl", validator=one_of(*KL_TYPES))
     #: The mask field to train on; None: ``loss_mask`` if present, else ``response_mask``.
     mask_key: str | None = _mask_key_field()
+    #: Importance weights ``pi_old / pi_rollout`` on the policy loss, from the batch field
+    #: ``rollout_log_probs``; None: no correction.
+    rollout_correction: RolloutCorrection | None = attrs.field(
+        default=None, validator=attrs.validators.optional(of_type(RolloutCorrection))
+    )
 
     def __attrs_post_init__(self) -> None:
         _check_horizon(self)
@@ -124,6 +141,8 @@ class ActorLoss:
     @property
     def required_fields(self) -> dict[str, Granularity | None]:
         names = ["old_log_probs", "advantages"]
+        if self.rollout_correction is not None:
+            names.append(ROLLOUT_LOG_PROBS)
         if self.kl_coeff > 0:
             names.append("ref_log_probs")
         if self.mask_key is not None:
@@ -147,13 +166,30 @@ class ActorLoss:
         advantages = zero_masked(batch["advantages"].to(dtype), mask)
 
         terms = POLICY_LOSSES.get(self.policy_loss)(log_probs, old, advantages, mask, self)
+        per_token, rollout = terms.per_token, {}
+        if self.rollout_correction is not None:  # the one place every policy loss is weighted
+            if ROLLOUT_LOG_PROBS not in batch.keys():
+                raise BatchError(
+                    f"ActorLoss.rollout_correction needs the batch field {ROLLOUT_LOG_PROBS!r} "
+                    "(the rollout engine's log-probs of the sampled tokens)"
+                )
+            weights = rollout_weights(
+                batch["old_log_probs"],
+                batch[ROLLOUT_LOG_PROBS],
+                mask,
+                self.rollout_correction,
+                dtype=torch.promote_types(dtype, torch.float32),
+            )
+            per_token = per_token * weights.weights
+            rollout = rollout_metrics(weights, mask)
         log_ratio = torch.clamp(log_probs - old, -MAX_LOG_RATIO, MAX_LOG_RATIO)
-        loss = agg(terms.per_token, ctx)
+        loss = agg(per_token, ctx)
         metrics = {
-            "pg_loss": float(agg(terms.per_token.detach(), local)),
+            "pg_loss": float(agg(per_token.detach(), local)),
             "pg_clipfrac": float(masked_mean(terms.clipped.to(dtype), mask)),
             "ppo_kl": float(masked_mean(-log_ratio.detach(), mask)),
             "pg_clipfrac_lower": float(masked_mean(terms.clipped_lower.to(dtype), mask)),
+            **rollout,
         }
 
         entropy = outputs.get("entropy")

@@ -31,6 +31,7 @@ from engine.losses import (
     CriticLoss,
     LossContext,
     PolicyTerms,
+    RolloutCorrection,
     aggregate,
     bradley_terry_loss,
     dual_clip_by_default,
@@ -93,6 +94,10 @@ def make_rollout(
         "returns": torch.randn(n, width, generator=gen, dtype=torch.float64),
         "values": values + 0.4 * torch.randn(n, width, generator=gen, dtype=torch.float64),
     }
+    rollout_gen = torch.Generator().manual_seed(seed + 1)  # leaves the draws above unchanged
+    per_token["rollout_log_probs"] = per_token["old_log_probs"] + 0.3 * torch.randn(
+        n, width, generator=rollout_gen, dtype=torch.float64
+    )
     outputs = {
         "log_probs": log_probs,
         "entropy": 2.0 * torch.rand(n, width, generator=gen, dtype=torch.float64),
@@ -200,6 +205,23 @@ LOSSES: dict[str, Callable[[str], LossFn]] = {
     ),
     "actor_cispo": lambda mode: ActorLoss(
         policy_loss="cispo", loss_agg_mode=mode, horizon=HORIZON, clip_ratio_high=0.28
+    ),
+    "actor_token_tis": lambda mode: ActorLoss(
+        loss_agg_mode=mode,
+        horizon=HORIZON,
+        rollout_correction=RolloutCorrection(level="token", upper=1.2),
+    ),
+    "actor_gspo_sequence_mask": lambda mode: ActorLoss(
+        policy_loss="gspo",
+        loss_agg_mode=mode,
+        horizon=HORIZON,
+        rollout_correction=RolloutCorrection(level="sequence", mode="mask", upper=3.0),
+    ),
+    "actor_cispo_geometric_mask": lambda mode: ActorLoss(
+        policy_loss="cispo",
+        loss_agg_mode=mode,
+        horizon=HORIZON,
+        rollout_correction=RolloutCorrection(level="geometric", mode="mask", lower=0.9, upper=1.1),
     ),
     **{
         f"kl_loss_{kind}": lambda mode, kind=kind: functools.partial(
