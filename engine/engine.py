@@ -41,6 +41,7 @@ from engine.losses.contract import (
     LossContext,
     LossFn,
     checked_loss,
+    field_granularity,
     metrics_per_name,
     required_fields,
 )
@@ -232,7 +233,8 @@ class Engine:
                     "forward_backward_batch needs a loss_function unless forward_only"
                 )
         fields = required_fields(loss_function) if loss_function is not None else ()
-        rows = self._validated(batch, fields, every_rank=True)
+        layouts = field_granularity(loss_function) if loss_function is not None else {}
+        rows = self._validated(batch, fields, granularity=layouts, every_rank=True)
         plan = self._plan(rows)
         micro_batches = split_into(rows, plan.groups, packed=plan.packed)
         counts = self._global_counts(rows)
@@ -310,11 +312,17 @@ class Engine:
         return self._plan(self._validated(batch, every_rank=collective))
 
     def _validated(
-        self, batch: object, fields: Iterable[str] = (), *, every_rank: bool
+        self,
+        batch: object,
+        fields: Iterable[str] = (),
+        *,
+        granularity: Mapping[str, str] | None = None,
+        every_rank: bool,
     ) -> TensorDict:
-        """The batch, checked and jagged. ``every_rank``: a batch refused on one data-parallel
-        rank is refused on all of them (one all-reduce), so that no rank goes on into the step's
-        collectives and pairs them with the refusing rank's next step."""
+        """The batch, checked and jagged (``fields`` present, laid out as ``granularity`` says).
+        ``every_rank``: a batch refused on one data-parallel rank is refused on all of them (one
+        all-reduce), so that no rank goes on into the step's collectives and pairs them with the
+        refusing rank's next step."""
         model = self.config.model
         failure: BatchError | None = None
         try:
@@ -322,6 +330,7 @@ class Engine:
                 validate_batch(
                     batch,
                     fields,
+                    granularity=granularity,
                     vocab_size=model.vocab_size,
                     max_length=model.max_sequence_length,
                 )

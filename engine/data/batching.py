@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TypeAlias
 
 import attrs
 import torch
 from tensordict import TensorDict
 
-from heads.errors import BatchError
+from heads.errors import BatchError, ConfigError
 
 
 def _not_the_fx_tracing_notice(record: logging.LogRecord) -> bool:
@@ -202,6 +202,7 @@ def validate_batch(
     batch: object,
     required: Iterable[str] = (),
     *,
+    granularity: Mapping[str, str] | None = None,
     vocab_size: int | None = None,
     max_length: int | None = None,
 ) -> TensorDict:
@@ -212,7 +213,9 @@ def validate_batch(
     (per-token fields jagged with the same row lengths, or padded ``[B, L, ...]``; per-sequence
     fields one value per row, ``[B]``); a padded ``attention_mask`` shaped like ``input_ids``
     whose ones are contiguous in each row (left or right padding, no holes); every ``*mask``
-    field 0 or 1 at each real token; the ``required`` fields present; no empty sequence; token
+    field 0 or 1 at each real token; the ``required`` fields present, each named in
+    ``granularity`` per token (``"token"``) or per sequence (``"sequence"``) as it says; no
+    empty sequence; token
     ids in ``[0, vocab_size)``; no sequence longer than ``max_length``. Non-finite values are
     not refused here: a loss masks out the tokens it does not score, and a non-finite loss or
     gradient never reaches the weights (the engine's non-finite guard).
@@ -254,6 +257,9 @@ def validate_batch(
             _check_layout(name, value, ids)
         if name.endswith("mask"):
             _check_binary(name, value, real if name != ATTENTION_MASK else None)
+    for name, wanted in (granularity or {}).items():
+        if name in batch.keys():
+            _check_granularity(name, _field(batch, name), wanted, ids)
     lengths = sequence_lengths(batch)
     shortest, longest = (int(bound) for bound in torch.aminmax(lengths))
     if shortest < 1:
@@ -354,6 +360,30 @@ def _check_layout(name: str, value: torch.Tensor, ids: torch.Tensor) -> None:
             f"like 'input_ids', and per-sequence fields hold one value per row "
             f"([{ids.shape[0]}])"
         )
+
+
+def _check_granularity(name: str, value: torch.Tensor, wanted: str, ids: torch.Tensor) -> None:
+    """A field the loss reads per token (``"token"``) or per sequence (``"sequence"``) is laid
+    out so (its layout is already checked: per token is jagged or ``[B, L, ...]``)."""
+    per_token = value.is_nested or value.dim() > 1
+    if wanted not in ("token", "sequence"):
+        raise ConfigError(
+            f"field {name!r}: granularity must be 'token' or 'sequence', got {wanted!r}"
+        )
+    if per_token == (wanted == "token"):
+        return
+    shape = "jagged" if value.is_nested else str(list(value.shape))
+    if wanted == "token":
+        layout = "jagged" if is_jagged(ids) else f"{list(ids.shape)}, padded"
+        raise BatchError(
+            f"field {name!r} is per-sequence ({shape}, one value per row) but the loss reads it "
+            f"per token: give one value per token, {layout} like 'input_ids' (e.g. a sequence's "
+            "advantage repeated on its response tokens)"
+        )
+    raise BatchError(
+        f"field {name!r} is per-token ({shape}) but the loss reads it per sequence: give one "
+        f"value per row, shape [{ids.size(0)}]"
+    )
 
 
 def _check_binary(name: str, value: torch.Tensor, real: torch.Tensor | None) -> None:

@@ -6,9 +6,10 @@ A loss function is ``loss_fn(outputs, batch, ctx) -> (loss, metrics)`` (the cont
 registered policy loss (:mod:`~engine.losses.policy`); supervised ones in
 :mod:`~engine.losses.supervised`; reward-model ones in :mod:`~engine.losses.reward`; advantage
 estimators in :mod:`~engine.losses.advantages`; KL coefficient controllers in
-:mod:`~engine.losses.kl_control`; the name registries of estimators and policy losses in
-:mod:`~engine.losses.registries`. Configure the functions with ``functools.partial``; any
-callable with the same signature works.
+:mod:`~engine.losses.kl_control`; rollout correction (importance weights
+``pi_old / pi_rollout``) in :mod:`~engine.losses.rollout_correction`; the name registries of
+estimators and policy losses in :mod:`~engine.losses.registries`. Configure the functions with
+``functools.partial``; any callable with the same signature works.
 """
 
 from engine.losses.advantages import (
@@ -30,12 +31,21 @@ from engine.losses.contract import (
     SEQUENCES,
     LossContext,
     LossFn,
+    declared_fields,
+    field_granularity,
     needs_fields,
     required_fields,
 )
 from engine.losses.kl import KL_TYPES, kl_penalized_rewards, kl_penalty
 from engine.losses.kl_control import AdaptiveKLController, FixedKLController, kl_controller
-from engine.losses.policy import PolicyLoss, PolicyTerms, cispo, gspo, vanilla
+from engine.losses.policy import (
+    PolicyLoss,
+    PolicyTerms,
+    cispo,
+    dual_clip_by_default,
+    gspo,
+    vanilla,
+)
 from engine.losses.ppo import ActorLoss, CriticLoss, entropy_bonus, kl_loss
 from engine.losses.registries import (
     ADVANTAGE_ESTIMATORS,
@@ -44,6 +54,13 @@ from engine.losses.registries import (
     register_policy_loss,
 )
 from engine.losses.reward import bradley_terry_loss, score_regression_loss
+from engine.losses.rollout_correction import (
+    ROLLOUT_LOG_PROBS,
+    RolloutCorrection,
+    RolloutWeights,
+    rollout_metrics,
+    rollout_weights,
+)
 from engine.losses.supervised import sft_loss, value_regression_loss
 
 __all__ = [
@@ -56,6 +73,7 @@ __all__ = [
     "POLICY_LOSSES",
     "RESPONSE_MASK",
     "RLOO",
+    "ROLLOUT_LOG_PROBS",
     "SCORED_TOKENS",
     "SEQUENCES",
     "ActorLoss",
@@ -69,10 +87,15 @@ __all__ = [
     "PolicyTerms",
     "ReinforcePlusPlus",
     "ReinforcePlusPlusBaseline",
+    "RolloutCorrection",
+    "RolloutWeights",
     "aggregate",
     "bradley_terry_loss",
     "cispo",
+    "declared_fields",
+    "dual_clip_by_default",
     "entropy_bonus",
+    "field_granularity",
     "gae_advantages",
     "gspo",
     "kl_controller",
@@ -85,6 +108,8 @@ __all__ = [
     "register_advantage_estimator",
     "register_policy_loss",
     "required_fields",
+    "rollout_metrics",
+    "rollout_weights",
     "score_regression_loss",
     "sft_loss",
     "token_mean",

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import attrs
 import torch
 
+from heads.base import PER_SEQUENCE, PER_TOKEN, Granularity
 from heads.errors import BatchError, ConfigError
 
 LOSS_MASK = "loss_mask"
@@ -55,21 +56,56 @@ LossFn = Callable[[Mapping[str, torch.Tensor], Any, LossContext], tuple[torch.Te
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def needs_fields(*names: str) -> Callable[[F], F]:
-    """Declare the batch fields a loss function reads; the batch is checked before any compute."""
+def needs_fields(*names: str, **granularity: Granularity) -> Callable[[F], F]:
+    """Declare the batch fields a loss function reads; the batch is checked before any compute.
+
+    ``needs_fields("pair_id")`` accepts the field in either layout; ``needs_fields(returns=
+    PER_TOKEN)`` also checks that it is per-token (``PER_SEQUENCE``: one value per row), so a
+    ``[B]`` field handed to a per-token loss is refused by name rather than failing (or, when
+    ``B`` equals the width, broadcasting silently) inside the loss."""
+    declared: dict[str, Granularity | None] = {**dict.fromkeys(names), **granularity}
+    _check_declared(declared, "needs_fields")
 
     def declare(loss_fn: F) -> F:
-        loss_fn.required_fields = names  # type: ignore[attr-defined]
+        loss_fn.required_fields = declared  # type: ignore[attr-defined]
         return loss_fn
 
     return declare
 
 
-def required_fields(loss_fn: Any) -> tuple[str, ...]:
-    """Batch fields ``loss_fn`` declares it needs (``required_fields`` attribute, if any)."""
+def declared_fields(loss_fn: Any) -> dict[str, Granularity | None]:
+    """``{field: granularity}`` that ``loss_fn`` declares in its ``required_fields`` attribute
+    (looked up through ``functools.partial``): a mapping of names to ``PER_TOKEN``,
+    ``PER_SEQUENCE`` or None (either layout), or plain names (either layout)."""
     while hasattr(loss_fn, "func") and not hasattr(loss_fn, "required_fields"):
         loss_fn = loss_fn.func  # functools.partial
-    return tuple(getattr(loss_fn, "required_fields", ()))
+    fields = getattr(loss_fn, "required_fields", ())
+    if isinstance(fields, Mapping):
+        declared = {str(name): value for name, value in fields.items()}
+    else:
+        declared = dict.fromkeys(fields)
+    owner = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
+    _check_declared(declared, f"{owner}.required_fields")
+    return declared
+
+
+def required_fields(loss_fn: Any) -> tuple[str, ...]:
+    """Batch fields ``loss_fn`` declares it needs (``required_fields`` attribute, if any)."""
+    return tuple(declared_fields(loss_fn))
+
+
+def field_granularity(loss_fn: Any) -> dict[str, Granularity]:
+    """The declared fields whose layout ``loss_fn`` fixes (``PER_TOKEN`` / ``PER_SEQUENCE``)."""
+    return {name: value for name, value in declared_fields(loss_fn).items() if value is not None}
+
+
+def _check_declared(declared: Mapping[str, object], where: str) -> None:
+    for name, value in declared.items():
+        if value not in (PER_TOKEN, PER_SEQUENCE, None):
+            raise ConfigError(
+                f"{where}: field {name!r} has granularity {value!r}; it must be "
+                f"{PER_TOKEN!r} (per token), {PER_SEQUENCE!r} (per sequence) or None (either)"
+            )
 
 
 def checked_loss(result: Any, *, training: bool) -> tuple[torch.Tensor, dict[str, float]]:

@@ -8,7 +8,7 @@ import torch
 from heads.errors import BatchError, ConfigError
 
 #: Estimators a ``+`` may follow (straight-through: this value, ``k2``'s gradient).
-_STRAIGHT_THROUGH_BASES = ("k1", "k3", "low_var_kl", "abs")
+_STRAIGHT_THROUGH_BASES = ("k1", "k2", "k3", "low_var_kl", "abs")
 #: KL estimators of :func:`kl_penalty` (``low_var_kl`` is another name for ``k3``).
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl", "abs", *(f"{b}+" for b in _STRAIGHT_THROUGH_BASES))
 
@@ -28,9 +28,10 @@ def kl_penalty(
     clamped to ``[-20, 20]`` before ``exp``, which changes no value after the outer clamp but
     keeps ``exp`` and its gradient finite); ``abs``: ``|logp - logp_ref|``.
 
-    ``k1+``, ``k3+``, ``low_var_kl+``, ``abs+`` are straight-through: the value of the estimator
-    before the ``+`` with the gradient of ``k2`` (``k2 - sg[k2] + sg[base]``): on the policy's
-    own samples ``k2``'s gradient estimates the KL's gradient without bias, ``k1``'s does not.
+    ``k1+``, ``k2+``, ``k3+``, ``low_var_kl+``, ``abs+`` are straight-through: the value of the
+    estimator before the ``+`` with the gradient of ``k2`` (``k2 - sg[k2] + sg[base]``): on the
+    policy's own samples ``k2``'s gradient estimates the KL's gradient without bias, ``k1``'s does
+    not. ``k2+`` is ``k2`` itself (accepted so that every estimator takes a ``+``, as in verl).
     """
     if kind not in KL_TYPES:
         raise ConfigError(f"kl type must be one of {', '.join(map(repr, KL_TYPES))}; got {kind!r}")

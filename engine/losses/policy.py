@@ -4,11 +4,14 @@ A policy loss is ``fn(log_probs, old_log_probs, advantages, mask, clip) -> Polic
 per-token loss (aggregated by the caller) and which tokens the clip acted on. Every tensor is
 ``[b, s]`` with masked-out positions already zeroed; a loss that pools over a sequence (GSPO)
 pools over its row's masked-in tokens only, so it does not depend on the micro-batch split.
+A loss with dual clipping of its own declares its bound with :func:`dual_clip_by_default`
+(``vanilla``: 3.0); the others get ``clip_ratio_c=None`` unless the user sets one.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import attrs
 import torch
@@ -49,6 +52,27 @@ class PolicyLoss(Protocol):
     ) -> PolicyTerms: ...
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def dual_clip_by_default(clip_ratio_c: float) -> Callable[[F], F]:
+    """Declare the dual-clip bound ``ActorLoss`` gives this policy loss when ``clip_ratio_c``
+    is not set (a loss without it gets None: dual clipping is PPO's, not every loss's)."""
+
+    def declare(policy_loss: F) -> F:
+        policy_loss.default_clip_ratio_c = clip_ratio_c  # type: ignore[attr-defined]
+        return policy_loss
+
+    return declare
+
+
+def default_clip_ratio_c(policy_loss: object) -> float | None:
+    """The dual-clip bound ``policy_loss`` declares (:func:`dual_clip_by_default`), else None."""
+    value: float | None = getattr(policy_loss, "default_clip_ratio_c", None)
+    return value
+
+
+@dual_clip_by_default(3.0)
 def vanilla(
     log_probs: torch.Tensor,
     old_log_probs: torch.Tensor,
@@ -73,7 +97,8 @@ def gspo(
     ``s_i = exp(mean_t (logp - logp_old))`` (mean over the row's masked-in tokens), applied to
     every token as ``s_it = sg[s_i] exp(logp_t - sg[logp_t])``: the value ``s_i`` and the
     gradient ``s_i grad logp_t``, so the clip acts per sequence. The paper clips tightly
-    (``clip_ratio_low=3e-4``, ``clip_ratio_high=4e-4``) and aggregates ``seq-mean-token-mean``.
+    (``clip_ratio_low=3e-4``, ``clip_ratio_high=4e-4``) and aggregates ``seq-mean-token-mean``;
+    it has no dual clip, so none applies unless ``clip_ratio_c`` is set explicitly.
     """
     active = mask.bool()
     counts = active.sum(-1, keepdim=True).clamp(min=1)

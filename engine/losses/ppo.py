@@ -19,7 +19,15 @@ from engine.losses.aggregation import (
 )
 from engine.losses.contract import LossContext, LossResult, needs_fields
 from engine.losses.kl import KL_TYPES, MAX_LOG_RATIO, kl_penalty
+from engine.losses.policy import default_clip_ratio_c
 from engine.losses.registries import POLICY_LOSSES, policy_loss_field
+from engine.losses.rollout_correction import (
+    ROLLOUT_LOG_PROBS,
+    RolloutCorrection,
+    rollout_metrics,
+    rollout_weights,
+)
+from heads.base import PER_TOKEN, Granularity
 from heads.errors import BatchError, ConfigError
 from heads.validation import finite, non_negative, of_type, one_of, positive
 
@@ -58,6 +66,14 @@ def _mask_key_field() -> Any:
     return attrs.field(default=None, validator=attrs.validators.optional(of_type(str)))
 
 
+def _default_clip_ratio_c(loss: Any) -> float | None:
+    """The named policy loss's dual-clip default (None for a name the validator will refuse)."""
+    name = loss.policy_loss
+    if not isinstance(name, str) or name not in POLICY_LOSSES.names():
+        return None
+    return default_clip_ratio_c(POLICY_LOSSES.get(name))
+
+
 def _check_horizon(instance: Any) -> None:
     if instance.loss_agg_mode == "seq-mean-token-sum-norm" and instance.horizon is None:
         raise ConfigError(
@@ -74,8 +90,9 @@ class ActorLoss:
     (:mod:`engine.losses.policy`): ``vanilla`` is PPO's, with ``r = exp(logp - logp_old)``
     (log-ratio clamped to ``[-20, 20]``) and advantage ``A``:
     ``l = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``; for ``A < 0`` and
-    ``clip_ratio_c`` set, ``l = min(l, -A clip_ratio_c)`` (dual clip); ``gspo`` clips a
-    sequence ratio, ``cispo`` weights log-probs by the clipped ratio.
+    ``clip_ratio_c`` set, ``l = min(l, -A clip_ratio_c)`` (dual clip; by default 3.0 for
+    ``vanilla`` and off for the others); ``gspo`` clips a sequence ratio, ``cispo`` weights
+    log-probs by the clipped ratio.
     The loss is ``agg(l) - entropy_coeff * agg(entropy) + kl_coeff * agg(kl)``, every ``agg``
     being :func:`aggregate` with ``loss_agg_mode`` over the mask (``mask_key``, else
     ``loss_mask``, else ``response_mask``).
@@ -85,14 +102,25 @@ class ActorLoss:
     output (LM head ``compute_entropy=True``). Metrics (local to the micro-batch): ``pg_loss``,
     ``pg_clipfrac``, ``ppo_kl``, ``pg_clipfrac_lower``, ``entropy`` (when the head outputs it),
     ``kl`` (when the batch has ``ref_log_probs``).
+
+    With ``rollout_correction`` (:class:`~engine.losses.rollout_correction.RolloutCorrection`)
+    ``l`` is multiplied by the importance weights ``pi_old / pi_rollout`` (batch field
+    ``rollout_log_probs``) before aggregation, whatever the policy loss; metrics
+    ``rollout_is_mean``, ``rollout_is_max``, ``rollout_is_dropped``, ``rollout_is_seq_dropped``,
+    ``rollout_old_kl``, ``rollout_old_k3_kl``.
     """
 
     #: A name in the policy loss registry (``vanilla``, ``gspo``, ``cispo`` or registered).
     policy_loss: str = policy_loss_field()
     clip_ratio_low: float = _number(0.2, non_negative, _below_one)
     clip_ratio_high: float = _number(0.2, non_negative)
-    #: Dual-clip bound ``c > 1`` for negative advantages; None disables dual clipping.
-    clip_ratio_c: float | None = _number(3.0, _above_one, optional=True)
+    #: Dual-clip bound ``c > 1`` for negative advantages; None disables dual clipping. Unset:
+    #: the policy loss's own default (``vanilla`` 3.0; ``gspo``, ``cispo`` and losses that
+    #: declare none: None).
+    clip_ratio_c: float | None = attrs.field(
+        default=attrs.Factory(_default_clip_ratio_c, takes_self=True),
+        validator=attrs.validators.optional([of_type((int, float)), finite, _above_one]),
+    )
     loss_agg_mode: str = _mode_field()
     #: Fixed token count for ``seq-mean-token-sum-norm`` (required by that mode only).
     horizon: int | None = _horizon_field()
@@ -101,18 +129,25 @@ class ActorLoss:
     kl_type: str = attrs.field(default="low_var_kl", validator=one_of(*KL_TYPES))
     #: The mask field to train on; None: ``loss_mask`` if present, else ``response_mask``.
     mask_key: str | None = _mask_key_field()
+    #: Importance weights ``pi_old / pi_rollout`` on the policy loss, from the batch field
+    #: ``rollout_log_probs``; None: no correction.
+    rollout_correction: RolloutCorrection | None = attrs.field(
+        default=None, validator=attrs.validators.optional(of_type(RolloutCorrection))
+    )
 
     def __attrs_post_init__(self) -> None:
         _check_horizon(self)
 
     @property
-    def required_fields(self) -> tuple[str, ...]:
+    def required_fields(self) -> dict[str, Granularity | None]:
         names = ["old_log_probs", "advantages"]
+        if self.rollout_correction is not None:
+            names.append(ROLLOUT_LOG_PROBS)
         if self.kl_coeff > 0:
             names.append("ref_log_probs")
         if self.mask_key is not None:
             names.append(self.mask_key)
-        return tuple(names)
+        return dict.fromkeys(names, PER_TOKEN)
 
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], batch: Any, ctx: LossContext
@@ -131,13 +166,30 @@ class ActorLoss:
         advantages = zero_masked(batch["advantages"].to(dtype), mask)
 
         terms = POLICY_LOSSES.get(self.policy_loss)(log_probs, old, advantages, mask, self)
+        per_token, rollout = terms.per_token, {}
+        if self.rollout_correction is not None:  # the one place every policy loss is weighted
+            if ROLLOUT_LOG_PROBS not in batch.keys():
+                raise BatchError(
+                    f"ActorLoss.rollout_correction needs the batch field {ROLLOUT_LOG_PROBS!r} "
+                    "(the rollout engine's log-probs of the sampled tokens)"
+                )
+            weights = rollout_weights(
+                batch["old_log_probs"],
+                batch[ROLLOUT_LOG_PROBS],
+                mask,
+                self.rollout_correction,
+                dtype=torch.promote_types(dtype, torch.float32),
+            )
+            per_token = per_token * weights.weights
+            rollout = rollout_metrics(weights, mask)
         log_ratio = torch.clamp(log_probs - old, -MAX_LOG_RATIO, MAX_LOG_RATIO)
-        loss = agg(terms.per_token, ctx)
+        loss = agg(per_token, ctx)
         metrics = {
-            "pg_loss": float(agg(terms.per_token.detach(), local)),
+            "pg_loss": float(agg(per_token.detach(), local)),
             "pg_clipfrac": float(masked_mean(terms.clipped.to(dtype), mask)),
             "ppo_kl": float(masked_mean(-log_ratio.detach(), mask)),
             "pg_clipfrac_lower": float(masked_mean(terms.clipped_lower.to(dtype), mask)),
+            **rollout,
         }
 
         entropy = outputs.get("entropy")
@@ -183,13 +235,13 @@ class CriticLoss:
         _check_horizon(self)
 
     @property
-    def required_fields(self) -> tuple[str, ...]:
+    def required_fields(self) -> dict[str, Granularity | None]:
         names = ["returns"]
         if self.cliprange_value is not None:
             names.append("values")
         if self.mask_key is not None:
             names.append(self.mask_key)
-        return tuple(names)
+        return dict.fromkeys(names, PER_TOKEN)
 
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], batch: Any, ctx: LossContext
@@ -251,7 +303,7 @@ def entropy_bonus(
     return loss, {"entropy": float(local)}
 
 
-@needs_fields("ref_log_probs")
+@needs_fields(ref_log_probs=PER_TOKEN)
 def kl_loss(
     outputs: Mapping[str, torch.Tensor],
     batch: Any,

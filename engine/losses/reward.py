@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.losses.contract import SEQUENCES, LossContext, LossResult, needs_fields
+from heads.base import PER_SEQUENCE
 from heads.errors import BatchError
 
 PAIR_ID = "pair_id"
@@ -17,7 +18,7 @@ CHOSEN = "chosen"
 TARGETS = "targets"
 
 
-@needs_fields(PAIR_ID, CHOSEN)
+@needs_fields(**{PAIR_ID: PER_SEQUENCE, CHOSEN: PER_SEQUENCE})
 def bradley_terry_loss(
     outputs: Mapping[str, torch.Tensor], batch: Any, ctx: LossContext
 ) -> LossResult:
@@ -43,7 +44,7 @@ def bradley_terry_loss(
     }
 
 
-@needs_fields(TARGETS)
+@needs_fields(**{TARGETS: PER_SEQUENCE})
 def score_regression_loss(
     outputs: Mapping[str, torch.Tensor], batch: Any, ctx: LossContext
 ) -> LossResult:

@@ -9,6 +9,7 @@ import torch
 
 from engine.losses.aggregation import scored_mask, token_mean
 from engine.losses.contract import LossContext, needs_fields
+from heads.base import PER_TOKEN
 
 
 @needs_fields()
@@ -21,7 +22,7 @@ def sft_loss(
     return loss, {"sft_loss": float(loss.detach())}
 
 
-@needs_fields("returns")
+@needs_fields(returns=PER_TOKEN)
 def value_regression_loss(
     outputs: Mapping[str, torch.Tensor], batch: Any, ctx: LossContext
 ) -> tuple[torch.Tensor, dict[str, float]]:

@@ -21,7 +21,7 @@ from tensordict import TensorDict
 
 from engine import Engine, EngineConfig
 from engine.data.batching import from_token_lists, jagged, to_padded
-from engine.losses import ActorLoss, sft_loss, value_regression_loss
+from engine.losses import ActorLoss, RolloutCorrection, sft_loss, value_regression_loss
 from heads.errors import (
     BatchError,
     CheckpointError,
@@ -537,6 +537,38 @@ LOSS_FUNCTIONS = {
         BatchError,
         "lacks field.*old_log_probs, advantages, ref_log_probs",
         head="lm",
+    ),
+    "an actor loss given per-sequence advantages": Case(
+        train(
+            with_field(
+                "advantages",
+                torch.ones(3),
+                with_field("old_log_probs", jagged([torch.zeros(n) for n in (3, 5, 4)])),
+            ),
+            ActorLoss(),
+        ),
+        BatchError,
+        r"field 'advantages' is per-sequence \(\[3\], one value per row\) but the loss reads "
+        "it per token",
+        head="lm",
+    ),
+    "an actor loss with rollout correction lacking rollout_log_probs": Case(
+        train(
+            with_field(
+                "advantages",
+                jagged([torch.ones(n) for n in (3, 5, 4)]),
+                with_field("old_log_probs", jagged([torch.zeros(n) for n in (3, 5, 4)])),
+            ),
+            ActorLoss(rollout_correction=RolloutCorrection(level="sequence")),
+        ),
+        BatchError,
+        "lacks field.*rollout_log_probs",
+        head="lm",
+    ),
+    "a value loss given per-sequence returns": Case(
+        train(with_field("returns", torch.zeros(3))),
+        BatchError,
+        "field 'returns' is per-sequence",
     ),
     "an unknown aggregation mode": Case(
         lambda e, _: ActorLoss(loss_agg_mode="token_mean"), ConfigError, "loss_agg_mode"

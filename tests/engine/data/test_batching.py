@@ -25,7 +25,7 @@ from engine.data.batching import (
     to_padded,
     validate_batch,
 )
-from heads.errors import BatchError
+from heads.errors import BatchError, ConfigError
 from tests.factories import random_batch, tiny_model
 
 lengths_strategy = st.lists(st.integers(1, 12), min_size=1, max_size=7)
@@ -134,6 +134,25 @@ def test_validation_accepts_every_well_formed_batch(lengths: list[int], side: st
     if side != "jagged":
         batch = to_padded(batch, side=side)
     assert validate_batch(batch, ["returns"], vocab_size=50, max_length=12) is batch
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=lengths_strategy, side=st.sampled_from(["left", "right", "jagged"]))
+def test_a_field_in_the_wrong_granularity_is_refused_by_name_and_the_right_one_accepted(
+    lengths: list[int], side: str
+) -> None:
+    batch = random_batch(lengths, 50)
+    batch["score"] = torch.ones(len(lengths))
+    if side != "jagged":
+        batch = to_padded(batch, side=side)
+    right = {"returns": "token", "score": "sequence", "absent": "token"}
+    assert validate_batch(batch, ["returns", "score"], granularity=right) is batch
+    with pytest.raises(BatchError, match=r"field 'score' is per-sequence \(\[\d+\], one value"):
+        validate_batch(batch, ["score"], granularity={"score": "token"})
+    with pytest.raises(BatchError, match=r"field 'returns' is per-token .* reads it per sequence"):
+        validate_batch(batch, ["returns"], granularity={"returns": "sequence"})
+    with pytest.raises(ConfigError, match="field 'returns': granularity must be"):
+        validate_batch(batch, granularity={"returns": "tokens"})
 
 
 @settings(max_examples=50, deadline=None)

@@ -11,7 +11,7 @@ import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -31,17 +31,24 @@ from engine.losses import (
     CriticLoss,
     LossContext,
     PolicyTerms,
+    RolloutCorrection,
     aggregate,
+    bradley_terry_loss,
+    dual_clip_by_default,
     entropy_bonus,
+    field_granularity,
     kl_controller,
     kl_loss,
     kl_penalized_rewards,
     kl_penalty,
+    needs_fields,
     register_policy_loss,
     required_fields,
+    score_regression_loss,
     sft_loss,
     value_regression_loss,
 )
+from heads import PER_SEQUENCE, PER_TOKEN
 from heads.errors import BatchError, ConfigError, UnknownStrategyError
 
 HORIZON = 16
@@ -87,6 +94,10 @@ def make_rollout(
         "returns": torch.randn(n, width, generator=gen, dtype=torch.float64),
         "values": values + 0.4 * torch.randn(n, width, generator=gen, dtype=torch.float64),
     }
+    rollout_gen = torch.Generator().manual_seed(seed + 1)  # leaves the draws above unchanged
+    per_token["rollout_log_probs"] = per_token["old_log_probs"] + 0.3 * torch.randn(
+        n, width, generator=rollout_gen, dtype=torch.float64
+    )
     outputs = {
         "log_probs": log_probs,
         "entropy": 2.0 * torch.rand(n, width, generator=gen, dtype=torch.float64),
@@ -194,6 +205,23 @@ LOSSES: dict[str, Callable[[str], LossFn]] = {
     ),
     "actor_cispo": lambda mode: ActorLoss(
         policy_loss="cispo", loss_agg_mode=mode, horizon=HORIZON, clip_ratio_high=0.28
+    ),
+    "actor_token_tis": lambda mode: ActorLoss(
+        loss_agg_mode=mode,
+        horizon=HORIZON,
+        rollout_correction=RolloutCorrection(level="token", upper=1.2),
+    ),
+    "actor_gspo_sequence_mask": lambda mode: ActorLoss(
+        policy_loss="gspo",
+        loss_agg_mode=mode,
+        horizon=HORIZON,
+        rollout_correction=RolloutCorrection(level="sequence", mode="mask", upper=3.0),
+    ),
+    "actor_cispo_geometric_mask": lambda mode: ActorLoss(
+        policy_loss="cispo",
+        loss_agg_mode=mode,
+        horizon=HORIZON,
+        rollout_correction=RolloutCorrection(level="geometric", mode="mask", lower=0.9, upper=1.1),
     ),
     **{
         f"kl_loss_{kind}": lambda mode, kind=kind: functools.partial(
@@ -430,6 +458,50 @@ def test_gspo_is_the_papers_sequence_level_clipped_objective_in_value_and_gradie
     assert 0 < metrics["pg_clipfrac"] < 1  # some sequences are clipped, some are not
 
 
+def test_dual_clipping_is_vanillas_default_only_and_an_explicit_bound_is_always_kept() -> None:
+    assert ActorLoss().clip_ratio_c == 3.0
+    assert ActorLoss(policy_loss="gspo").clip_ratio_c is None
+    assert ActorLoss(policy_loss="cispo").clip_ratio_c is None
+    assert ActorLoss(clip_ratio_c=None).clip_ratio_c is None
+    assert ActorLoss(policy_loss="gspo", clip_ratio_c=2.0).clip_ratio_c == 2.0
+
+    def plain(
+        log_probs: torch.Tensor,
+        old_log_probs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        clip: Any,
+    ) -> PolicyTerms:
+        never = torch.zeros_like(mask, dtype=torch.bool)
+        return PolicyTerms(per_token=-advantages * log_probs, clipped=never, clipped_lower=never)
+
+    try:
+        register_policy_loss("plain")(plain)
+        register_policy_loss("dual")(dual_clip_by_default(2.5)(functools.partial(plain)))
+        assert ActorLoss(policy_loss="plain").clip_ratio_c is None
+        assert ActorLoss(policy_loss="dual").clip_ratio_c == 2.5
+    finally:
+        POLICY_LOSSES.unregister("plain")
+        POLICY_LOSSES.unregister("dual")
+
+
+def test_gspo_by_default_has_no_dual_clip_and_gets_one_only_when_asked() -> None:
+    rollout = make_rollout([7, 4, 9, 5, 8, 6], seed=8, mask_prob=0.9)
+    batch, outputs, ctx = whole_batch(rollout)
+    m = batch[RESPONSE_MASK].double()
+    # sequences far above the clip range with negative advantages: where dual clipping acts
+    batch["old_log_probs"] = (outputs["log_probs"].detach() - 0.5) * m
+    batch["advantages"] = -torch.ones_like(m) * m
+    default, default_metrics = ActorLoss(policy_loss="gspo")(outputs, batch, ctx)
+    without, _ = ActorLoss(policy_loss="gspo", clip_ratio_c=None)(outputs, batch, ctx)
+    dual, dual_metrics = ActorLoss(policy_loss="gspo", clip_ratio_c=1.5)(outputs, batch, ctx)
+    assert torch.equal(default, without)
+    assert default_metrics["pg_clipfrac_lower"] == 0.0
+    torch.testing.assert_close(dual, torch.tensor(1.5, dtype=torch.float64))  # -A * c
+    assert float(default) == pytest.approx(math.exp(0.5))  # -A * s, s = exp(0.5)
+    assert dual_metrics["pg_clipfrac_lower"] == 1.0
+
+
 def test_cispo_is_minus_the_clipped_detached_ratio_times_advantage_times_log_prob() -> None:
     batch, outputs, ctx = whole_batch(make_rollout([7, 4, 9, 5], seed=13, mask_prob=0.9))
     low, high = 0.1, 0.15
@@ -568,6 +640,16 @@ def test_straight_through_kl_has_its_base_estimators_value_and_k2s_gradient(kind
     torch.testing.assert_close(gradient, (logp - ref).detach())  # d/dlogp of 0.5 (logp - ref)^2
 
 
+def test_k2_plus_is_accepted_like_the_other_straight_through_names_and_is_k2_bit_for_bit() -> None:
+    logp = torch.tensor([-1.0, -0.5, -2.0, -0.1, -30.0], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([-1.2, -0.5, -0.3, -3.0, -0.1], dtype=torch.float64)
+    assert "k2+" in KL_TYPES and ActorLoss(kl_type="k2+").kl_type == "k2+"
+    plus, plain = kl_penalty(logp, ref, "k2+"), kl_penalty(logp, ref, "k2")
+    (plus_grad,) = torch.autograd.grad(plus.sum(), logp)
+    (plain_grad,) = torch.autograd.grad(plain.sum(), logp)
+    assert torch.equal(plus, plain) and torch.equal(plus_grad, plain_grad)
+
+
 def test_low_var_kl_is_clamped_to_ten_and_its_gradient_stays_finite() -> None:
     logp = torch.tensor([-200.0, 0.0, -1.0], dtype=torch.float64, requires_grad=True)
     ref = torch.tensor([0.0, -200.0, -1.0], dtype=torch.float64)
@@ -672,7 +754,8 @@ BAD_CONFIGS = [
     (ActorLoss, "entropy_coeff", -0.01),
     (ActorLoss, "kl_coeff", math.inf),
     (ActorLoss, "kl_type", "k4"),
-    (ActorLoss, "kl_type", "k2+"),
+    (ActorLoss, "kl_type", "k2++"),
+    (ActorLoss, "kl_type", "k4+"),
     (ActorLoss, "policy_loss", 3),
     (ActorLoss, "loss_agg_mode", "mean"),
     (ActorLoss, "horizon", 0),
@@ -721,8 +804,8 @@ def test_bad_options_raise_config_error_naming_the_option() -> None:
 
 
 def test_required_fields_follow_the_configuration_and_partials() -> None:
-    assert ActorLoss().required_fields == ("old_log_probs", "advantages")
-    assert ActorLoss(kl_coeff=0.1, mask_key="turn_mask").required_fields == (
+    assert required_fields(ActorLoss()) == ("old_log_probs", "advantages")
+    assert required_fields(ActorLoss(kl_coeff=0.1, mask_key="turn_mask")) == (
         "old_log_probs",
         "advantages",
         "ref_log_probs",
@@ -737,6 +820,44 @@ def test_required_fields_follow_the_configuration_and_partials() -> None:
     )
     assert required_fields(value_regression_loss) == ("returns",)
     assert required_fields(kl_loss) == ("ref_log_probs",)
+
+
+def test_losses_declare_the_granularity_of_the_fields_they_read() -> None:
+    assert field_granularity(ActorLoss(kl_coeff=0.1, mask_key="turn_mask")) == dict.fromkeys(
+        ("old_log_probs", "advantages", "ref_log_probs", "turn_mask"), PER_TOKEN
+    )
+    assert field_granularity(CriticLoss()) == {"returns": PER_TOKEN, "values": PER_TOKEN}
+    assert field_granularity(functools.partial(kl_loss, kl_type="k1")) == {
+        "ref_log_probs": PER_TOKEN
+    }
+    assert field_granularity(value_regression_loss) == {"returns": PER_TOKEN}
+    assert field_granularity(score_regression_loss) == {"targets": PER_SEQUENCE}
+    assert field_granularity(bradley_terry_loss) == {
+        "pair_id": PER_SEQUENCE,
+        "chosen": PER_SEQUENCE,
+    }
+
+
+def test_plain_field_names_declare_no_granularity_and_a_bad_one_is_refused_by_field() -> None:
+    @needs_fields("pair_id", returns=PER_TOKEN)
+    def mixed(outputs: Any, batch: Any, ctx: LossContext) -> Any:
+        raise AssertionError("not called")
+
+    class Old:
+        required_fields = ("returns", "scores")
+
+    assert required_fields(mixed) == ("pair_id", "returns")
+    assert field_granularity(mixed) == {"returns": PER_TOKEN}
+    assert required_fields(Old()) == ("returns", "scores")
+    assert field_granularity(Old()) == {}
+    with pytest.raises(ConfigError, match="needs_fields: field 'returns' has granularity 'row'"):
+        needs_fields(returns="row")  # type: ignore[arg-type]
+
+    class Bad:
+        required_fields: ClassVar[dict[str, str]] = {"returns": "per_token"}
+
+    with pytest.raises(ConfigError, match=r"Bad\.required_fields: field 'returns'"):
+        required_fields(Bad())
 
 
 def test_a_users_own_loss_function_keeps_working_alongside_the_library() -> None:
