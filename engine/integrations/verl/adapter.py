@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
@@ -30,11 +31,13 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_name
 from verl.workers.engine.base import BaseEngine
 
+from engine import checkpointing
 from engine.data.batching import jagged_offsets, jagged_values
 from engine.engine import Engine
 from engine.integrations.verl.config import engine_config_from_verl
 from engine.losses.contract import LossContext
 from heads.errors import BatchError, ConfigError
+from strategies.backends.base import OFFLOAD_PARTS, Offloading
 
 #: Per-sequence field carrying each row's index into verl's TensorDict through micro-batching.
 ROW = "verl_row"
@@ -104,6 +107,12 @@ class ComposableEngine(BaseEngine):
         )
         device = os.getenv("VERL_ENGINE_DEVICE") or get_device_name()
         self.engine = Engine.build(head=head, backend=backend, device=device, config=config)
+        #: Whether verl's ``to("cpu")`` offloads to host memory. Not on a CPU platform: there
+        #: the host is the device, and verl's calls that load (``to(get_device_name())``) and
+        #: those that offload (``to("cpu")``) name the same device, so every call loads.
+        self.offload_to_host = self.engine.platform.device_type != "cpu"
+        #: The ``local_path`` of each checkpoint this process saved, oldest first (retention).
+        self._saved: list[str] = []
 
     # -- lifecycle -----------------------------------------------------------------------------
     def initialize(self) -> None:
@@ -168,19 +177,34 @@ class ComposableEngine(BaseEngine):
     def to(
         self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True
     ) -> None:
-        """``"cpu"`` offloads the chosen parts, the device's name (or ``"device"``) loads them.
-        On a CPU platform the host *is* the device, so every call loads."""
+        """``"cpu"`` offloads the chosen parts (see ``offload_to_host``), the device's name (or
+        ``"device"``) loads them. A forward-only engine has no optimizer or gradients."""
         super().to(device=device, model=model, optimizer=optimizer, grad=grad)
         engine = self._initialized()
-        if not (model or optimizer or grad) or (engine.config.forward_only and not model):
-            return
-        target = "cpu" if device == "cpu" and engine.platform.device_type != "cpu" else "device"
-        if target == "cpu" and not engine.config.forward_only:
-            engine.to("cpu", model=model, optimizer=optimizer, grad=grad)
-        elif target == "cpu":
-            engine.to("cpu", model=model, optimizer=False, grad=False)
-        else:
-            engine.to("device", model=model, optimizer=optimizer, grad=grad)
+        if engine.config.forward_only:
+            optimizer = grad = False
+        if model or optimizer or grad:
+            target = "cpu" if device == "cpu" and self.offload_to_host else "device"
+            engine.to(target, model=model, optimizer=optimizer, grad=grad)
+
+    def _offloaded(self) -> frozenset[str]:
+        backend = self._initialized().backend
+        return backend.offloaded() if isinstance(backend, Offloading) else frozenset()
+
+    @contextlib.contextmanager
+    def _resident(self, parts: tuple[str, ...] = OFFLOAD_PARTS) -> Iterator[Engine]:
+        """``parts`` on the device inside, whatever verl offloaded (verl checkpoints and exports
+        weights between its modes); what was offloaded goes back on exit."""
+        engine = self._initialized()
+        away = self._offloaded() & set(parts)
+        chosen = {part: part in away for part in OFFLOAD_PARTS}
+        if away:
+            engine.to("device", **chosen)
+        try:
+            yield engine
+        finally:
+            if away:
+                engine.to("cpu", **chosen)
 
     # -- steps ---------------------------------------------------------------------------------
     def forward_backward_batch(
@@ -342,11 +366,17 @@ class ComposableEngine(BaseEngine):
     def get_per_tensor_param(
         self, **kwargs: Any
     ) -> tuple[Generator[tuple[str, torch.Tensor], None, None], dict[Any, Any] | None]:
-        """(Hugging Face name, full tensor) one at a time, and no PEFT config."""
-        weights = self._initialized().get_per_tensor_param()
+        """(Hugging Face name, full tensor) one at a time, and no PEFT config. An offloaded model
+        is loaded for the export and offloaded again once the generator is exhausted (or
+        closed); verl's LoRA arguments (``layered_summon``, ``base_sync_done``) do not apply."""
+        with contextlib.ExitStack() as stack:
+            engine = stack.enter_context(self._resident(("model",)))
+            weights = engine.get_per_tensor_param()
+            loaded = stack.pop_all()
 
         def each() -> Generator[tuple[str, torch.Tensor], None, None]:
-            yield from weights
+            with loaded:
+                yield from weights
 
         return each(), None
 
@@ -358,15 +388,28 @@ class ComposableEngine(BaseEngine):
         max_ckpt_to_keep: int | None = None,
         **kwargs: Any,
     ) -> None:
-        """This engine's checkpoint under ``local_path`` (its ``global_step_<N>`` directory);
-        ``save_contents`` with ``hf_model`` adds a Hugging Face export in ``huggingface/``."""
+        """This engine's checkpoint of ``global_step`` in ``local_path/global_step_<N>/`` (verl
+        hands each save its own ``local_path``); ``save_contents`` with ``hf_model`` adds a
+        Hugging Face export in ``local_path/huggingface/``. ``max_ckpt_to_keep`` keeps the
+        newest checkpoints this process saved, removing the older ones' ``local_path``
+        directories whole, as verl's own engines do (and the older steps under one reused
+        ``local_path``). Offloaded parts are loaded for the save and offloaded again."""
         if hdfs_path is not None:
             raise ConfigError("ComposableEngine.save_checkpoint: hdfs_path is not supported")
-        engine = self._initialized()
-        engine.save_checkpoint(local_path, global_step=global_step)
-        contents = getattr(self.checkpoint_config, "save_contents", None) or ()
-        if "hf_model" in contents and engine.head.output_spec().kind == "vocab":
-            engine.save_hf(os.path.join(local_path, "huggingface"))
+        with self._resident() as engine:
+            engine.save_checkpoint(
+                local_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep
+            )
+            contents = getattr(self.checkpoint_config, "save_contents", None) or ()
+            if "hf_model" in contents and engine.head.output_spec().kind == "vocab":
+                engine.save_hf(os.path.join(local_path, "huggingface"))
+        path = os.path.abspath(local_path)
+        self._saved = [saved for saved in self._saved if saved != path] + [path]
+        if max_ckpt_to_keep is not None and len(self._saved) > max_ckpt_to_keep:
+            older, self._saved = self._saved[:-max_ckpt_to_keep], self._saved[-max_ckpt_to_keep:]
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                for directory in older:
+                    shutil.rmtree(directory, ignore_errors=True)
 
     def load_checkpoint(
         self,
@@ -375,10 +418,15 @@ class ComposableEngine(BaseEngine):
         del_local_after_load: bool = True,
         **kwargs: Any,
     ) -> None:
-        """The newest checkpoint ``save_checkpoint`` wrote under ``local_path``."""
+        """The newest checkpoint ``save_checkpoint`` wrote under ``local_path`` (or a
+        ``global_step_<N>`` directory); offloaded parts stay offloaded."""
         if hdfs_path is not None:
             raise ConfigError("ComposableEngine.load_checkpoint: hdfs_path is not supported")
-        self._initialized().load_checkpoint(local_path)
+        # verl's own directories are named global_step_<N> too, which the engine reads as one
+        # (incomplete) checkpoint: name the newest complete one inside explicitly.
+        complete = checkpointing.complete_checkpoints(local_path)
+        with self._resident() as engine:
+            engine.load_checkpoint(complete[-1][1] if complete else local_path)
 
 
 def _temperature(data: TensorDict) -> float:
