@@ -43,14 +43,11 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A tiny Qwen3 checkpoint written by transformers (no network)."""
+def tiny_qwen3(**settings: object) -> torch.nn.Module:
+    """A 2-layer Qwen3 causal LM, random weights (vocabulary and special tokens: ``settings``)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    torch.manual_seed(0)
     config = Qwen3Config(
-        vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -59,9 +56,17 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> str:
         head_dim=8,
         max_position_embeddings=128,
         tie_word_embeddings=False,
+        **settings,
     )
+    return Qwen3ForCausalLM(config)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Qwen3 checkpoint written by transformers (no network)."""
+    torch.manual_seed(0)
     directory = tmp_path_factory.mktemp("qwen3")
-    Qwen3ForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    tiny_qwen3(vocab_size=VOCAB).save_pretrained(directory, safe_serialization=True)
     return str(directory)
 
 
@@ -504,7 +509,7 @@ def sft_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     file of 16 two-turn conversations (verl's MultiTurnSFTDataset format), all offline."""
     import pandas as pd
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
     special = ["[PAD]", "[UNK]", "<|im_start|>", "<|im_end|>"]
     words = [*special, "system", "user", "assistant", *SFT_WORDS]
@@ -518,21 +523,11 @@ def sft_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
     )
     torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+    model = tiny_qwen3(
+        vocab_size=32, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
     )
     directory = tmp_path_factory.mktemp("sft")
-    Qwen3ForCausalLM(config).save_pretrained(directory / "model")
+    model.save_pretrained(directory / "model")
     tokenizer.save_pretrained(directory / "model")
     numbers = SFT_WORDS[2:7]
     conversations = [

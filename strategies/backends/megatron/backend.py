@@ -225,7 +225,7 @@ class MegatronBackend:
         routing, chunk_of = self._routing, {id(module): i for i, module in enumerate(self._wrapped)}
         self._last_run = (micro_batches, widths)
         if routing.is_moe:
-            self._start_routing(micro_batches, widths, forward_only)
+            self._start_routing(micro_batches, forward_only)
 
         def forward_step(iterator: Iterator[tuple[int, MicroBatch]], model: Any) -> Any:
             index, micro_batch = next(iterator)
@@ -264,9 +264,7 @@ class MegatronBackend:
             forward_only=forward_only,
         )
 
-    def _start_routing(
-        self, micro_batches: Sequence[MicroBatch], widths: list[int], forward_only: bool
-    ) -> None:
+    def _start_routing(self, micro_batches: Sequence[MicroBatch], forward_only: bool) -> None:
         """Clear the routers' records, and scale the aux and z losses for this step.
 
         With per-token losses megatron multiplies each micro-batch's aux / z loss by its real

@@ -458,6 +458,18 @@ def test_gspo_is_the_papers_sequence_level_clipped_objective_in_value_and_gradie
     assert 0 < metrics["pg_clipfrac"] < 1  # some sequences are clipped, some are not
 
 
+def reinforce(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip: Any,
+) -> PolicyTerms:
+    """A policy loss research code might register: plain REINFORCE, nothing clipped."""
+    never = torch.zeros_like(mask, dtype=torch.bool)
+    return PolicyTerms(per_token=-advantages * log_probs, clipped=never, clipped_lower=never)
+
+
 def test_dual_clipping_is_vanillas_default_only_and_an_explicit_bound_is_always_kept() -> None:
     assert ActorLoss().clip_ratio_c == 3.0
     assert ActorLoss(policy_loss="gspo").clip_ratio_c is None
@@ -465,19 +477,9 @@ def test_dual_clipping_is_vanillas_default_only_and_an_explicit_bound_is_always_
     assert ActorLoss(clip_ratio_c=None).clip_ratio_c is None
     assert ActorLoss(policy_loss="gspo", clip_ratio_c=2.0).clip_ratio_c == 2.0
 
-    def plain(
-        log_probs: torch.Tensor,
-        old_log_probs: torch.Tensor,
-        advantages: torch.Tensor,
-        mask: torch.Tensor,
-        clip: Any,
-    ) -> PolicyTerms:
-        never = torch.zeros_like(mask, dtype=torch.bool)
-        return PolicyTerms(per_token=-advantages * log_probs, clipped=never, clipped_lower=never)
-
     try:
-        register_policy_loss("plain")(plain)
-        register_policy_loss("dual")(dual_clip_by_default(2.5)(functools.partial(plain)))
+        register_policy_loss("plain")(reinforce)
+        register_policy_loss("dual")(dual_clip_by_default(2.5)(functools.partial(reinforce)))
         assert ActorLoss(policy_loss="plain").clip_ratio_c is None
         assert ActorLoss(policy_loss="dual").clip_ratio_c == 2.5
     finally:
@@ -523,16 +525,6 @@ def test_cispo_is_minus_the_clipped_detached_ratio_times_advantage_times_log_pro
 
 
 def test_research_code_registers_its_own_policy_loss_and_selects_it_by_name() -> None:
-    def reinforce(
-        log_probs: torch.Tensor,
-        old_log_probs: torch.Tensor,
-        advantages: torch.Tensor,
-        mask: torch.Tensor,
-        clip: Any,
-    ) -> PolicyTerms:
-        never = torch.zeros_like(mask, dtype=torch.bool)
-        return PolicyTerms(per_token=-advantages * log_probs, clipped=never, clipped_lower=never)
-
     batch, outputs, ctx = whole_batch(make_rollout([5, 6], seed=3, mask_prob=1.0))
     try:
         register_policy_loss("reinforce")(reinforce)

@@ -18,7 +18,6 @@ from engine.losses import (
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
     ActorLoss,
-    PolicyTerms,
     RolloutCorrection,
     field_granularity,
     register_policy_loss,
@@ -27,7 +26,7 @@ from engine.losses import (
 from engine.losses.rollout_correction import LEVELS, MODES
 from heads import PER_TOKEN
 from heads.errors import BatchError, ConfigError
-from tests.engine.losses.test_losses import make_rollout, whole_batch
+from tests.engine.losses.test_losses import make_rollout, reinforce, whole_batch
 
 fast = settings(max_examples=40, deadline=None)
 
@@ -184,17 +183,6 @@ def test_rollout_log_probs_equal_to_old_ones_change_nothing_bit_for_bit(
     assert {k: v for k, v in metrics_c.items() if not k.startswith("rollout_")} == metrics
     assert metrics_c["rollout_is_mean"] == 1.0 and metrics_c["rollout_is_max"] == 1.0
     assert metrics_c["rollout_is_dropped"] == 0.0 and metrics_c["rollout_old_kl"] == 0.0
-
-
-def reinforce(
-    log_probs: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip: Any,
-) -> PolicyTerms:
-    never = torch.zeros_like(mask, dtype=torch.bool)
-    return PolicyTerms(per_token=-advantages * log_probs, clipped=never, clipped_lower=never)
 
 
 @pytest.mark.parametrize("policy_loss", [*POLICY_NAMES, "registered"])
