@@ -47,7 +47,7 @@ from engine.losses.contract import (
 )
 from engine.non_finite import ZERO_GRADIENT, NonFiniteGuard
 from engine.registry import BACKENDS, DEVICES, HEADS, check_part, resolve_device
-from heads.base import PER_SEQUENCE, PER_TOKEN, Head, HeadContext, check_results
+from heads.base import PER_SEQUENCE, PER_TOKEN, Head, HeadContext, check_results, declared_results
 from heads.errors import BatchError, ConfigError, EngineStateError
 from strategies.backends.base import (
     OFFLOAD_PARTS,
@@ -129,7 +129,8 @@ class Engine:
                 f"with the {self.backend.name} backend (optional features the "
                 f"{self.platform.name} platform offers: {offered})"
             )
-        if not self.config.forward_only and not self.head.outputs:
+        declared = declared_results(self.head)  # a bad declaration fails here, by name
+        if not self.config.forward_only and not declared:
             raise ConfigError(f"head {self.head.name!r} declares no outputs")
         if self.config.offload.parts():
             require(self.backend, Offloading)  # config.offload asks for it
@@ -259,9 +260,11 @@ class Engine:
             outputs = self.head.postprocess(raw, model_ids, head_ctx)
             check_results(self.head, outputs, model_ids, head_ctx)
             if packed is not None:  # loss functions see right-padded rows
-                declared = self.head.outputs
+                declared = declared_results(self.head)
                 outputs = {
-                    key: micro_batch.unpack(value) if declared[key] == PER_TOKEN else value
+                    key: micro_batch.unpack(value)
+                    if declared[key].granularity == PER_TOKEN
+                    else value
                     for key, value in outputs.items()
                 }
             if return_outputs:
@@ -291,7 +294,11 @@ class Engine:
                     produced_here[ROUTED_EXPERTS] = routed
         if not self.backend.holds_outputs():
             return {"model_output": None, "loss": [], "metrics": {}}
-        per_sequence = [key for key, kind in self.head.outputs.items() if kind == PER_SEQUENCE]
+        per_sequence = [
+            key
+            for key, spec in declared_results(self.head).items()
+            if spec.granularity == PER_SEQUENCE
+        ]
         return {
             "model_output": restore_outputs(
                 produced, micro_batches, rows.batch_size[0], per_sequence

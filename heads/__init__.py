@@ -8,7 +8,10 @@ from heads.base import (
     Head,
     HeadContext,
     OutputSpec,
+    ResultSpec,
     at_last_token,
+    per_sequence,
+    per_token,
     shift_to_scored_token,
 )
 
@@ -19,6 +22,9 @@ __all__ = [
     "Head",
     "HeadContext",
     "OutputSpec",
+    "ResultSpec",
     "at_last_token",
+    "per_sequence",
+    "per_token",
     "shift_to_scored_token",
 ]

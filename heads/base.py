@@ -50,11 +50,64 @@ class HeadContext:
     cu_seqlens: torch.Tensor | None = None
 
 
-#: A result's layout: one value per token, aligned to the token it scores (``[batch, seq]``),
-#: or one value per sequence (``[batch]``), taken at each sequence's own last token.
+#: A result's layout: per token, aligned to the token it scores (``[batch, seq, *features]``),
+#: or per sequence (``[batch, *features]``), taken at each sequence's own last token.
 Granularity = Literal["token", "sequence"]
 PER_TOKEN: Granularity = "token"
 PER_SEQUENCE: Granularity = "sequence"
+
+
+@attrs.frozen
+class ResultSpec:
+    """One declared result: its granularity and the trailing ``features`` dims of each entry
+    (``()``: one value per token or sequence). A plain ``PER_TOKEN`` / ``PER_SEQUENCE`` in
+    ``Head.outputs`` means ``features=()``."""
+
+    granularity: Granularity
+    features: tuple[int, ...] = ()
+
+    def __attrs_post_init__(self) -> None:
+        if self.granularity not in (PER_TOKEN, PER_SEQUENCE):
+            raise ConfigError(
+                f"a result's granularity must be {PER_TOKEN!r} or {PER_SEQUENCE!r}, got "
+                f"{self.granularity!r}"
+            )
+        if not isinstance(self.features, tuple) or not all(
+            isinstance(size, int) and not isinstance(size, bool) and size > 0
+            for size in self.features
+        ):
+            raise ConfigError(
+                f"a result's features must be a tuple of ints > 0 (its trailing dims), got "
+                f"{self.features!r}"
+            )
+
+
+def per_token(*features: int) -> ResultSpec:
+    """A per-token result ``[batch, seq, *features]`` (``per_token(3)``: 3 values per token)."""
+    return ResultSpec(PER_TOKEN, features)
+
+
+def per_sequence(*features: int) -> ResultSpec:
+    """A per-sequence result ``[num_sequences, *features]``."""
+    return ResultSpec(PER_SEQUENCE, features)
+
+
+def declared_results(head: Head) -> dict[str, ResultSpec]:
+    """``head.outputs`` with every declaration as a :class:`ResultSpec`; ConfigError naming the
+    head and the key for a declaration that is neither a granularity nor a ResultSpec."""
+    declared: dict[str, ResultSpec] = {}
+    for key, value in head.outputs.items():
+        if isinstance(value, ResultSpec):
+            declared[key] = value
+        elif value in (PER_TOKEN, PER_SEQUENCE):
+            declared[key] = ResultSpec(value)
+        else:
+            raise ConfigError(
+                f"head {head.name!r}: output {key!r} is declared as {value!r}; declare "
+                f"{PER_TOKEN!r}, {PER_SEQUENCE!r} or a ResultSpec (heads.per_token(*features), "
+                "heads.per_sequence(*features))"
+            )
+    return declared
 
 
 @runtime_checkable
@@ -68,11 +121,14 @@ class Head(Protocol):
     packed, one row holding every sequence back to back (offsets in ``ctx.cu_seqlens``). It
     returns each result it declares in ``outputs``:
 
-    * per token, ``[rows, seq]``, aligned with the token it scores: entry ``t`` comes from the
-      hidden state at ``t - 1`` and each sequence's first entry is 0, so nothing carries across
-      a sequence boundary (:func:`shift_to_scored_token` with ``ctx``);
-    * per sequence, ``[num_sequences]``, taken at each sequence's own last token
+    * per token, ``[rows, seq, *features]``, aligned with the token it scores: entry ``t`` comes
+      from the hidden state at ``t - 1`` and each sequence's first entry is 0, so nothing
+      carries across a sequence boundary (:func:`shift_to_scored_token` with ``ctx``);
+    * per sequence, ``[num_sequences, *features]``, taken at each sequence's own last token
       (:func:`at_last_token`).
+
+    ``features`` are the trailing dims the head declares (:class:`ResultSpec`; none for a
+    plain ``PER_TOKEN`` / ``PER_SEQUENCE``).
 
     Using these two helpers with ``ctx`` makes a head work in both layouts.
 
@@ -83,8 +139,9 @@ class Head(Protocol):
     name: ClassVar[str]
 
     @property
-    def outputs(self) -> Mapping[str, Granularity]:
-        """Each result's name and whether it is per token or per sequence."""
+    def outputs(self) -> Mapping[str, Granularity | ResultSpec]:
+        """Each result's name and whether it is per token or per sequence (a
+        :class:`ResultSpec` also gives its trailing feature dims)."""
         ...
 
     def output_spec(self) -> OutputSpec: ...
@@ -97,9 +154,10 @@ class Head(Protocol):
 def shift_to_scored_token(
     per_position: torch.Tensor, ctx: HeadContext | None = None
 ) -> torch.Tensor:
-    """Move results computed at position ``t - 1`` to the token ``t`` they score; each
-    sequence's first entry is 0 (every row's entry 0, and in a packed row every sequence start
-    ``ctx.cu_seqlens[:-1]``), so nothing carries across a sequence boundary."""
+    """Move results ``[rows, seq, *features]`` computed at position ``t - 1`` to the token
+    ``t`` they score; each sequence's first entry is 0 (every row's entry 0, and in a packed
+    row every sequence start ``ctx.cu_seqlens[:-1]``), so nothing carries across a sequence
+    boundary."""
     shifted = torch.zeros_like(per_position)
     shifted[:, 1:] = per_position[:, :-1]
     if ctx is not None and ctx.cu_seqlens is not None:
@@ -109,8 +167,8 @@ def shift_to_scored_token(
 
 
 def at_last_token(per_position: torch.Tensor, ctx: HeadContext) -> torch.Tensor:
-    """Each sequence's value at its own last token, ``[num_sequences]``: from a packed row
-    (``ctx.cu_seqlens``) or from right-padded rows ``[batch, seq]``."""
+    """Each sequence's value at its own last token, ``[num_sequences, *features]``: from a
+    packed row (``ctx.cu_seqlens``) or from right-padded rows ``[batch, seq, *features]``."""
     if ctx.cu_seqlens is not None:
         ends = ctx.cu_seqlens[1:].to(device=per_position.device, dtype=torch.long) - 1
         return per_position[0, ends]
@@ -127,10 +185,11 @@ def check_results(
     input_ids: torch.Tensor,
     ctx: HeadContext | None = None,
 ) -> None:
-    """The results are what ``head.outputs`` declares: the same keys, ``[rows, seq]`` per-token
-    results with nothing at any sequence's first position (the shift to the scored token),
-    ``[num_sequences]`` per-sequence ones. ConfigError naming the head and the key otherwise."""
-    declared = head.outputs
+    """The results are what ``head.outputs`` declares: the same keys, ``[rows, seq,
+    *features]`` per-token results with nothing at any sequence's first position (the shift to
+    the scored token), ``[num_sequences, *features]`` per-sequence ones. ConfigError naming the
+    head and the key otherwise."""
+    declared = declared_results(head)
     where = f"head {head.name!r}"
     if not isinstance(results, Mapping):
         raise ConfigError(f"{where}: postprocess must return a dict, got {type(results).__name__}")
@@ -145,14 +204,18 @@ def check_results(
     packed = ctx.cu_seqlens if ctx is not None else None
     sequences = batch if packed is None else len(packed) - 1
     starts = packed[:-1].long() if packed is not None else None
-    for key, granularity in declared.items():
+    for key, spec in declared.items():
         value = results[key]
-        expected = [batch, length] if granularity == PER_TOKEN else [sequences]
+        granularity = spec.granularity
+        leading = [batch, length] if granularity == PER_TOKEN else [sequences]
+        expected = [*leading, *spec.features]
         if not isinstance(value, torch.Tensor) or list(value.shape) != expected:
             found = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            features = f" with features {list(spec.features)}" if spec.features else ""
             raise ConfigError(
-                f"{where}: output {key!r} is declared per {granularity}, so it must have shape "
-                f"{expected} for input_ids {[batch, length]}; got {found}"
+                f"{where}: output {key!r} is declared per {granularity}{features}, so it must "
+                f"have shape {expected} for input_ids {[batch, length]}; got {found}"
+                + _trailing_hint(value, leading, spec)
             )
         if granularity != PER_TOKEN:
             continue
@@ -165,3 +228,15 @@ def check_results(
                 "(use heads.base.shift_to_scored_token(values, ctx), which also keeps packed "
                 "sequences apart)"
             )
+
+
+def _trailing_hint(value: object, leading: list[int], spec: ResultSpec) -> str:
+    """How to declare the trailing dims a result has, when only they differ."""
+    if not isinstance(value, torch.Tensor) or list(value.shape[: len(leading)]) != leading:
+        return ""
+    trailing = tuple(value.shape[len(leading) :])
+    make = "per_token" if spec.granularity == PER_TOKEN else "per_sequence"
+    return (
+        f" (trailing dims {list(trailing)} where {list(spec.features)} are declared: declare "
+        f"heads.{make}({', '.join(map(str, trailing))}) in outputs, or return those)"
+    )

@@ -108,6 +108,30 @@ def _check_declared(declared: Mapping[str, object], where: str) -> None:
             )
 
 
+def scalar_output(
+    outputs: Mapping[str, torch.Tensor], key: str, granularity: Granularity, loss: str
+) -> torch.Tensor:
+    """``outputs[key]`` as a built-in loss reads it: one value per token (``[b, s]``) or per
+    sequence (``[b]``). A head's output with trailing feature dims (``[b, s, k]``) is a
+    ConfigError naming the loss and the key, never a silent broadcast against ``[b, s]``
+    fields; a missing output names what the head gives."""
+    if key not in outputs:
+        raise ConfigError(
+            f"{loss} reads the head's output {key!r}; the head gives: "
+            f"{', '.join(map(repr, outputs)) or 'nothing'}"
+        )
+    value = outputs[key]
+    dims = 2 if granularity == PER_TOKEN else 1
+    if value.dim() != dims:
+        layout = "[b, s]" if granularity == PER_TOKEN else "[b]"
+        raise ConfigError(
+            f"{loss} reads the head's output {key!r} as one value per {granularity} {layout}; "
+            f"the head gives shape {list(value.shape)} (trailing feature dims): reduce the "
+            "features to one value per entry in a loss of your own (see docs/custom-heads.md)"
+        )
+    return value
+
+
 def checked_loss(result: Any, *, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
     """A loss function's ``(loss, metrics)``, checked: a one-element tensor (computed from the
     model's outputs when ``training``) and a mapping of names to numbers."""

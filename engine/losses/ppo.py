@@ -17,7 +17,7 @@ from engine.losses.aggregation import (
     select_mask,
     zero_masked,
 )
-from engine.losses.contract import LossContext, LossResult, needs_fields
+from engine.losses.contract import LossContext, LossResult, needs_fields, scalar_output
 from engine.losses.kl import KL_TYPES, MAX_LOG_RATIO, kl_penalty
 from engine.losses.policy import default_clip_ratio_c
 from engine.losses.registries import POLICY_LOSSES, policy_loss_field
@@ -160,7 +160,7 @@ class ActorLoss:
                 values, mask, self.loss_agg_mode, context, mask_key=key, horizon=self.horizon
             )
 
-        log_probs = zero_masked(outputs["log_probs"], mask)
+        log_probs = zero_masked(scalar_output(outputs, "log_probs", PER_TOKEN, "ActorLoss"), mask)
         dtype = log_probs.dtype
         old = zero_masked(batch["old_log_probs"].to(dtype), mask)
         advantages = zero_masked(batch["advantages"].to(dtype), mask)
@@ -192,7 +192,11 @@ class ActorLoss:
             **rollout,
         }
 
-        entropy = outputs.get("entropy")
+        entropy = (
+            scalar_output(outputs, "entropy", PER_TOKEN, "ActorLoss")
+            if "entropy" in outputs
+            else None
+        )
         if self.entropy_coeff > 0 and entropy is None:
             raise ConfigError(
                 f"ActorLoss.entropy_coeff={self.entropy_coeff} needs the head's 'entropy' output; "
@@ -247,7 +251,7 @@ class CriticLoss:
         self, outputs: Mapping[str, torch.Tensor], batch: Any, ctx: LossContext
     ) -> LossResult:
         mask, key = select_mask(batch, self.mask_key)
-        predictions = zero_masked(outputs["values"], mask)
+        predictions = zero_masked(scalar_output(outputs, "values", PER_TOKEN, "CriticLoss"), mask)
         dtype = predictions.dtype
         returns = zero_masked(batch["returns"].to(dtype), mask)
         per_token = (predictions - returns).square()
@@ -290,7 +294,7 @@ def entropy_bonus(
     if "entropy" not in outputs:
         raise ConfigError("entropy_bonus needs the head's 'entropy' output (compute_entropy=True)")
     mask, key = select_mask(batch, mask_key)
-    entropy = zero_masked(outputs["entropy"], mask)
+    entropy = zero_masked(scalar_output(outputs, "entropy", PER_TOKEN, "entropy_bonus"), mask)
     loss = -aggregate(entropy, mask, loss_agg_mode, ctx, mask_key=key, horizon=horizon)
     local = aggregate(
         entropy.detach(),
@@ -316,7 +320,7 @@ def kl_loss(
 ) -> LossResult:
     """``agg(kl_penalty(log_probs, ref_log_probs, kl_type))``; metric ``kl`` (local)."""
     mask, key = select_mask(batch, mask_key)
-    log_probs = zero_masked(outputs["log_probs"], mask)
+    log_probs = zero_masked(scalar_output(outputs, "log_probs", PER_TOKEN, "kl_loss"), mask)
     ref = zero_masked(batch["ref_log_probs"].to(log_probs.dtype), mask)
     kl = kl_penalty(log_probs, ref, kl_type)
     loss = aggregate(kl, mask, loss_agg_mode, ctx, mask_key=key, horizon=horizon)

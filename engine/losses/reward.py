@@ -9,7 +9,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.losses.contract import SEQUENCES, LossContext, LossResult, needs_fields
+from engine.losses.contract import (
+    SEQUENCES,
+    LossContext,
+    LossResult,
+    needs_fields,
+    scalar_output,
+)
 from heads.base import PER_SEQUENCE
 from heads.errors import BatchError
 
@@ -31,7 +37,7 @@ def bradley_terry_loss(
     (or one micro-batch per batch). Metrics (local): ``bt_loss``, ``bt_accuracy`` (share of
     pairs ranked right), ``bt_margin`` (mean chosen - rejected score).
     """
-    scores = outputs["scores"]
+    scores = scalar_output(outputs, "scores", PER_SEQUENCE, "bradley_terry_loss")
     chosen_score, rejected_score = _pairs(scores, batch[PAIR_ID], batch[CHOSEN])
     per_pair = -F.logsigmoid(chosen_score - rejected_score)
     pairs = max(ctx.global_count(SEQUENCES) / 2, 1.0)
@@ -50,7 +56,7 @@ def score_regression_loss(
 ) -> LossResult:
     """``0.5 * (score - target)^2`` per sequence, mean over the global sequences; per-sequence
     batch field ``targets``. Metric (local): ``score_loss``."""
-    scores = outputs["scores"]
+    scores = scalar_output(outputs, "scores", PER_SEQUENCE, "score_regression_loss")
     targets = batch[TARGETS]
     if targets.shape != scores.shape:
         raise BatchError(

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from engine.losses.aggregation import scored_mask, token_mean
-from engine.losses.contract import LossContext, needs_fields
+from engine.losses.contract import LossContext, needs_fields, scalar_output
 from heads.base import PER_TOKEN
 
 
@@ -18,7 +18,8 @@ def sft_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Negative log-likelihood of the masked tokens, global token mean (LM head)."""
     mask, key = scored_mask(batch)
-    loss = -token_mean(outputs["log_probs"], mask, ctx.global_count(key))
+    log_probs = scalar_output(outputs, "log_probs", PER_TOKEN, "sft_loss")
+    loss = -token_mean(log_probs, mask, ctx.global_count(key))
     return loss, {"sft_loss": float(loss.detach())}
 
 
@@ -28,7 +29,7 @@ def value_regression_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """``0.5 * (values - returns)^2``, global token mean over the masked tokens (value head)."""
     mask, key = scored_mask(batch)
-    values = outputs["values"]
+    values = scalar_output(outputs, "values", PER_TOKEN, "value_regression_loss")
     loss = 0.5 * token_mean(
         (values - batch["returns"].to(values.dtype)) ** 2, mask, ctx.global_count(key)
     )
