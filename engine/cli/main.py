@@ -13,6 +13,7 @@ from typing import Any
 from engine.cli.demo.config import ALGORITHMS
 from engine.cli.options import non_negative_int, parallel_flags, parallel_overrides, positive_int
 from engine.cli.train import train
+from engine.losses.rollout_correction import LEVELS, MODES
 from heads.errors import EngineError
 
 
@@ -57,6 +58,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--resume", action="store_true", help="continue the run in --output-dir from its checkpoint"
+    )
+    demo.add_argument(
+        "--rollout-correction",
+        choices=LEVELS,
+        help="weight the policy loss by pi_old / pi_rollout (the generator's log-probs of the "
+        "sampled tokens) per token, sequence or geometric mean (ppo.rollout_correction.level); "
+        "any --rollout-correction-* flag turns the correction on (default level token)",
+    )
+    demo.add_argument(
+        "--rollout-correction-mode",
+        choices=MODES,
+        help="truncate: cap the weights at the upper bound (TIS); mask: drop the tokens or "
+        "sequences whose weight is outside [lower, upper] (default truncate)",
+    )
+    demo.add_argument(
+        "--rollout-correction-upper", type=float, help="the cap, or the upper bound (default 2)"
+    )
+    demo.add_argument(
+        "--rollout-correction-lower",
+        type=float,
+        help="mask mode: the lower bound (default 1 / upper)",
     )
     parallel_flags(demo)
     train = commands.add_parser("train", help="train a model on synthetic data")
@@ -108,6 +130,18 @@ def demo(args: argparse.Namespace) -> int:
         overrides["engine"] = engine
     if args.router_replay:
         overrides["actor"] = {"router_replay": True}
+    correction = {
+        setting: getattr(args, flag)
+        for setting, flag in (
+            ("level", "rollout_correction"),
+            ("mode", "rollout_correction_mode"),
+            ("upper", "rollout_correction_upper"),
+            ("lower", "rollout_correction_lower"),
+        )
+        if getattr(args, flag) is not None
+    }
+    if correction:
+        overrides["ppo"] = {"rollout_correction": correction}
     config = ppo_demo.resolve_config(args.config, overrides, args.resume, args.output_dir)
     try:
         summary = ppo_demo.run(config, resume=args.resume)

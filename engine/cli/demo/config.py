@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 
 from engine.config import EngineConfig, read_yaml_mapping, structure
-from engine.losses import ADVANTAGE_ESTIMATORS, KL_TYPES, AdvantageEstimator
+from engine.losses import ADVANTAGE_ESTIMATORS, KL_TYPES, AdvantageEstimator, RolloutCorrection
 from engine.losses.kl_control import AdaptiveKLController
 from engine.losses.registries import policy_loss_field
 from heads.errors import ConfigError
@@ -94,6 +94,12 @@ class PPOConfig:
     policy_loss: str = policy_loss_field()
     #: Options of the algorithm's advantage estimator (e.g. ``{scale_by_std: false}`` for grpo).
     estimator_options: dict[str, Any] = attrs.field(factory=dict)
+    #: Importance weights ``pi_old / pi_rollout`` on the policy loss, from the generator's
+    #: log-probs of the sampled tokens (``{level, mode, upper, lower}``, as
+    #: ``engine.losses.RolloutCorrection``); None: no correction.
+    rollout_correction: RolloutCorrection | None = attrs.field(
+        default=None, validator=attrs.validators.optional(of_type(RolloutCorrection))
+    )
 
     def __attrs_post_init__(self) -> None:
         for name in ("gamma", "lam"):

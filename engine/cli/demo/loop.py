@@ -18,7 +18,9 @@ log-probs (actor), reference log-probs, values (critic) -> advantages and return
 algorithm's estimator (PPO: GAE, whitened; GRPO, RLOO, REINFORCE++-baseline: from the scores of
 each prompt's group), after subtracting the KL from the rewards if it is placed there -> for
 each epoch and mini-batch, ``train_batch`` of the actor (:class:`~engine.losses.ActorLoss`:
-policy loss + KL to the reference) and of the critic (:class:`~engine.losses.CriticLoss`).
+policy loss + KL to the reference; with ``ppo.rollout_correction`` also importance weights
+``pi_old / pi_rollout`` from the generator's log-probs of its samples, ``rollout_log_probs``) and of
+the critic (:class:`~engine.losses.CriticLoss`).
 Every rank samples the same global batch (same seeds) and trains on its data-parallel shard;
 outputs held by output ranks are shared with all ranks, so the advantage computation is the
 same everywhere.
@@ -70,6 +72,11 @@ from engine.losses import (
 from engine.losses.kl_control import KLController
 from heads.errors import CheckpointError, ConfigError
 
+#: What the record keeps of each role's ``train_batch`` metrics (mean over the mini-batches).
+TRAINING_METRICS = ("loss", "grad_norm", "pg_loss", "pg_clipfrac", "kl", "entropy", "vf_loss")
+#: The actor loss's rollout-correction metrics (``rollout_is_mean``, ``rollout_old_kl``, ...):
+#: recorded under these names when ``ppo.rollout_correction`` is set.
+ROLLOUT_METRICS_PREFIX = "rollout_"
 COLUMNS: list[Column] = [
     ("reward", "reward", ".3f"),
     ("pg_loss", "pg_loss", "+.4f"),
@@ -242,9 +249,9 @@ def _iteration(
     prompts, group_ids = in_groups(prompts, config.group_size)
     prompts = prompts.to(device)
     rng = torch.Generator(device=device).manual_seed(config.seed * 1_000_003 + iteration)
-    responses = sample(generator, prompts, task.response_length, rng)
+    responses, rollout_log_probs = sample(generator, prompts, task.response_length, rng)
     scores = parity_reward(prompts, responses).cpu()
-    batch = rollout_batch(prompts.cpu(), responses.cpu(), scores)
+    batch = rollout_batch(prompts.cpu(), responses.cpu(), scores, rollout_log_probs.cpu())
     phases["generate_s"] = time.perf_counter() - began - sum(phases.values())
 
     dp_rank, dp_size = actor.get_data_parallel_rank(), actor.get_data_parallel_size()
@@ -286,6 +293,8 @@ def _iteration(
     elapsed = time.perf_counter() - began
     phases["train_s"] = elapsed - sum(phases.values())
     record.update({name: sum(values) / len(values) for name, values in trained.items()})
+    for name in [name for name in record if name.startswith("actor_" + ROLLOUT_METRICS_PREFIX)]:
+        record[name.removeprefix("actor_")] = record.pop(name)  # rollout_is_mean, ...
     for short, name in (
         ("pg_loss", "actor_pg_loss"),
         ("vf_loss", "critic_vf_loss"),
@@ -344,6 +353,7 @@ def _actor_loss(ppo: PPOConfig) -> ActorLoss:
         kl_type=ppo.kl_type,
         entropy_coeff=ppo.entropy_coeff,
         mask_key="response_mask",
+        rollout_correction=ppo.rollout_correction,
     )
 
 
@@ -403,7 +413,8 @@ def _gather_outputs(
 
 
 def _collect(into: dict[str, list[float]], prefix: str, values: Mapping[str, float]) -> None:
-    for name in ("loss", "grad_norm", "pg_loss", "pg_clipfrac", "kl", "entropy", "vf_loss"):
+    rollout = [name for name in values if name.startswith(ROLLOUT_METRICS_PREFIX)]
+    for name in (*TRAINING_METRICS, *rollout):
         if name in values:
             into.setdefault(prefix + name, []).append(float(values[name]))
     loads = [float(v) for k, v in values.items() if k.endswith("/load_max_over_mean")]

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from engine.losses.rollout_correction import ROLLOUT_LOG_PROBS
 from heads.errors import EngineStateError
 
 
@@ -94,36 +95,48 @@ def checkpoint_views(generator: torch.nn.Module, model: Any) -> dict[str, torch.
 @torch.no_grad()
 def sample(
     generator: torch.nn.Module, prompts: torch.Tensor, new_tokens: int, rng: torch.Generator
-) -> torch.Tensor:
-    """Sample ``new_tokens`` per prompt at temperature 1 (the actor's distribution)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample ``new_tokens`` per prompt at temperature 1 (the actor's distribution); returns
+    the tokens ``[B, new_tokens]`` and the generator's log-probs of them (what a rollout
+    engine reports, for rollout correction)."""
     # transformers 5 calls the KV cache ``cache``; 4.x called it ``past_key_values``.
     cache = (
         "cache" if "cache" in inspect.signature(generator.forward).parameters else "past_key_values"
     )
     output = generator(input_ids=prompts, use_cache=True)
-    chosen = []
+    chosen, chosen_log_probs = [], []
     for index in range(new_tokens):
-        probs = torch.softmax(output.logits[:, -1].float(), dim=-1)
-        token = torch.multinomial(probs, 1, generator=rng)
+        log_probs = torch.log_softmax(output.logits[:, -1].float(), dim=-1)
+        token = torch.multinomial(log_probs.exp(), 1, generator=rng)
         chosen.append(token)
+        chosen_log_probs.append(log_probs.gather(-1, token))
         if index + 1 < new_tokens:
             output = generator(input_ids=token, use_cache=True, **{cache: output[cache]})
-    return torch.cat(chosen, dim=1)
+    return torch.cat(chosen, dim=1), torch.cat(chosen_log_probs, dim=1)
 
 
-def rollout_batch(prompts: torch.Tensor, responses: torch.Tensor, scores: torch.Tensor) -> Any:
-    """Padded ``[B, P + R]`` batch; the score is the reward of each sequence's last token."""
+def rollout_batch(
+    prompts: torch.Tensor,
+    responses: torch.Tensor,
+    scores: torch.Tensor,
+    response_log_probs: torch.Tensor | None = None,
+) -> Any:
+    """Padded ``[B, P + R]`` batch; the score is the reward of each sequence's last token. With
+    the generator's ``response_log_probs`` ``[B, R]``, also ``rollout_log_probs`` (0 on the
+    prompt), aligned like the engine's log-probs."""
     input_ids = torch.cat([prompts, responses], dim=1)
     response_mask = torch.zeros_like(input_ids, dtype=torch.float32)
     response_mask[:, prompts.shape[1] :] = 1.0
     rewards = torch.zeros_like(response_mask)
     rewards[:, -1] = scores
-    return TensorDict(
-        {
-            "input_ids": input_ids,
-            "attention_mask": torch.ones_like(input_ids),
-            "response_mask": response_mask,
-            "token_rewards": rewards,
-        },
-        batch_size=[input_ids.shape[0]],
-    )
+    fields = {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "response_mask": response_mask,
+        "token_rewards": rewards,
+    }
+    if response_log_probs is not None:
+        rollout = torch.zeros_like(response_mask)
+        rollout[:, prompts.shape[1] :] = response_log_probs
+        fields[ROLLOUT_LOG_PROBS] = rollout
+    return TensorDict(fields, batch_size=[input_ids.shape[0]])

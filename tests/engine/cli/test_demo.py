@@ -111,6 +111,7 @@ def test_demo_grpo_trains_the_actor_without_a_critic_and_records_advantage_stati
             assert isinstance(record[key], float) and math.isfinite(record[key]), key
         assert record["adv_min"] <= record["adv_mean"] <= record["adv_max"]
         assert "vf_loss" not in record and not any(key.startswith("critic_") for key in record)
+        assert not any(key.startswith("rollout_is") for key in record)  # no correction asked
     assert sorted(path.name for path in (out / "checkpoints").iterdir()) == ["actor"]
     assert checkpoint_steps(out, "actor") == [2, 3]
     assert json.loads((out / "run.json").read_text())["algorithm"] == "grpo"
@@ -237,6 +238,8 @@ def test_demo_runs_under_torchrun(tmp_path: Path, layout: tuple[str, ...]) -> No
     [
         (("--steps", "0"), "", "must be a positive integer"),
         (("--seed", "-1"), "", "must be a non-negative integer"),
+        (("--rollout-correction", "tokens"), "", "invalid choice: 'tokens'"),
+        (("--rollout-correction-upper", "-1"), "", "RolloutCorrection.upper must be > 0"),
         (("--device", "gpu"), "", "unknown device 'gpu'"),
         (("--device", "npu"), "", "torch_npu"),
         ((), "ppo:\n  clip: 0.1\n", "clip"),
@@ -341,9 +344,18 @@ def test_the_generator_gets_the_actors_weights_and_samples_its_distribution(
     assert push_weights(actor, generator) == len(checkpoint_views(generator, actor.config.model))
     vocab = actor.config.model.vocab_size
     prompts = make_prompts(config.prompts, config.task.prompt_length, vocab, seed=0, iteration=1)
-    responses = sample(generator, prompts, 6, torch.Generator().manual_seed(0))
-    batch = rollout_batch(prompts, responses, parity_reward(prompts, responses))
+    responses, rollout_log_probs = sample(generator, prompts, 6, torch.Generator().manual_seed(0))
+    batch = rollout_batch(prompts, responses, parity_reward(prompts, responses), rollout_log_probs)
     engine_log_probs = actor.infer_batch(batch)["log_probs"].to_padded_tensor(0.0)
+    # the generator's log-probs of what it sampled are the rollout's, aligned like the engine's
+    prompt_length = prompts.shape[1]
+    assert bool(batch["rollout_log_probs"][:, :prompt_length].eq(0).all())
+    torch.testing.assert_close(
+        batch["rollout_log_probs"][:, prompt_length:],
+        engine_log_probs[:, prompt_length:],
+        atol=1e-5,
+        rtol=1e-5,
+    )
     ids = batch["input_ids"]
     with torch.no_grad():
         logits = generator(input_ids=ids).logits.float()
@@ -390,6 +402,48 @@ def test_estimator_options_reach_the_estimator_and_bad_ones_are_refused() -> Non
         DemoConfig.from_dict(
             {"algorithm": "grpo", "ppo": {"estimator_options": {"scale_by_sdt": 0}}}
         )
+
+
+def test_rollout_correction_flags_weight_the_actor_loss_and_report_its_metrics(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    config = tmp_path / "grpo.yaml"
+    config.write_text(SHORT_GROUPS + "ppo:\n  rollout_correction:\n    upper: 3.0\n")
+    result = run(
+        "demo", "--algorithm", "grpo", "--config", str(config), "--steps", "2",
+        "--output-dir", str(out), "--rollout-correction", "sequence",
+        "--rollout-correction-mode", "mask", "--rollout-correction-lower", "0.5",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = json.loads((out / "run.json").read_text())["ppo"]["rollout_correction"]
+    assert saved == {"level": "sequence", "mode": "mask", "upper": 3.0, "lower": 0.5}
+    iterations = records(out)
+    assert [record["iteration"] for record in iterations] == [1, 2]
+    for record in iterations:
+        # the generator holds the actor's weights in float32: the weights are 1 up to rounding
+        assert record["rollout_is_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert record["rollout_is_max"] == pytest.approx(1.0, abs=1e-4)
+        assert record["rollout_is_dropped"] == record["rollout_is_seq_dropped"] == 0.0
+        assert abs(record["rollout_old_kl"]) < 1e-5 and abs(record["rollout_old_k3_kl"]) < 1e-8
+        assert not any(key.startswith("actor_rollout") for key in record)
+
+
+def test_rollout_correction_settings_reach_the_actor_loss_and_bad_ones_are_refused() -> None:
+    from engine.cli.demo.loop import _actor_loss
+    from engine.losses import RolloutCorrection
+
+    assert _actor_loss(DemoConfig().ppo).rollout_correction is None
+    config = DemoConfig.from_dict(
+        {"ppo": {"rollout_correction": {"level": "geometric", "mode": "mask", "upper": 1.5}}}
+    )
+    expected = RolloutCorrection(level="geometric", mode="mask", upper=1.5)
+    assert _actor_loss(config.ppo).rollout_correction == expected
+    assert "rollout_log_probs" in _actor_loss(config.ppo).required_fields
+    with pytest.raises(ConfigError, match=r"RolloutCorrection\.mode must be one of"):
+        DemoConfig.from_dict({"ppo": {"rollout_correction": {"mode": "clip"}}})
+    with pytest.raises(ConfigError, match=r"RolloutCorrection\.lower applies to mode='mask'"):
+        DemoConfig.from_dict({"ppo": {"rollout_correction": {"lower": 0.5}}})
 
 
 def test_critic_free_settings_that_cannot_work_are_refused() -> None:
