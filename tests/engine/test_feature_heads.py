@@ -104,14 +104,14 @@ def multi_value_loss(
 
 
 def build(
-    backend: str = "megatron", parallel: dict[str, Any] | None = None, **layout: Any
+    backend: str = "megatron", parallel: dict[str, Any] | None = None, **settings: Any
 ) -> Engine:
     config = {
         "model": tiny_model(num_layers=2, vocab_size=VOCAB, hidden_size=32),
         "parallel": parallel or {},
         "seed": 11,
         "optimizer": {"lr": 1e-2},
-        **layout,
+        **settings,
     }
     return Engine.build(
         head=MultiValueHead(), backend=backend, device="cpu", config=config
@@ -424,6 +424,11 @@ def test_fsdp2_runs_the_head_as_megatron_does_and_trains_it(tmp_path: Path) -> N
     for engine in engines:
         assert max_gap(padded_outputs(engine, batch), expected) <= TOLERANCE
         assert abs(loss_and_gradients(engine, batch)[0] - loss) <= TOLERANCE
+    # the exported layer: one hidden -> 5 matrix under one name on both backends
+    exported = [dict(engine.get_per_tensor_param()) for engine in (megatron, engines[0])]
+    assert exported[0].keys() == exported[1].keys()
+    assert exported[0]["value_head.weight"].shape == (VALUES + SCORES, 64)
+    assert torch.equal(exported[0]["value_head.weight"], exported[1]["value_head.weight"])
     losses = train(engines[0], 4, batch)
     assert losses[-1] < 0.8 * losses[0]
 
