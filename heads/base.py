@@ -215,7 +215,7 @@ def check_results(
             raise ConfigError(
                 f"{where}: output {key!r} is declared per {granularity}{features}, so it must "
                 f"have shape {expected} for input_ids {[batch, length]}; got {found}"
-                + _trailing_hint(value, leading, spec)
+                + _shape_hint(value, leading, [batch, length], spec)
             )
         if granularity != PER_TOKEN:
             continue
@@ -230,13 +230,19 @@ def check_results(
             )
 
 
-def _trailing_hint(value: object, leading: list[int], spec: ResultSpec) -> str:
-    """How to declare the trailing dims a result has, when only they differ."""
-    if not isinstance(value, torch.Tensor) or list(value.shape[: len(leading)]) != leading:
+def _shape_hint(value: object, leading: list[int], token: list[int], spec: ResultSpec) -> str:
+    """What to change when the leading dims are right but the trailing ones are not (declare
+    them), or when a per-sequence result is laid out per token (``token``: ``[rows, seq]``)."""
+    if not isinstance(value, torch.Tensor):
         return ""
-    trailing = tuple(value.shape[len(leading) :])
+    shape = list(value.shape)
+    if spec.granularity == PER_SEQUENCE and shape == [*token, *spec.features]:
+        return " (one entry per token: take each sequence's last one with heads.at_last_token)"
+    if shape[: len(leading)] != leading:
+        return ""
+    trailing = shape[len(leading) :]
     make = "per_token" if spec.granularity == PER_TOKEN else "per_sequence"
     return (
-        f" (trailing dims {list(trailing)} where {list(spec.features)} are declared: declare "
+        f" (trailing dims {trailing} where {list(spec.features)} are declared: declare "
         f"heads.{make}({', '.join(map(str, trailing))}) in outputs, or return those)"
     )

@@ -213,7 +213,8 @@ class _Returns:
         (per_token(3, 2), (4, 7, 2, 3), r"'values'.*must have shape \[4, 7, 3, 2\]"),
         (per_sequence(2), (4,), r"'values' is declared per sequence with features \[2\], so it "
          r"must have shape \[4, 2\].*got \[4\]"),
-        (per_sequence(2), (4, 7, 2), r"'values'.*must have shape \[4, 2\].*got \[4, 7, 2\]"),
+        (per_sequence(2), (4, 7, 2), r"'values'.*must have shape \[4, 2\].*got \[4, 7, 2\] "
+         r"\(one entry per token: take each sequence's last one with heads\.at_last_token\)"),
     ],
 )  # fmt: skip
 def test_results_whose_trailing_dims_differ_from_the_declaration_are_refused_by_head_and_key(
