@@ -57,7 +57,7 @@ PER_TOKEN: Granularity = "token"
 PER_SEQUENCE: Granularity = "sequence"
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class ResultSpec:
     """One declared result: its granularity and the trailing ``features`` dims of each entry
     (``()``: one value per token or sequence). A plain ``PER_TOKEN`` / ``PER_SEQUENCE`` in
@@ -84,12 +84,12 @@ class ResultSpec:
 
 def per_token(*features: int) -> ResultSpec:
     """A per-token result ``[batch, seq, *features]`` (``per_token(3)``: 3 values per token)."""
-    return ResultSpec(PER_TOKEN, features)
+    return ResultSpec(granularity=PER_TOKEN, features=features)
 
 
 def per_sequence(*features: int) -> ResultSpec:
     """A per-sequence result ``[num_sequences, *features]``."""
-    return ResultSpec(PER_SEQUENCE, features)
+    return ResultSpec(granularity=PER_SEQUENCE, features=features)
 
 
 def declared_results(head: Head) -> dict[str, ResultSpec]:
@@ -100,7 +100,7 @@ def declared_results(head: Head) -> dict[str, ResultSpec]:
         if isinstance(value, ResultSpec):
             declared[key] = value
         elif value in (PER_TOKEN, PER_SEQUENCE):
-            declared[key] = ResultSpec(value)
+            declared[key] = ResultSpec(granularity=value)
         else:
             raise ConfigError(
                 f"head {head.name!r}: output {key!r} is declared as {value!r}; declare "

@@ -238,7 +238,7 @@ def test_declared_features_pass_the_check_and_the_shift_is_checked_on_every_feat
     ("declared", "expected"),
     [
         ("tokens", r"head 'probe': output 'values' is declared as 'tokens'; declare 'token'"),
-        (ResultSpec(PER_TOKEN, (3,)), None),
+        (ResultSpec(granularity=PER_TOKEN, features=(3,)), None),
     ],
 )
 def test_a_declaration_that_is_no_granularity_is_refused_when_the_engine_is_built(
@@ -265,7 +265,7 @@ def test_a_result_spec_refuses_what_is_no_granularity_or_no_feature_shape(
     granularity: Any, features: Any, expected: str
 ) -> None:
     with pytest.raises(ConfigError, match=expected):
-        ResultSpec(granularity, features)
+        ResultSpec(granularity=granularity, features=features)
 
 
 def test_restore_outputs_gives_jagged_rows_with_their_features_and_sequences_in_order() -> None:
