@@ -35,6 +35,7 @@ from engine.data.batching import (
 )
 from engine.data.micro_batching import MicroBatchPlan, plan_fixed, plan_for_data_parallel
 from engine.data.routing import check_routed_experts
+from engine.host_values import Number, fetch
 from engine.losses.contract import (
     SCORED_TOKENS,
     SEQUENCES,
@@ -54,6 +55,7 @@ from strategies.backends.base import (
     AsyncCheckpointing,
     Backend,
     Checkpointing,
+    DeferredGradNorm,
     HuggingFaceExport,
     Offloading,
     Packing,
@@ -62,7 +64,7 @@ from strategies.backends.base import (
     require,
 )
 from strategies.devices.base import DevicePlatform
-from strategies.distributed import all_reduce_values, world_size
+from strategies.distributed import all_reduce_values, collective_device, world_size
 
 if TYPE_CHECKING:
     from engine.checkpointing import AsyncSave
@@ -233,6 +235,24 @@ class Engine:
                 raise ConfigError(
                     "forward_backward_batch needs a loss_function unless forward_only"
                 )
+        step = self._forward_backward(
+            batch, loss_function, forward_only, return_outputs=return_outputs
+        )
+        losses, metrics, _ = self._fetch(step)
+        if not step.holds_outputs:
+            return {"model_output": None, "loss": [], "metrics": {}}
+        return {"model_output": step.outputs, "loss": losses, "metrics": metrics}
+
+    def _forward_backward(
+        self,
+        batch: TensorDict,
+        loss_function: LossFn | None,
+        forward_only: bool,
+        *,
+        return_outputs: bool,
+    ) -> _Step:
+        """``forward_backward_batch``'s work, its numbers left where they were computed (on
+        the device) for :meth:`_fetch` to bring over in one transfer."""
         fields = required_fields(loss_function) if loss_function is not None else ()
         layouts = field_granularity(loss_function) if loss_function is not None else {}
         rows = self._validated(batch, fields, granularity=layouts, every_rank=True)
@@ -240,8 +260,9 @@ class Engine:
         micro_batches = split_into(rows, plan.groups, packed=plan.packed)
         counts = self._global_counts(rows)
         produced: list[dict[str, torch.Tensor]] = [{} for _ in micro_batches]
-        losses: list[float] = [0.0] * len(micro_batches)
-        metrics: list[Mapping[str, Any]] = [{} for _ in micro_batches]
+        step = _Step(
+            losses=[0.0] * len(micro_batches), metrics=[{} for _ in micro_batches], checks=[]
+        )
         device = self.device or torch.device("cpu")
 
         def consume(
@@ -258,7 +279,7 @@ class Engine:
             # the ids the model ran on: the padded ones are already on the device with ``data``
             model_ids = data[INPUT_IDS] if packed is None else micro_batch.input_ids.to(device)
             outputs = self.head.postprocess(raw, model_ids, head_ctx)
-            check_results(self.head, outputs, model_ids, head_ctx)
+            check_results(self.head, outputs, model_ids, head_ctx, deferred=step.checks)
             if packed is not None:  # loss functions see right-padded rows
                 declared = declared_results(self.head)
                 outputs = {
@@ -280,8 +301,8 @@ class Engine:
             loss, loss_metrics = checked_loss(
                 loss_function(outputs, data, ctx), training=not forward_only
             )
-            losses[index] = float(loss.detach())
-            metrics[index] = loss_metrics
+            step.losses[index] = loss.detach()
+            step.metrics[index] = loss_metrics
             return loss, loss_metrics
 
         grad_context = torch.no_grad() if forward_only else contextlib.nullcontext()
@@ -292,22 +313,37 @@ class Engine:
             for produced_here, routed in zip(produced, routes, strict=True):
                 if return_outputs:
                     produced_here[ROUTED_EXPERTS] = routed
-        if not self.backend.holds_outputs():
-            return {"model_output": None, "loss": [], "metrics": {}}
-        per_sequence = [
-            key
-            for key, spec in declared_results(self.head).items()
-            if spec.granularity == PER_SEQUENCE
-        ]
-        return {
-            "model_output": restore_outputs(
+        step.holds_outputs = self.backend.holds_outputs()
+        if step.holds_outputs and return_outputs:
+            per_sequence = [
+                key
+                for key, spec in declared_results(self.head).items()
+                if spec.granularity == PER_SEQUENCE
+            ]
+            step.outputs = restore_outputs(
                 produced, micro_batches, rows.batch_size[0], per_sequence
             )
-            if return_outputs
-            else None,
-            "loss": losses,
-            "metrics": metrics_per_name(metrics),
-        }
+        return step
+
+    def _fetch(
+        self, step: _Step, extra: Iterable[Number] = ()
+    ) -> tuple[list[float], dict[str, list[float]], list[float]]:
+        """The step's losses, metrics (per name, per micro-batch) and ``extra`` numbers as host
+        floats, in one transfer; raises the first deferred head-contract violation."""
+        per_name = metrics_per_name(step.metrics)
+        extra = list(extra)
+        flags = [flag for flag, _ in step.checks]
+        values = fetch(
+            [*step.losses, *(v for values in per_name.values() for v in values), *flags, *extra]
+        )
+        losses, rest = values[: len(step.losses)], values[len(step.losses) :]
+        metrics = {}
+        for name, numbers in per_name.items():
+            metrics[name], rest = rest[: len(numbers)], rest[len(numbers) :]
+        for (_, message), flag in zip(step.checks, rest, strict=False):
+            if flag:
+                raise ConfigError(message)
+        return losses, metrics, rest[len(flags) :]
 
     def plan_micro_batches(self, batch: TensorDict) -> MicroBatchPlan:
         """Which sequences run together: fixed ``micro_batch_size`` groups, or token-budget
@@ -395,21 +431,30 @@ class Engine:
         self._require_resident("train_batch", OFFLOAD_PARTS)
         start = time.perf_counter()
         self.optimizer_zero_grad()
-        result = self.forward_backward_batch(batch, loss_function, return_outputs=False)
+        step = self._forward_backward(batch, loss_function, False, return_outputs=False)
         lr = self.backend.current_lr()
-        loss = sum(result["loss"]) if result["loss"] else None
-        grad_norm, skip_reason = self._guarded_step(loss, batch)
+        # every number of the step in one transfer: losses, metrics, the gradient norm and, with
+        # data parallelism, the global loss (summed on the device)
+        norm_parts, finish_norm = self._grad_norm_parts()
+        extra = list(norm_parts)
+        group = self._data_parallel_group_if_any()
+        if step.holds_outputs and group is not None:
+            extra.append(self._data_parallel_sum_on_device(step.losses, group))
+        losses, metrics, extra_values = self._fetch(step, extra)
+        grad_norm = finish_norm(extra_values[: len(norm_parts)])
+        loss = sum(losses) if losses else None
+        grad_norm, skip_reason = self._guarded_step(loss, batch, grad_norm=grad_norm)
         if step_lr and skip_reason is None:
             self.lr_scheduler_step()
         elapsed = time.perf_counter() - start
         num_tokens = int(sequence_lengths(batch).sum())
         summary: dict[str, float | str] = {
-            name: sum(values) / len(values) for name, values in result["metrics"].items() if values
+            name: sum(values) / len(values) for name, values in metrics.items() if values
         }
         if isinstance(self.backend, RouterStatistics):  # collective: on every rank
             summary.update(self.backend.router_statistics())
-        if self.backend.holds_outputs():
-            summary["loss"] = self._data_parallel_sum(sum(result["loss"]))
+        if step.holds_outputs:
+            summary["loss"] = extra_values[-1] if group is not None else sum(losses)
         summary.update(
             grad_norm=grad_norm,
             lr=lr,
@@ -441,12 +486,18 @@ class Engine:
         return self._guarded_step(None)[0]
 
     def _guarded_step(
-        self, loss: float | None, batch: TensorDict | None = None
+        self,
+        loss: float | None,
+        batch: TensorDict | None = None,
+        *,
+        grad_norm: float | None = None,
     ) -> tuple[float, str | None]:
-        """The gradient norm, and why the step was skipped (None: it was applied)."""
+        """The gradient norm (measured here unless given), and why the step was skipped
+        (None: it was applied)."""
         self._require_trainable("optimizer_step")
         self._require_resident("optimizer_step", OFFLOAD_PARTS)
-        grad_norm = self.backend.grad_norm()
+        if grad_norm is None:
+            grad_norm = self.backend.grad_norm()
         values = {"loss": loss, "grad_norm": grad_norm, "lr": self.backend.current_lr()}
         reason = self._guard.reason_to_skip(values)
         if reason is None:
@@ -609,9 +660,25 @@ class Engine:
                 "a reference model); use infer_batch()"
             )
 
-    def _data_parallel_sum(self, value: float) -> float:
-        """Sum over the data-parallel group (whose members are all output ranks, or none)."""
-        (total,) = all_reduce_values([value], group=self.backend.data_parallel_group())
+    def _grad_norm_parts(self) -> tuple[list[Number], Callable[[list[float]], float]]:
+        """The gradient norm's device tensors and how to finish it from their host values:
+        the backend's own where it can leave them on the device (``DeferredGradNorm``)."""
+        if isinstance(self.backend, DeferredGradNorm):
+            tensors, finish = self.backend.grad_norm_parts()
+            return list(tensors), finish
+        return [self.backend.grad_norm()], lambda values: values[0]
+
+    def _data_parallel_sum_on_device(
+        self, losses: list[Number], group: dist.ProcessGroup
+    ) -> torch.Tensor:
+        """The sum of ``losses`` over the data-parallel group (whose members are all output
+        ranks, or none), reduced where the group's backend needs it without a host round trip
+        on the device."""
+        where = collective_device(group)
+        total = torch.zeros((), dtype=torch.float64, device=where)
+        for value in losses:
+            total += value.to(where, torch.float64) if isinstance(value, torch.Tensor) else value
+        dist.all_reduce(total, group=group)
         return total
 
     def _global_counts(self, rows: TensorDict) -> dict[str, float]:
@@ -625,6 +692,19 @@ class Engine:
                 values.append(float(jagged_values(value).float().sum()))
         totals = all_reduce_values(values, group=self.backend.data_parallel_group())
         return dict(zip(names, totals, strict=True))
+
+
+@attrs.define
+class _Step:
+    """One forward(-backward) pass over a batch, its numbers not yet fetched from the device."""
+
+    #: Per micro-batch: the loss (a detached one-element tensor) and the loss's metrics.
+    losses: list[Number]
+    metrics: list[Mapping[str, Number]]
+    #: Head-contract checks left on the device: (violated, message).
+    checks: list[tuple[torch.Tensor, str]]
+    holds_outputs: bool = False
+    outputs: TensorDict | None = None
 
 
 WHILE_ITERATING = "get_per_tensor_param() (while its iterator is in use)"

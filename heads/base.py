@@ -184,11 +184,17 @@ def check_results(
     results: Mapping[str, torch.Tensor],
     input_ids: torch.Tensor,
     ctx: HeadContext | None = None,
+    *,
+    deferred: list[tuple[torch.Tensor, str]] | None = None,
 ) -> None:
     """The results are what ``head.outputs`` declares: the same keys, ``[rows, seq,
     *features]`` per-token results with nothing at any sequence's first position (the shift to
     the scored token), ``[num_sequences, *features]`` per-sequence ones. ConfigError naming the
-    head and the key otherwise."""
+    head and the key otherwise.
+
+    The first-position check reads values, which on an accelerator waits for the device; with
+    ``deferred`` it appends ``(violated, message)`` (a one-element bool tensor) there instead,
+    for the caller to check with the step's other numbers and raise ConfigError(message)."""
     declared = declared_results(head)
     where = f"head {head.name!r}"
     if not isinstance(results, Mapping):
@@ -220,14 +226,18 @@ def check_results(
         if granularity != PER_TOKEN:
             continue
         firsts = value[:, 0] if starts is None else value[0, starts.to(value.device)]
-        if bool(firsts.ne(0).any()):
-            place = "position 0" if starts is None else "a sequence's first position"
-            raise ConfigError(
-                f"{where}: per-token output {key!r} has a value at {place}; entry t must score "
-                "token t from the hidden state at t - 1 and each sequence's first entry is 0 "
-                "(use heads.base.shift_to_scored_token(values, ctx), which also keeps packed "
-                "sequences apart)"
-            )
+        place = "position 0" if starts is None else "a sequence's first position"
+        message = (
+            f"{where}: per-token output {key!r} has a value at {place}; entry t must score "
+            "token t from the hidden state at t - 1 and each sequence's first entry is 0 "
+            "(use heads.base.shift_to_scored_token(values, ctx), which also keeps packed "
+            "sequences apart)"
+        )
+        violated = firsts.detach().ne(0).any()
+        if deferred is not None:
+            deferred.append((violated, message))
+        elif bool(violated):
+            raise ConfigError(message)
 
 
 def _shape_hint(value: object, leading: list[int], token: list[int], spec: ResultSpec) -> str:

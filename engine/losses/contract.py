@@ -29,7 +29,7 @@ RESPONSE_MASK = "response_mask"
 SCORED_TOKENS = "scored_tokens"
 SEQUENCES = "sequences"
 
-LossResult = tuple[torch.Tensor, dict[str, float]]
+LossResult = tuple[torch.Tensor, dict[str, float | torch.Tensor]]
 
 
 @attrs.frozen(kw_only=True)
@@ -54,6 +54,7 @@ class LossContext:
 
 LossFn = Callable[[Mapping[str, torch.Tensor], Any, LossContext], tuple[torch.Tensor, Any]]
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 def needs_fields(*names: str, **granularity: Granularity) -> Callable[[F], F]:
@@ -132,9 +133,14 @@ def scalar_output(
     return value
 
 
-def checked_loss(result: Any, *, training: bool) -> tuple[torch.Tensor, dict[str, float]]:
+def checked_loss(
+    result: Any, *, training: bool
+) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
     """A loss function's ``(loss, metrics)``, checked: a one-element tensor (computed from the
-    model's outputs when ``training``) and a mapping of names to numbers."""
+    model's outputs when ``training``) and a mapping of names to numbers. A metric given as a
+    one-element tensor stays one (detached, 0-dim): the engine brings every number of a step to
+    the host in one transfer at its end (``engine.host_values``), so a loss function should not
+    call ``float()`` / ``.item()`` on device values itself."""
     if not (isinstance(result, tuple) and len(result) == 2):
         raise ConfigError(
             f"a loss function must return (loss, metrics); got {type(result).__name__}"
@@ -155,9 +161,9 @@ def checked_loss(result: Any, *, training: bool) -> tuple[torch.Tensor, dict[str
     return loss.reshape(()), {str(name): _metric(name, value) for name, value in metrics.items()}
 
 
-def _metric(name: object, value: object) -> float:
+def _metric(name: object, value: object) -> float | torch.Tensor:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return float(value.detach())
+        return value.detach().reshape(())
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         return float(value)
     raise ConfigError(
@@ -166,10 +172,10 @@ def _metric(name: object, value: object) -> float:
     )
 
 
-def metrics_per_name(metrics: Sequence[Mapping[str, Any]]) -> dict[str, list[float]]:
+def metrics_per_name(metrics: Sequence[Mapping[str, T]]) -> dict[str, list[T]]:
     """Per-micro-batch metric mappings -> ``{name: [value per micro-batch that reported it]}``."""
-    names: dict[str, list[float]] = {}
+    names: dict[str, list[T]] = {}
     for entry in metrics:
         for name, value in entry.items():
-            names.setdefault(name, []).append(float(value))
+            names.setdefault(name, []).append(value)
     return names

@@ -184,11 +184,11 @@ class ActorLoss:
             rollout = rollout_metrics(weights, mask)
         log_ratio = torch.clamp(log_probs - old, -MAX_LOG_RATIO, MAX_LOG_RATIO)
         loss = agg(per_token, ctx)
-        metrics = {
-            "pg_loss": float(agg(per_token.detach(), local)),
-            "pg_clipfrac": float(masked_mean(terms.clipped.to(dtype), mask)),
-            "ppo_kl": float(masked_mean(-log_ratio.detach(), mask)),
-            "pg_clipfrac_lower": float(masked_mean(terms.clipped_lower.to(dtype), mask)),
+        metrics: dict[str, float | torch.Tensor] = {
+            "pg_loss": agg(per_token.detach(), local),
+            "pg_clipfrac": masked_mean(terms.clipped.to(dtype), mask),
+            "ppo_kl": masked_mean(-log_ratio.detach(), mask),
+            "pg_clipfrac_lower": masked_mean(terms.clipped_lower.to(dtype), mask),
             **rollout,
         }
 
@@ -204,14 +204,14 @@ class ActorLoss:
             )
         if entropy is not None:
             entropy = zero_masked(entropy, mask)
-            metrics["entropy"] = float(agg(entropy.detach(), local))
+            metrics["entropy"] = agg(entropy.detach(), local)
             if self.entropy_coeff > 0:
                 loss = loss - self.entropy_coeff * agg(entropy, ctx)
 
         if "ref_log_probs" in batch.keys():
             ref = zero_masked(batch["ref_log_probs"].to(dtype), mask)
             kl = kl_penalty(log_probs, ref, self.kl_type)
-            metrics["kl"] = float(agg(kl.detach(), local))
+            metrics["kl"] = agg(kl.detach(), local)
             if self.kl_coeff > 0:
                 loss = loss + self.kl_coeff * agg(kl, ctx)
         elif self.kl_coeff > 0:
@@ -271,10 +271,10 @@ class CriticLoss:
             )
 
         loss = 0.5 * agg(per_token, ctx)
-        metrics = {
-            "vf_loss": float(0.5 * agg(per_token.detach(), local_context(ctx, mask, key))),
-            "vf_clipfrac": float(masked_mean(clip_hit.to(dtype), mask)),
-            "vpred_mean": float(masked_mean(predictions.detach(), mask)),
+        metrics: dict[str, float | torch.Tensor] = {
+            "vf_loss": 0.5 * agg(per_token.detach(), local_context(ctx, mask, key)),
+            "vf_clipfrac": masked_mean(clip_hit.to(dtype), mask),
+            "vpred_mean": masked_mean(predictions.detach(), mask),
         }
         return loss, metrics
 
@@ -304,7 +304,7 @@ def entropy_bonus(
         mask_key=key,
         horizon=horizon,
     )
-    return loss, {"entropy": float(local)}
+    return loss, {"entropy": local.detach()}
 
 
 @needs_fields(ref_log_probs=PER_TOKEN)
@@ -332,4 +332,4 @@ def kl_loss(
         mask_key=key,
         horizon=horizon,
     )
-    return loss, {"kl": float(local)}
+    return loss, {"kl": local.detach()}

@@ -44,9 +44,9 @@ def bradley_terry_loss(
     loss = per_pair.sum() / pairs
     margin = (chosen_score - rejected_score).detach()
     return loss, {
-        "bt_loss": float(per_pair.detach().mean()),
-        "bt_accuracy": float((margin > 0).float().mean()),
-        "bt_margin": float(margin.mean()),
+        "bt_loss": per_pair.detach().mean(),
+        "bt_accuracy": (margin > 0).float().mean(),
+        "bt_margin": margin.detach().mean(),
     }
 
 
@@ -65,7 +65,7 @@ def score_regression_loss(
         )
     per_sequence = 0.5 * (scores - targets.to(scores.dtype)).square()
     loss = per_sequence.sum() / max(ctx.global_count(SEQUENCES), 1.0)
-    return loss, {"score_loss": float(per_sequence.detach().mean())}
+    return loss, {"score_loss": per_sequence.detach().mean()}
 
 
 def _pairs(

@@ -130,7 +130,7 @@ def rollout_weights(
     )
 
 
-def rollout_metrics(weights: RolloutWeights, mask: torch.Tensor) -> dict[str, float]:
+def rollout_metrics(weights: RolloutWeights, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """This micro-batch's ``rollout_is_mean`` / ``rollout_is_max`` (of the applied weights over
     the masked-in tokens), ``rollout_is_dropped`` (share of those tokens dropped),
     ``rollout_is_seq_dropped`` (share of sequences with a token dropped) and ``rollout_old_kl``
@@ -141,13 +141,14 @@ def rollout_metrics(weights: RolloutWeights, mask: torch.Tensor) -> dict[str, fl
     log_ratio = weights.log_ratio
     token_ratio = torch.exp(torch.clamp(log_ratio, -MAX_LOG_RATIO, MAX_LOG_RATIO))
     has_tokens = active.any(-1)
-    sequences = int(has_tokens.sum())
-    dropped_sequences = int((weights.dropped.any(-1) & has_tokens).sum())
+    sequences = has_tokens.sum()
+    dropped_sequences = (weights.dropped.any(-1) & has_tokens).sum()
     return {
-        "rollout_is_mean": float(masked_mean(applied, mask)),
-        "rollout_is_max": float(applied[active].max()) if bool(active.any()) else 0.0,
-        "rollout_is_dropped": float(masked_mean(weights.dropped.to(applied.dtype), mask)),
-        "rollout_is_seq_dropped": dropped_sequences / sequences if sequences else 0.0,
-        "rollout_old_kl": float(masked_mean(-log_ratio, mask)),
-        "rollout_old_k3_kl": float(masked_mean(token_ratio - log_ratio - 1.0, mask)),
+        "rollout_is_mean": masked_mean(applied, mask),
+        # the weights are >= 0, so a masked-out 0 never wins and no masked-in token gives 0
+        "rollout_is_max": torch.where(active, applied, torch.zeros((), dtype=applied.dtype)).max(),
+        "rollout_is_dropped": masked_mean(weights.dropped.to(applied.dtype), mask),
+        "rollout_is_seq_dropped": dropped_sequences / sequences.clamp(min=1),
+        "rollout_old_kl": masked_mean(-log_ratio, mask),
+        "rollout_old_k3_kl": masked_mean(token_ratio - log_ratio - 1.0, mask),
     }

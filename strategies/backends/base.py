@@ -242,6 +242,18 @@ class RouterStatistics(Protocol):
         ...
 
 
+@runtime_checkable
+class DeferredGradNorm(Protocol):
+    """Ability: the gradient norm measured without waiting for the device, so that the engine
+    fetches it together with the step's other numbers (one device-to-host transfer a step)."""
+
+    def grad_norm_parts(self) -> tuple[list[torch.Tensor], Callable[[list[float]], float]]:
+        """Prepare the gradients as ``grad_norm`` does and return one-element device tensors
+        (already reduced over the ranks that hold gradients) and the function that turns their
+        host values into exactly what ``grad_norm`` returns. Collective where ``grad_norm`` is."""
+        ...
+
+
 #: What ``Offloading`` moves: the names ``Engine.to`` and ``OffloadConfig`` use.
 OFFLOAD_PARTS = ("model", "optimizer", "grad")
 

@@ -8,6 +8,7 @@ Multi-process layouts (TP=2, PP=2, DP=2) are in ``test_packing_parallel.py``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator
 from typing import Any
@@ -310,6 +311,43 @@ def test_packed_attention_dropout_draws_from_the_model_parallel_rng_stream(
     without_dropout = attention(query, key, value, None, packed_seq_params=params)
     assert not torch.allclose(outputs[0], without_dropout)
     torch.testing.assert_close(outputs[0], outputs[1])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"window_size": (2, 0)}, {"apply_query_key_layer_scaling": True}],
+    ids=["causal", "window", "layer-scaling"],
+)
+def test_padded_attention_equals_megatrons_local_path(
+    megatron_state: Engine, overrides: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Right-padded rows go through SDPA, not the local path's ``[b, heads, s, s]`` scores, with
+    the same outputs and gradients at every position (grouped-query heads included)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    attention = packed_attention(megatron_state, **overrides)
+    generator = torch.Generator().manual_seed(3)
+    length, rows, heads, groups, dim = 9, 3, 4, 2, 8
+    inputs = [torch.randn(length, rows, heads, dim, generator=generator)]
+    inputs += [torch.randn(length, rows, groups, dim, generator=generator) for _ in range(2)]
+    upstream = torch.randn(length, rows, heads * dim, generator=generator)
+    results = []
+    for forward in (attention.forward, functools.partial(DotProductAttention.forward, attention)):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        out = forward(*leaves, None)
+        out.backward(upstream)
+        results.append([out, *(x.grad for x in leaves)])
+    for ours, local in zip(*results, strict=True):
+        torch.testing.assert_close(ours, local, rtol=1e-5, atol=1e-6)
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "scaled_dot_product_attention",
+        lambda *args, **kwargs: calls.append(1) or sdpa(*args, **kwargs),
+    )
+    attention(*inputs, None)
+    assert len(calls) == 1  # one fused call for the whole micro-batch
 
 
 def test_packed_attention_refuses_a_mask_it_cannot_reproduce(megatron_state: Engine) -> None:

@@ -11,7 +11,7 @@ backend is cheap.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, cast
 
 import attrs
@@ -30,6 +30,7 @@ from strategies.backends.fsdp2.optimizer import (
     build_optimizer,
     clip_gradients,
     gradient_norm,
+    gradient_norm_tensor,
 )
 from strategies.config import ParallelConfig, PartsConfig
 from strategies.hf.architecture import hf_config_for
@@ -144,11 +145,13 @@ class Fsdp2Backend:
         try:
             for index, micro_batch in enumerate(micro_batches):
                 input_ids = micro_batch.input_ids.to(device=self._device, dtype=torch.long)
-                mask = micro_batch.attention_mask.to(device=self._device)
                 positions = torch.arange(input_ids.shape[1], device=self._device)[None]
                 if not forward_only:
                     model.set_requires_gradient_sync(index == last)  # type: ignore[operator]
-                raw = model(input_ids, mask, positions)
+                # Rows are right-padded and attention is causal, so no real token sees the
+                # padding after it: no padding mask, which transformers would read on the host
+                # (a device sync) to find that SDPA's own causal mask suffices.
+                raw = model(input_ids, None, positions)
                 loss, _ = consume(index, raw, head_context)
                 if not forward_only:
                     loss.backward()
@@ -169,6 +172,13 @@ class Fsdp2Backend:
     def grad_norm(self) -> float:
         self._require_optimizer()
         return gradient_norm(self._require_model().parameters())
+
+    def grad_norm_parts(self) -> tuple[list[torch.Tensor], Callable[[list[float]], float]]:
+        self._require_optimizer()
+        total = gradient_norm_tensor(self._require_model().parameters())
+        if total is None:
+            return [], lambda values: 0.0
+        return [total], lambda values: values[0]
 
     def optimizer_step(self, grad_norm: float) -> None:
         optimizer = self._require_optimizer()

@@ -53,9 +53,13 @@ class CausalModel(torch.nn.Module):
         return list(self.model.layers)  # type: ignore[arg-type]
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor,
     ) -> torch.Tensor:
-        """The raw output ``[b, s, features]`` of right-padded ``input_ids``."""
+        """The raw output ``[b, s, features]`` of right-padded ``input_ids`` (causal; a padding
+        ``attention_mask`` only changes what the padding positions see)."""
         hidden = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -110,15 +110,21 @@ class LRSchedule:
 
 def gradient_norm(parameters: Iterable[torch.nn.Parameter]) -> float:
     """The global L2 norm of the gradients (over every shard of every rank); 0.0 without any."""
+    total = gradient_norm_tensor(parameters)
+    return 0.0 if total is None else float(total)
+
+
+def gradient_norm_tensor(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor | None:
+    """:func:`gradient_norm` left on the device (None without any gradient)."""
     from torch.distributed.tensor import DTensor
 
     grads = [param.grad for param in parameters if param.grad is not None]
     if not grads:
-        return 0.0
+        return None
     total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     if isinstance(total, DTensor):
         total = total.full_tensor()
-    return float(total)
+    return total
 
 
 def clip_gradients(

@@ -6,7 +6,7 @@ megatron-core is imported inside methods only, so listing or constructing the ba
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
@@ -28,6 +28,7 @@ from strategies.backends.megatron.model import (
 from strategies.backends.megatron.optimizer import (
     build_optimizer,
     build_scheduler,
+    grad_norm_parts,
     step_with_grad_norm,
 )
 from strategies.backends.megatron.routing import Routing
@@ -379,6 +380,11 @@ class MegatronBackend:
         self._require_optimizer()
         self._optimizer.prepare_grads()  # gradients where the norm reads them (no loss scaler)
         return float(self._optimizer.get_grad_norm())
+
+    def grad_norm_parts(self) -> tuple[list[torch.Tensor], Callable[[list[float]], float]]:
+        self._require_optimizer()
+        self._optimizer.prepare_grads()
+        return grad_norm_parts(self._optimizer, self._device)
 
     def optimizer_step(self, grad_norm: float) -> None:
         self._require_optimizer()

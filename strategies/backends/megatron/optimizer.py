@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,3 +81,58 @@ def step_with_grad_norm(optimizer: Any, grad_norm: float) -> None:
                 use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
             )
     optimizer.step_with_ready_grads()
+
+
+def grad_norm_parts(
+    optimizer: Any, device: torch.device
+) -> tuple[list[torch.Tensor], Callable[[list[float]], float]]:
+    """Megatron 0.16's ``optimizer.get_grad_norm()`` (gradients already prepared) split at its
+    host transfer: per norm it would measure, the squared L2 norm as a one-element tensor on
+    ``device`` (all-reduced over that optimizer's gradient-statistics group, as megatron does),
+    and the function that turns their host values into exactly the float megatron returns.
+
+    Megatron converts each norm with ``.item()`` (and its fallback L2 kernel, without
+    TransformerEngine or Apex, converts every gradient's norm); here nothing waits for the
+    device, so the engine can fetch the norm with the step's other numbers."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    parts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else []
+    if not parts or len(parts) == 1 or optimizer.grads_states_parallel_group_is_shared():
+        grads = [g for part in parts or [optimizer] for g in part.get_main_grads_for_grad_norm()]
+        group = (parts[0] if parts else optimizer).get_grad_stats_parallel_group()
+        squares = [_squared_norm(grads, group, device)]
+    else:
+        squares = [
+            _squared_norm(
+                part.get_main_grads_for_grad_norm(), part.get_grad_stats_parallel_group(), device
+            )
+            for part in parts
+        ]
+
+    def finish(values: list[float]) -> float:
+        norms = [value ** (1.0 / 2.0) for value in values]
+        if len(norms) == 1:
+            return norms[0]
+        return math.sqrt(sum(norm**2 for norm in norms))
+
+    return squares, finish
+
+
+def _squared_norm(grads: list[torch.Tensor], group: Any, device: torch.device) -> torch.Tensor:
+    """``get_grad_norm_fp32``'s L2 branch up to (not including) its ``.item()``."""
+    import torch.distributed as dist
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_l2_norm, to_local_if_dtensor
+
+    grads = [to_local_if_dtensor(grad) for grad in grads]
+    if not grads:
+        norm = torch.zeros(1, dtype=torch.float, device=device)
+    elif clip_grads.l2_norm_impl is local_multi_tensor_l2_norm:
+        # megatron's fallback kernel, without its host round trips: the same norms, stacked
+        norm = torch.norm(torch.stack([torch.norm(grad) for grad in grads])).reshape(1)
+    else:  # TransformerEngine's or Apex's fused kernel, as megatron calls it
+        overflow = torch.zeros(1, dtype=torch.int, device=grads[0].device)
+        norm, _ = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl, overflow, [grads], False)
+    total = norm.to(device=device, dtype=torch.float) ** 2.0
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total
