@@ -23,6 +23,7 @@ from heads.validation import (
 )
 from strategies.backends.base import OFFLOAD_PARTS
 from strategies.config import (
+    LoraConfig,
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
@@ -45,6 +46,12 @@ def _model_config(value: ModelConfig | str | Mapping[str, Any]) -> ModelConfig:
         return _named_model(value)
     if isinstance(value, Mapping):
         return structure(value, ModelConfig)
+    return value
+
+
+def _optional_lora(value: LoraConfig | Mapping[str, Any] | None) -> LoraConfig | None:
+    if isinstance(value, Mapping):
+        return structure(value, LoraConfig)  # type: ignore[no-any-return]
     return value
 
 
@@ -122,6 +129,13 @@ class EngineConfig:
     #: experts each token went to, per MoE layer), and a batch carrying ``routed_experts`` is
     #: routed exactly that way (needs a backend with the ``router_replay`` ability).
     router_replay: bool = bool_field(False)
+    #: Low-rank adapters (None: the whole model trains); needs a backend with the ``lora``
+    #: ability. Only the adapters train and are held by the optimizer.
+    lora: LoraConfig | None = attrs.field(
+        default=None,
+        converter=_optional_lora,
+        validator=attrs.validators.optional(of_type(LoraConfig)),
+    )
     head: dict[str, Any] = attrs.field(factory=dict, converter=_part_options)
     backend: dict[str, Any] = attrs.field(factory=dict, converter=_part_options)
     device: dict[str, Any] = attrs.field(factory=dict, converter=_part_options)
@@ -225,3 +239,22 @@ def _structure_model(value: Any) -> ModelConfig:
     if unknown:
         raise ConfigError(f"unknown ModelConfig field(s): {', '.join(sorted(unknown))}")
     return ModelConfig(**value)
+
+
+STRICT_CONVERTER.register_structure_hook(LoraConfig, lambda value, _: _structure_lora(value))
+
+
+def _structure_lora(value: Any) -> LoraConfig:
+    """As attrs builds it, so ``target_modules`` is checked as given (a string is not split
+    into letters)."""
+    if isinstance(value, LoraConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"lora must be a mapping, got {type(value).__name__}")
+    unknown = set(value) - {a.name for a in attrs.fields(LoraConfig)}
+    if unknown:
+        raise ConfigError(
+            f"LoraConfig has no field(s) {', '.join(sorted(unknown))}; its fields: "
+            f"{', '.join(a.name for a in attrs.fields(LoraConfig))}"
+        )
+    return LoraConfig(**value)
