@@ -69,12 +69,13 @@ class AdapterSwitch:
 
 
 def low_rank_update(
-    x: torch.Tensor, pair: LoraPair, config: LoraConfig, training: bool
+    x: torch.Tensor, lora_a: torch.nn.Module, config: LoraConfig, training: bool
 ) -> torch.Tensor:
-    """``A dropout(x)``, the rank-r activation each adapter's ``B`` maps back up."""
+    """``A dropout(x)``, the rank-r activation an adapter's ``B`` maps back up."""
     if config.dropout and training:
         x = torch.nn.functional.dropout(x, p=config.dropout, training=True)
-    return pair.lora_A(x)
+    result: torch.Tensor = lora_a(x)
+    return result
 
 
 def adapter_delta(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:

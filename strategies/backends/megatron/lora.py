@@ -196,7 +196,7 @@ def _column_hook(
                 pieces.append(out.new_zeros(*out.shape[:-1], sizes[target][1] // tp_size))
                 continue
             low = copy_to_tensor_model_parallel_region(
-                low_rank_update(x, pair, lora, module.training)
+                low_rank_update(x, pair.lora_A, lora, module.training)
             )
             pieces.append(pair.lora_B(low) * lora.scale)
         if len(pieces) == 3:
@@ -223,7 +223,7 @@ def _row_hook(
             return output
         out, bias = output
         low = reduce_from_tensor_model_parallel_region(
-            low_rank_update(args[0], pair, lora, module.training)
+            low_rank_update(args[0], pair.lora_A, lora, module.training)
         )
         return out + (pair.lora_B(low) * lora.scale).to(out.dtype), bias
 
