@@ -51,7 +51,8 @@ def _model_config(value: ModelConfig | str | Mapping[str, Any]) -> ModelConfig:
 
 def _optional_lora(value: LoraConfig | Mapping[str, Any] | None) -> LoraConfig | None:
     if isinstance(value, Mapping):
-        return structure(value, LoraConfig)  # type: ignore[no-any-return]
+        lora: LoraConfig = structure(value, LoraConfig)
+        return lora
     return value
 
 

@@ -38,7 +38,11 @@ def train_lora(parallel: dict[str, Any], backend: dict[str, Any]) -> dict[str, A
         "micro_batch_size": 2,
         "seed": 11,
         "optimizer": {"lr": 1e-2, "clip_grad": 1.0},
-        "lora": {"rank": 4, "alpha": 16, "target_modules": ["q", "k", "v", "o", "gate", "up", "down"]},
+        "lora": {
+            "rank": 4,
+            "alpha": 16,
+            "target_modules": ["q", "k", "v", "o", "gate", "up", "down"],
+        },
     }
     engine = Engine.build(head="lm", device="cpu", config=config).initialize()
     dp_rank, dp_size = engine.get_data_parallel_rank(), engine.get_data_parallel_size()

@@ -42,7 +42,9 @@ def export_hf(
             linear = model.get_submodule(name.rpartition(".")[0])
             if isinstance(getattr(linear, "lora_A", None), torch.nn.Module):
                 delta = adapter_delta(
-                    _full(linear.lora_A.weight), _full(linear.lora_B.weight), lora.scale
+                    _full(linear.get_parameter("lora_A.weight")),
+                    _full(linear.get_parameter("lora_B.weight")),
+                    lora.scale,
                 )
                 full = (full.float() + delta).to(full.dtype)
         yield from layout.split(name, full)
@@ -81,7 +83,9 @@ def save_hf(
     if writer:
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
-    tensors = {name: tensor.contiguous() for name, tensor in export_hf(model, config, lora) if writer}
+    tensors = {
+        name: tensor.contiguous() for name, tensor in export_hf(model, config, lora) if writer
+    }
     if writer:
         save_file(tensors, os.path.join(staging, SINGLE_FILE), metadata={"format": "pt"})
         if config.hf_path is not None:

@@ -14,7 +14,14 @@ import torch
 
 from heads.errors import ConfigError
 from strategies.config import LoraConfig, PartsConfig
-from strategies.lora import AdapterSwitch, LoraPair, adapter_names, draw_a, hf_module, low_rank_update
+from strategies.lora import (
+    AdapterSwitch,
+    LoraPair,
+    adapter_names,
+    draw_a,
+    hf_module,
+    low_rank_update,
+)
 
 
 def check_lora(config: PartsConfig) -> None:
@@ -31,8 +38,9 @@ def attach_adapters(model: torch.nn.Module, config: PartsConfig, switch: Adapter
     assert lora is not None
     for param in model.parameters():
         param.requires_grad_(False)
-    layers = len(model.get_submodule("model.layers"))
-    for layer in range(layers):
+    layers = model.get_submodule("model.layers")
+    assert isinstance(layers, torch.nn.ModuleList)
+    for layer in range(len(layers)):
         for target in lora.target_modules:
             linear = model.get_submodule(hf_module(layer, target))
             assert isinstance(linear, torch.nn.Linear)
@@ -40,7 +48,9 @@ def attach_adapters(model: torch.nn.Module, config: PartsConfig, switch: Adapter
             pair.to(device=linear.weight.device, dtype=linear.weight.dtype)
             with torch.no_grad():
                 a_name, _ = adapter_names(layer, target)
-                pair.lora_A.weight.copy_(draw_a((lora.rank, linear.in_features), config.seed, a_name))
+                pair.lora_A.weight.copy_(
+                    draw_a((lora.rank, linear.in_features), config.seed, a_name)
+                )
                 pair.lora_B.weight.zero_()
             linear.add_module("lora_A", pair.lora_A)
             linear.add_module("lora_B", pair.lora_B)
@@ -51,8 +61,9 @@ def _hook(lora: LoraConfig, switch: AdapterSwitch) -> Callable[..., Any]:
     def hook(module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:
         if not switch.enabled:
             return output
-        low = low_rank_update(args[0], module.lora_A, lora, module.training)
-        return output + (module.lora_B(low) * lora.scale).to(output.dtype)
+        lora_a, lora_b = module.get_submodule("lora_A"), module.get_submodule("lora_B")
+        low = low_rank_update(args[0], lora_a, lora, module.training)
+        return output + (lora_b(low) * lora.scale).to(output.dtype)
 
     return hook
 

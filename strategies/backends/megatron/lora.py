@@ -89,7 +89,7 @@ class LayerAdapters(torch.nn.Module):
         from megatron.core import parallel_state as ps
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-        return make_sharded_tensors_for_checkpoint(  # type: ignore[no-any-return]
+        sharded: dict[str, Any] = make_sharded_tensors_for_checkpoint(
             self.state_dict(prefix="", keep_vars=True),
             prefix,
             self.tensor_parallel_axes,
@@ -97,6 +97,7 @@ class LayerAdapters(torch.nn.Module):
             tp_group=ps.get_tensor_model_parallel_group(),
             dp_cp_group=(metadata or {})["dp_cp_group"],
         )
+        return sharded
 
 
 def attach_adapters(chunk: torch.nn.Module, config: PartsConfig, switch: AdapterSwitch) -> None:
@@ -108,7 +109,10 @@ def attach_adapters(chunk: torch.nn.Module, config: PartsConfig, switch: Adapter
     assert lora is not None
     for param in chunk.parameters():
         param.requires_grad_(False)
-    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    tp_rank, tp_size = (
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_world_size(),
+    )
     sizes = _target_sizes(config)
     for layer in getattr(getattr(chunk, "decoder", None), "layers", []):
         number = int(layer.layer_number) - 1
@@ -144,7 +148,7 @@ def attach_adapters(chunk: torch.nn.Module, config: PartsConfig, switch: Adapter
                 )
 
 
-def _mark(param: torch.nn.Parameter, dim: int | None, tp_size: int) -> None:
+def _mark(param: torch.Tensor, dim: int | None, tp_size: int) -> None:
     """megatron's tensor-parallel attributes (``dim`` None: replicated)."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
@@ -199,10 +203,7 @@ def _column_hook(
                 low_rank_update(x, pair.lora_A, lora, module.training)
             )
             pieces.append(pair.lora_B(low) * lora.scale)
-        if len(pieces) == 3:
-            delta = _fuse_last(pieces, groups)
-        else:
-            delta = torch.cat(pieces, dim=-1)
+        delta = _fuse_last(pieces, groups) if len(pieces) == 3 else torch.cat(pieces, dim=-1)
         return out + delta.to(out.dtype), bias
 
     return hook
@@ -253,7 +254,7 @@ def merged_delta(
     layer: int,
     linear: str,
     adapters: LayerAdapters,
-    full: Callable[[str, torch.nn.Parameter], torch.Tensor],
+    full: Callable[[str, torch.Tensor], torch.Tensor],
     config: PartsConfig,
 ) -> torch.Tensor | None:
     """``(B @ A) * scale`` of the targets of ``linear`` (``self_attention.linear_qkv``...) laid
@@ -283,7 +284,7 @@ def merged_delta(
 
 
 def adapter_tensors(
-    chunk: torch.nn.Module, full: Callable[[str, torch.nn.Parameter], torch.Tensor]
+    chunk: torch.nn.Module, full: Callable[[str, torch.Tensor], torch.Tensor]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, full tensor) of every adapter tensor of ``chunk``."""
     for layer, adapters in layer_adapters(chunk).items():

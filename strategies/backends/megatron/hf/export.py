@@ -26,7 +26,6 @@ from strategies.backends.megatron.init import (
     tensor_parallel_place,
     unshard,
 )
-from strategies.backends.megatron.model import ReplicatedOutputLayer
 from strategies.backends.megatron.lora import (
     LINEARS,
     adapter_tensors,
@@ -34,6 +33,7 @@ from strategies.backends.megatron.lora import (
     layer_adapters,
     merged_delta,
 )
+from strategies.backends.megatron.model import ReplicatedOutputLayer
 from strategies.config import ModelConfig, PartsConfig
 
 VALUE_HEAD = "value_head.weight"
@@ -98,7 +98,7 @@ def _merged(
     return full if delta is None else (full.float() + delta).to(full.dtype)
 
 
-def _tensor_parallel_full(name: str, param: torch.nn.Parameter) -> torch.Tensor:
+def _tensor_parallel_full(name: str, param: torch.Tensor) -> torch.Tensor:
     """The full tensor of a parameter sharded over its (expert) tensor-parallel group."""
     from megatron.core import parallel_state as ps
 

@@ -51,7 +51,9 @@ def save_hf(
         os.makedirs(staging)
     barrier()
     file = SINGLE_FILE if stages == 1 else f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
-    tensors = {name: t.contiguous() for chunk in chunks for name, t in export_hf(chunk, config, parts)}
+    tensors = {
+        name: t.contiguous() for chunk in chunks for name, t in export_hf(chunk, config, parts)
+    }
     if writer:
         save_file(tensors, os.path.join(staging, file), metadata={"format": "pt"})
     names = dict.fromkeys(tensors, file) if writer else {}
