@@ -4,11 +4,13 @@ Each layout runs as real processes (gloo on 127.0.0.1, a timeout on every proces
 global batch, seed and adapter initialisation as a single-process run: after two AdamW steps the
 losses and every adapter tensor (gathered to full tensors by ``get_per_tensor_param(
 adapter_only=True)``) agree within 1e-5, and ``B`` is no longer zero. Two launches: TP=2 x PP=2
-(4 ranks), and DP=2 with megatron's distributed optimizer (2 ranks).
+(4 ranks), and DP=2 with megatron's distributed optimizer (2 ranks); each saves a checkpoint
+that one process loads back to exactly the adapters the layout trained.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,15 +25,10 @@ LENGTHS = [6, 11, 3, 9, 14, 5, 8, 12]
 TOLERANCE = 1e-5
 
 
-def train_lora(parallel: dict[str, Any], backend: dict[str, Any]) -> dict[str, Any]:
-    """On every rank: train a LoRA LM on this rank's data-parallel shard; report the losses, the
-    full adapter tensors this rank exports and how many tensors its optimizer holds."""
-    from engine import Engine
-    from engine.data.batching import take_rows
-    from engine.losses import sft_loss
-    from tests.factories import random_batch, tiny_model
+def _config(parallel: dict[str, Any], backend: dict[str, Any]) -> dict[str, Any]:
+    from tests.factories import tiny_model
 
-    config = {
+    return {
         "model": tiny_model(num_layers=2, vocab_size=64, hidden_size=32),
         "parallel": parallel,
         "backend": backend,
@@ -44,6 +41,19 @@ def train_lora(parallel: dict[str, Any], backend: dict[str, Any]) -> dict[str, A
             "target_modules": ["q", "k", "v", "o", "gate", "up", "down"],
         },
     }
+
+
+def train_lora(
+    parallel: dict[str, Any], backend: dict[str, Any], checkpoint: str | None = None
+) -> dict[str, Any]:
+    """On every rank: train a LoRA LM on this rank's data-parallel shard; report the losses and
+    the full adapter tensors this rank exports; save a checkpoint when given a directory."""
+    from engine import Engine
+    from engine.data.batching import take_rows
+    from engine.losses import sft_loss
+    from tests.factories import random_batch
+
+    config = _config(parallel, backend)
     engine = Engine.build(head="lm", device="cpu", config=config).initialize()
     dp_rank, dp_size = engine.get_data_parallel_rank(), engine.get_data_parallel_size()
     shard = len(LENGTHS) // dp_size
@@ -55,7 +65,18 @@ def train_lora(parallel: dict[str, Any], backend: dict[str, Any]) -> dict[str, A
             )
             losses.append(engine.train_batch(batch, sft_loss).get("loss"))
     adapters = {name: t.clone() for name, t in engine.get_per_tensor_param(adapter_only=True)}
+    if checkpoint is not None:
+        engine.save_checkpoint(checkpoint)
     return {"losses": losses, "adapters": adapters, "output_rank": engine.holds_outputs()}
+
+
+def load_lora(checkpoint: str, backend: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """In one process: the adapters of the checkpoint, as exported after loading it."""
+    from engine import Engine
+
+    engine = Engine.build(head="lm", device="cpu", config=_config({}, backend)).initialize()
+    engine.load_checkpoint(checkpoint)
+    return dict(engine.get_per_tensor_param(adapter_only=True))
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +94,16 @@ def single_process() -> dict[str, Any]:
     ids=["tp2xpp2", "dp2-distributed-optimizer"],
 )
 def test_lora_at_every_parallel_layout_matches_one_process(
-    single_process: dict[str, Any], world: int, parallel: dict[str, Any], backend: dict[str, Any]
+    single_process: dict[str, Any],
+    tmp_path: Path,
+    world: int,
+    parallel: dict[str, Any],
+    backend: dict[str, Any],
 ) -> None:
     expected = single_process["adapters"]
     assert all(float(t.abs().max()) > 1e-3 for n, t in expected.items() if "lora_B" in n)
-    reports = run_ranks(train_lora, world, parallel, backend, timeout=400)
+    checkpoint = str(tmp_path / "checkpoints")
+    reports = run_ranks(train_lora, world, parallel, backend, checkpoint, timeout=400)
     for report in reports:
         if report["output_rank"]:
             assert report["losses"] == pytest.approx(
@@ -92,3 +118,7 @@ def test_lora_at_every_parallel_layout_matches_one_process(
     assert set(gathered) == set(expected)
     for name, tensor in gathered.items():
         torch.testing.assert_close(tensor, expected[name], atol=TOLERANCE, rtol=TOLERANCE, msg=name)
+    # the checkpoint holds each rank's shard where it belongs: one process reads it back whole
+    (loaded,) = run_ranks(load_lora, 1, checkpoint, backend, timeout=180)
+    assert loaded.keys() == gathered.keys()
+    assert all(torch.equal(loaded[name], gathered[name]) for name in gathered)
