@@ -41,7 +41,12 @@ SHAPES = {"tiny": (16, 64, 4), "small": (8, 128, 4)}
 
 
 def config(model: str, **extra: Any) -> dict[str, Any]:
-    return {"model": model, "micro_batch_size": SHAPES[model][2], "optimizer": {"lr": 1e-4}, **extra}
+    return {
+        "model": model,
+        "micro_batch_size": SHAPES[model][2],
+        "optimizer": {"lr": 1e-4},
+        **extra,
+    }
 
 
 def batches(model: str, vocab: int) -> list[Any]:
@@ -75,7 +80,10 @@ def optimizer_state_bytes(engine: Engine) -> int:
 
 def trainable(engine: Engine) -> int:
     return sum(
-        p.numel() for module in engine.backend.modules() for p in module.parameters() if p.requires_grad
+        p.numel()
+        for module in engine.backend.modules()
+        for p in module.parameters()
+        if p.requires_grad
     )
 
 
@@ -142,7 +150,8 @@ def actor_and_reference(model: str, backend: str) -> None:
     print(
         f"model={model} backend={backend} actor + reference, peak memory: "
         + "; ".join(
-            f"{name} {peak / 2**20:.1f} MiB (x{peak / baseline:.2f})" for name, peak in peaks.items()
+            f"{name} {peak / 2**20:.1f} MiB (x{peak / baseline:.2f})"
+            for name, peak in peaks.items()
         )
     )
 

@@ -310,6 +310,23 @@ def test_lora_on_a_mixture_of_experts_model_is_refused_by_name(backend: str) -> 
         Engine.build(head="lm", backend=backend, device="cpu", config={"model": model, "lora": {}})
 
 
+@pytest.mark.parametrize(
+    ("settings", "uses_te", "message"),
+    [
+        ({}, True, "layer_spec='local'"),
+        ({"parallel": {"tensor_parallel_size": 2, "sequence_parallel": True}}, False, "sequence"),
+    ],
+)
+def test_megatron_lora_refuses_what_its_adapters_cannot_read(
+    settings: dict[str, Any], uses_te: bool, message: str
+) -> None:
+    from engine.config import EngineConfig
+    from strategies.backends.megatron.lora import check_lora
+
+    with pytest.raises(ConfigError, match=message):
+        check_lora(EngineConfig.from_dict({**settings, "lora": {}}), uses_te)
+
+
 def test_disable_adapter_and_adapter_export_need_lora(fresh_mesh: None) -> None:
     engine = Engine.build(head="lm", device="cpu", config={"model": tiny_model()}).initialize()
     refused = pytest.raises(ConfigError, match=r"disable_adapter.*config\.lora is None")
