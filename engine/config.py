@@ -232,30 +232,27 @@ STRICT_CONVERTER.register_structure_hook(ModelConfig, lambda value, _: _structur
 def _structure_model(value: Any) -> ModelConfig:
     if isinstance(value, str):
         return _named_model(value)
-    if isinstance(value, ModelConfig):
+    built: ModelConfig = _from_fields(value, ModelConfig, "model", "a preset name or a mapping")
+    return built
+
+
+STRICT_CONVERTER.register_structure_hook(
+    LoraConfig, lambda value, _: _from_fields(value, LoraConfig, "lora", "a mapping")
+)
+
+
+def _from_fields(value: Any, kind: type[Any], what: str, expected: str) -> Any:
+    """``kind(**value)`` as attrs builds it (its converters see the values as given: a string
+    ``target_modules`` is refused, not split into letters); ConfigError for unknown fields."""
+    if isinstance(value, kind):
         return value
     if not isinstance(value, Mapping):
-        raise ConfigError(f"model must be a preset name or a mapping, got {type(value).__name__}")
-    unknown = set(value) - {a.name for a in attrs.fields(ModelConfig)}
-    if unknown:
-        raise ConfigError(f"unknown ModelConfig field(s): {', '.join(sorted(unknown))}")
-    return ModelConfig(**value)
-
-
-STRICT_CONVERTER.register_structure_hook(LoraConfig, lambda value, _: _structure_lora(value))
-
-
-def _structure_lora(value: Any) -> LoraConfig:
-    """As attrs builds it, so ``target_modules`` is checked as given (a string is not split
-    into letters)."""
-    if isinstance(value, LoraConfig):
-        return value
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"lora must be a mapping, got {type(value).__name__}")
-    unknown = set(value) - {a.name for a in attrs.fields(LoraConfig)}
+        raise ConfigError(f"{what} must be {expected}, got {type(value).__name__}")
+    known = [a.name for a in attrs.fields(kind)]
+    unknown = set(value) - set(known)
     if unknown:
         raise ConfigError(
-            f"LoraConfig has no field(s) {', '.join(sorted(unknown))}; its fields: "
-            f"{', '.join(a.name for a in attrs.fields(LoraConfig))}"
+            f"unknown {kind.__name__} field(s): {', '.join(sorted(unknown))} "
+            f"(its fields: {', '.join(known)})"
         )
-    return LoraConfig(**value)
+    return kind(**value)

@@ -284,7 +284,7 @@ def test_a_checkpoint_resumes_the_adapters_and_their_optimizer_bit_exactly(
         ({"target_modules": ["q", "lm_head"]}, "unknown module 'lm_head'"),
         ({"target_modules": "q_proj"}, "target_modules must be a list"),
         ({"target_modules": []}, "at least one module"),
-        ({"ranks": 4}, "LoraConfig has no field"),
+        ({"ranks": 4}, "unknown LoraConfig field"),
     ],
 )
 def test_a_bad_lora_config_is_refused_naming_the_field(lora: dict[str, Any], message: str) -> None:

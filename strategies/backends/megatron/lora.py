@@ -121,23 +121,26 @@ def attach_adapters(chunk: torch.nn.Module, config: PartsConfig, switch: Adapter
             fan_in, fan_out, column = sizes[target]
             a_name, _ = adapter_names(number, target)
             full_a = draw_a((lora.rank, fan_in), config.seed, a_name)
+            # column-parallel: B split over its rows; row-parallel: A over its columns
+            split_name, split = ("lora_B", 0) if column else ("lora_A", 1)
             if column:
                 pair = LoraPair(fan_in, lora.rank, fan_out // tp_size)
-                _mark(pair.lora_B.weight, 0, tp_size)
-                _mark(pair.lora_A.weight, None, tp_size)
-                adapters.tensor_parallel_axes[f"{target}.lora_B.weight"] = 0
                 shard_a = full_a
             else:
                 pair = LoraPair(fan_in // tp_size, lora.rank, fan_out)
-                _mark(pair.lora_A.weight, 1, tp_size)
-                _mark(pair.lora_B.weight, None, tp_size)
-                adapters.tensor_parallel_axes[f"{target}.lora_A.weight"] = 1
                 shard_a = full_a.chunk(tp_size, dim=1)[tp_rank]
             reference = next(layer.parameters())
             pair.to(device=reference.device, dtype=reference.dtype)
             with torch.no_grad():
                 pair.lora_A.weight.copy_(shard_a)
                 pair.lora_B.weight.zero_()
+            for part in ("lora_A", "lora_B"):
+                _mark(
+                    pair.get_parameter(f"{part}.weight"),
+                    split if part == split_name else None,
+                    tp_size,
+                )
+            adapters.tensor_parallel_axes[f"{target}.{split_name}.weight"] = split
             adapters.add_module(target, pair)
         layer.add_module(ADAPTERS, adapters)
         for path, (targets, column) in LINEARS.items():
