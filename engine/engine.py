@@ -137,6 +137,11 @@ class Engine:
         if self.config.packing:
             require(self.backend, Packing).check_packing(self.config)
         if self.config.lora is not None:
+            if self.head.output_spec().kind != "vocab":
+                raise ConfigError(
+                    f"EngineConfig.lora with head {self.head.name!r}: its new output layer would "
+                    "stay frozen with the base model (only adapters train); LoRA needs an LM head"
+                )
             require(self.backend, LowRankAdapters).check_lora(self.config)
         if self.config.router_replay:
             if not self.config.model.is_moe:
