@@ -22,7 +22,7 @@ import torch
 
 from engine import Engine
 from engine.losses import sft_loss
-from heads.errors import ConfigError, EngineStateError
+from heads.errors import CheckpointError, ConfigError, EngineStateError
 from strategies.backends.megatron.mesh import destroy_mesh
 from strategies.lora import PEFT_PREFIX, adapter_delta
 from tests.factories import random_batch, tiny_model
@@ -273,6 +273,9 @@ def test_a_checkpoint_resumes_the_adapters_and_their_optimizer_bit_exactly(
     assert train(resumed, batch_seed=6, steps=1) == continued
     got = dict(resumed.get_per_tensor_param(adapter_only=True))
     assert all(torch.equal(got[name], expected[name]) for name in expected)
+    for other in (None, {**LORA, "rank": 2}):  # no adapters, or others: refused, not dropped
+        with pytest.raises(CheckpointError, match="was saved with lora="):
+            build(backend, checkpoint, lora=other).load_checkpoint(tmp_path)
 
 
 @pytest.mark.parametrize(
