@@ -269,14 +269,15 @@ def merged_delta(
     if not any(adapters.pair(target) for target in targets):
         return None
     sizes = _target_sizes(config)
+    device = next(adapters.parameters()).device
     deltas = []
     for target in targets:
         pair = adapters.pair(target)
         fan_in, fan_out, _ = sizes[target]
         if pair is None:
-            deltas.append(torch.zeros(fan_out, fan_in))
+            deltas.append(torch.zeros(fan_out, fan_in, device=device))
             continue
-        prefix = f"decoder.layers.{layer}.{ADAPTERS}.{target}"
+        prefix = _global_prefix(layer, target)
         a = full(f"{prefix}.lora_A.weight", pair.lora_A.weight)
         b = full(f"{prefix}.lora_B.weight", pair.lora_B.weight)
         deltas.append(adapter_delta(a, b, lora.scale))
@@ -294,6 +295,11 @@ def adapter_tensors(
         for target, pair in adapters.named_children():
             assert isinstance(pair, LoraPair)
             a_name, b_name = adapter_names(layer, target)
-            prefix = f"decoder.layers.{layer}.{ADAPTERS}.{target}"
+            prefix = _global_prefix(layer, target)
             yield a_name, full(f"{prefix}.lora_A.weight", pair.lora_A.weight).clone()
             yield b_name, full(f"{prefix}.lora_B.weight", pair.lora_B.weight).clone()
+
+
+def _global_prefix(layer: int, target: str) -> str:
+    """The global name of layer ``layer``'s adapter of ``target`` (``init.global_parameters``)."""
+    return f"decoder.layers.{layer}.{ADAPTERS}.{target}"
