@@ -229,7 +229,6 @@ def peft_log_probs(checkpoint: Path, adapter: Path, batch: Any) -> torch.Tensor:
 def test_the_peft_adapter_loads_in_peft_with_the_same_log_probs(
     runs: dict[str, Any], checkpoint: Path, tmp_path: Path, backend: str
 ) -> None:
-    pytest.importorskip("peft")
     run = runs[backend]
     run["engine"].save_hf(tmp_path / "adapter", adapter_only=True)
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
