@@ -533,6 +533,13 @@ def _check_compatible(directory: str, manifest: dict[str, Any], ours: dict[str, 
             f"checkpoint {directory} was saved by a {manifest.get('head')!r} head engine; this "
             f"engine has a {ours['head']!r} head"
         )
+    saved_lora = (manifest.get("config") or {}).get("lora")
+    if saved_lora != ours["config"]["lora"]:
+        raise CheckpointError(
+            f"checkpoint {directory} was saved with lora={saved_lora}; this engine has "
+            f"lora={ours['config']['lora']} (a checkpoint holds exactly its engine's adapters; to "
+            "start adapters from a trained model, give its save_hf() directory as the model)"
+        )
     saved = manifest.get("model_shape", {})
     if saved != ours["model_shape"]:
         differ = sorted(k for k in ours["model_shape"] if saved.get(k) != ours["model_shape"][k])

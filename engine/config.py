@@ -23,6 +23,7 @@ from heads.validation import (
 )
 from strategies.backends.base import OFFLOAD_PARTS
 from strategies.config import (
+    LoraConfig,
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
@@ -45,6 +46,13 @@ def _model_config(value: ModelConfig | str | Mapping[str, Any]) -> ModelConfig:
         return _named_model(value)
     if isinstance(value, Mapping):
         return structure(value, ModelConfig)
+    return value
+
+
+def _optional_lora(value: LoraConfig | Mapping[str, Any] | None) -> LoraConfig | None:
+    if isinstance(value, Mapping):
+        lora: LoraConfig = structure(value, LoraConfig)
+        return lora
     return value
 
 
@@ -122,6 +130,13 @@ class EngineConfig:
     #: experts each token went to, per MoE layer), and a batch carrying ``routed_experts`` is
     #: routed exactly that way (needs a backend with the ``router_replay`` ability).
     router_replay: bool = bool_field(False)
+    #: Low-rank adapters (None: the whole model trains); needs a backend with the ``lora``
+    #: ability. Only the adapters train and are held by the optimizer.
+    lora: LoraConfig | None = attrs.field(
+        default=None,
+        converter=_optional_lora,
+        validator=attrs.validators.optional(of_type(LoraConfig)),
+    )
     head: dict[str, Any] = attrs.field(factory=dict, converter=_part_options)
     backend: dict[str, Any] = attrs.field(factory=dict, converter=_part_options)
     device: dict[str, Any] = attrs.field(factory=dict, converter=_part_options)
@@ -217,11 +232,27 @@ STRICT_CONVERTER.register_structure_hook(ModelConfig, lambda value, _: _structur
 def _structure_model(value: Any) -> ModelConfig:
     if isinstance(value, str):
         return _named_model(value)
-    if isinstance(value, ModelConfig):
+    built: ModelConfig = _from_fields(value, ModelConfig, "model", "a preset name or a mapping")
+    return built
+
+
+STRICT_CONVERTER.register_structure_hook(
+    LoraConfig, lambda value, _: _from_fields(value, LoraConfig, "lora", "a mapping")
+)
+
+
+def _from_fields(value: Any, kind: type[Any], what: str, expected: str) -> Any:
+    """``kind(**value)`` as attrs builds it (its converters see the values as given: a string
+    ``target_modules`` is refused, not split into letters); ConfigError for unknown fields."""
+    if isinstance(value, kind):
         return value
     if not isinstance(value, Mapping):
-        raise ConfigError(f"model must be a preset name or a mapping, got {type(value).__name__}")
-    unknown = set(value) - {a.name for a in attrs.fields(ModelConfig)}
+        raise ConfigError(f"{what} must be {expected}, got {type(value).__name__}")
+    known = [a.name for a in attrs.fields(kind)]
+    unknown = set(value) - set(known)
     if unknown:
-        raise ConfigError(f"unknown ModelConfig field(s): {', '.join(sorted(unknown))}")
-    return ModelConfig(**value)
+        raise ConfigError(
+            f"unknown {kind.__name__} field(s): {', '.join(sorted(unknown))} "
+            f"(its fields: {', '.join(known)})"
+        )
+    return kind(**value)

@@ -57,6 +57,7 @@ from strategies.backends.base import (
     Checkpointing,
     DeferredGradNorm,
     HuggingFaceExport,
+    LowRankAdapters,
     Offloading,
     Packing,
     RouterReplay,
@@ -138,6 +139,13 @@ class Engine:
             require(self.backend, Offloading)  # config.offload asks for it
         if self.config.packing:
             require(self.backend, Packing).check_packing(self.config)
+        if self.config.lora is not None:
+            if self.head.output_spec().kind != "vocab":
+                raise ConfigError(
+                    f"EngineConfig.lora with head {self.head.name!r}: its new output layer would "
+                    "stay frozen with the base model (only adapters train); LoRA needs an LM head"
+                )
+            require(self.backend, LowRankAdapters).check_lora(self.config)
         if self.config.router_replay:
             if not self.config.model.is_moe:
                 raise ConfigError(
@@ -188,6 +196,26 @@ class Engine:
         finally:
             self._offload_configured()
 
+    @contextlib.contextmanager
+    def disable_adapter(self) -> Iterator[Engine]:
+        """Inside, the LoRA adapters (``config.lora``) are off: ``infer_batch`` gives the base
+        model's outputs exactly (e.g. the reference of an RL actor, without a second engine),
+        and ``train_batch`` is refused. Not reentrant."""
+        self._require_initialized("disable_adapter")
+        if self.config.lora is None:
+            raise ConfigError(
+                "disable_adapter() needs LoRA adapters, but config.lora is None (this engine "
+                "trains the whole model)"
+            )
+        adapters = require(self.backend, LowRankAdapters)
+        if not adapters.adapters_enabled():
+            raise EngineStateError("disable_adapter() is already active (it is not reentrant)")
+        adapters.set_adapters_enabled(False)
+        try:
+            yield self
+        finally:
+            adapters.set_adapters_enabled(True)
+
     def to(
         self, device: str, *, model: bool = True, optimizer: bool = True, grad: bool = True
     ) -> Engine:
@@ -231,6 +259,7 @@ class Engine:
         )
         if not forward_only:
             self._require_trainable("forward_backward_batch")
+            self._require_adapters_on("forward_backward_batch")
             if loss_function is None:
                 raise ConfigError(
                     "forward_backward_batch needs a loss_function unless forward_only"
@@ -428,6 +457,7 @@ class Engine:
         """
         self._require_initialized("train_batch")
         self._require_trainable("train_batch")
+        self._require_adapters_on("train_batch")
         self._require_resident("train_batch", OFFLOAD_PARTS)
         start = time.perf_counter()
         self.optimizer_zero_grad()
@@ -495,6 +525,7 @@ class Engine:
         """The gradient norm (measured here unless given), and why the step was skipped
         (None: it was applied)."""
         self._require_trainable("optimizer_step")
+        self._require_adapters_on("optimizer_step")
         self._require_resident("optimizer_step", OFFLOAD_PARTS)
         if grad_norm is None:
             grad_norm = self.backend.grad_norm()
@@ -539,21 +570,47 @@ class Engine:
     is_mp_src_rank_with_outputs = holds_outputs
 
     # -- weights -------------------------------------------------------------------------------
-    def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def get_per_tensor_param(
+        self, *, adapter_only: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's weights as (Hugging Face name, full tensor), one at a time (e.g. to update
         an inference engine). Collective over tensor- and expert-parallel ranks (every expert
         comes out on every rank); under pipeline parallelism each stage yields its own
-        layers."""
+        layers. With LoRA the adapted linears come out merged (``W + (B @ A) * alpha / rank``);
+        ``adapter_only=True`` yields the adapters alone, under peft's names
+        (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``)."""
         self._require_initialized("get_per_tensor_param")
         self._require_resident("get_per_tensor_param", ("model",))
-        weights = require(self.backend, HuggingFaceExport).export_hf(self.config)
+        if adapter_only:
+            weights = self._peft_adapter("get_per_tensor_param")
+        else:
+            weights = require(self.backend, HuggingFaceExport).export_hf(self.config)
         return _WhileResident(weights, lambda: self._require_resident(WHILE_ITERATING, ("model",)))
 
-    def save_hf(self, directory: str | os.PathLike[str]) -> None:
+    def _peft_adapter(self, what: str) -> Iterator[tuple[str, torch.Tensor]]:
+        from strategies.lora import PEFT_PREFIX
+
+        if self.config.lora is None:
+            raise ConfigError(f"{what}(adapter_only=True) needs LoRA, but config.lora is None")
+        adapters = require(self.backend, LowRankAdapters).export_adapter(self.config)
+        return ((PEFT_PREFIX + name, tensor) for name, tensor in adapters)
+
+    def save_hf(self, directory: str | os.PathLike[str], *, adapter_only: bool = False) -> None:
         """Write a causal-LM Hugging Face checkpoint (safetensors + config.json) to
-        ``directory``, atomically. Collective: every rank calls it."""
+        ``directory``, atomically, LoRA adapters merged into their linears; with
+        ``adapter_only=True`` a PEFT adapter directory instead (``adapter_config.json`` +
+        ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained`` loads onto the
+        base model. Collective: every rank calls it."""
         self._require_initialized("save_hf")
         self._require_resident("save_hf", ("model",))
+        if adapter_only:
+            from strategies.lora import save_peft_adapter
+
+            lora = self.config.lora
+            tensors = self._peft_adapter("save_hf")
+            assert lora is not None  # _peft_adapter refuses an engine without
+            save_peft_adapter(tensors, lora, self.config.model, os.fspath(directory))
+            return
         if self.head.output_spec().kind != "vocab":
             raise ConfigError(
                 f"save_hf writes a causal language model; head {self.head.name!r} is not one "
@@ -658,6 +715,14 @@ class Engine:
             raise EngineStateError(
                 f"{what}() trains, but this engine is forward-only (config.forward_only=True, e.g. "
                 "a reference model); use infer_batch()"
+            )
+
+    def _require_adapters_on(self, what: str) -> None:
+        backend = self.backend
+        if isinstance(backend, LowRankAdapters) and not backend.adapters_enabled():
+            raise EngineStateError(
+                f"{what}() trains the LoRA adapters, but they are off inside disable_adapter(); "
+                "train outside it (inside, use infer_batch() for the base model's outputs)"
             )
 
     def _grad_norm_parts(self) -> tuple[list[Number], Callable[[list[float]], float]]:

@@ -231,6 +231,55 @@ class SchedulerConfig:
             )
 
 
+#: LoRA targets by their Hugging Face module names, in the order adapters are listed.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _lora_targets(value: Any) -> Any:
+    """Short names (``q``, ``gate``) become Hugging Face ones; canonical order, no repeats."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ConfigError(
+            f"LoraConfig.target_modules must be a list of module names "
+            f"({', '.join(LORA_TARGETS)}); got {value!r}"
+        )
+    names = set()
+    for name in value:
+        full = f"{name}_proj" if isinstance(name, str) and not name.endswith("_proj") else name
+        if full not in LORA_TARGETS:
+            raise ConfigError(
+                f"LoraConfig.target_modules: unknown module {name!r}; known: "
+                f"{', '.join(LORA_TARGETS)} (or q, k, v, o, gate, up, down)"
+            )
+        names.add(full)
+    if not names:
+        raise ConfigError("LoraConfig.target_modules must name at least one module")
+    return tuple(name for name in LORA_TARGETS if name in names)
+
+
+@attrs.frozen(kw_only=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA, as peft does it): each target linear ``W`` computes
+    ``W x + (alpha / rank) * B A dropout(x)``; only ``A`` and ``B`` train. ``A`` is drawn like
+    peft's (Kaiming-uniform, ``a = sqrt(5)``) from (seed, name), ``B`` starts at 0."""
+
+    rank: int = int_field(8)
+    #: The scale is ``alpha / rank`` (peft's ``lora_alpha``); None: ``alpha = rank`` (scale 1).
+    alpha: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional([of_type((int, float)), finite, positive])
+    )
+    dropout: float = float_field(0.0)
+    #: Hugging Face names of the linears that get adapters (default: all seven).
+    target_modules: tuple[str, ...] = attrs.field(default=LORA_TARGETS, converter=_lora_targets)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.dropout < 1.0:
+            raise ConfigError(f"LoraConfig.dropout must be in [0, 1); got {self.dropout}")
+
+    @property
+    def scale(self) -> float:
+        return float(self.rank if self.alpha is None else self.alpha) / self.rank
+
+
 class PartsConfig(Protocol):
     """What backends and platforms read of the engine's config (structural: no upward import)."""
 
@@ -252,3 +301,5 @@ class PartsConfig(Protocol):
     def total_steps(self) -> int: ...
     @property
     def router_replay(self) -> bool: ...
+    @property
+    def lora(self) -> LoraConfig | None: ...

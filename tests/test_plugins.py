@@ -215,6 +215,13 @@ def test_a_backend_without_an_ability_is_refused_naming_the_ability_and_the_back
             platform=DEVICES.create("cpu"),
             config={"model": tiny_model(), "offload": {"optimizer": True}},
         )
+    with pytest.raises(ConfigError, match=r"plugin-core-only backend lacks the 'lora'"):
+        Engine(
+            head=HEADS.create("lm"),
+            backend=CoreOnlyBackend(),
+            platform=DEVICES.create("cpu"),
+            config={"model": tiny_model(), "lora": {"rank": 4}},
+        )
     for call, ability in (
         (lambda: engine.save_checkpoint("/nonexistent"), "checkpoints"),
         (lambda: engine.load_checkpoint("/nonexistent"), "checkpoints"),

@@ -14,7 +14,7 @@ from engine.cli.demo.config import ALGORITHMS
 from engine.cli.options import non_negative_int, parallel_flags, parallel_overrides, positive_int
 from engine.cli.train import train
 from engine.losses.rollout_correction import LEVELS, MODES
-from heads.errors import EngineError
+from heads.errors import ConfigError, EngineError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="mixture-of-experts actors: record each token's experts at the old-log-prob pass "
         "and route the updates the same way",
+    )
+    demo.add_argument(
+        "--lora-rank",
+        type=positive_int,
+        help="train the actor as LoRA adapters of this rank; its reference is then the actor "
+        "with the adapters off (one engine for both)",
+    )
+    demo.add_argument(
+        "--lora-alpha", type=float, help="LoRA alpha (scale alpha / rank; default the rank)"
     )
     demo.add_argument("--device", help="cpu, cuda, npu or auto (default auto)")
     demo.add_argument("--backend", help="backend name (default megatron)")
@@ -128,8 +137,9 @@ def demo(args: argparse.Namespace) -> int:
         engine["parallel"] = parallel
     if engine:
         overrides["engine"] = engine
+    actor: dict[str, Any] = {}
     if args.router_replay:
-        overrides["actor"] = {"router_replay": True}
+        actor["router_replay"] = True
     correction = {
         setting: getattr(args, flag)
         for setting, flag in (
@@ -142,6 +152,15 @@ def demo(args: argparse.Namespace) -> int:
     }
     if correction:
         overrides["ppo"] = {"rollout_correction": correction}
+    if args.lora_alpha is not None and args.lora_rank is None:
+        raise ConfigError("--lora-alpha needs --lora-rank")
+    if args.lora_rank is not None:
+        lora: dict[str, float] = {"rank": args.lora_rank}
+        if args.lora_alpha is not None:
+            lora["alpha"] = args.lora_alpha
+        actor["lora"] = lora
+    if actor:
+        overrides["actor"] = actor
     config = ppo_demo.resolve_config(args.config, overrides, args.resume, args.output_dir)
     try:
         summary = ppo_demo.run(config, resume=args.resume)

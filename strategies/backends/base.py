@@ -254,6 +254,24 @@ class DeferredGradNorm(Protocol):
         ...
 
 
+@runtime_checkable
+class LowRankAdapters(Protocol):
+    """Ability: LoRA (``EngineConfig.lora``): adapters on the attention and MLP linears, the
+    only trained parameters; switched off, the model is the base model exactly."""
+
+    def check_lora(self, config: PartsConfig) -> None:
+        """ConfigError when this configuration cannot have adapters (before any build)."""
+        ...
+
+    def set_adapters_enabled(self, enabled: bool) -> None: ...
+    def adapters_enabled(self) -> bool: ...
+    def export_adapter(self, config: PartsConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's adapter tensors as (Hugging Face name as peft names it, without its
+        ``base_model.model.`` prefix, full tensor), one at a time (collective like
+        ``export_hf``)."""
+        ...
+
+
 #: What ``Offloading`` moves: the names ``Engine.to`` and ``OffloadConfig`` use.
 OFFLOAD_PARTS = ("model", "optimizer", "grad")
 
@@ -266,6 +284,7 @@ ABILITIES: dict[str, type] = {
     "packing": Packing,
     "router_replay": RouterReplay,
     "router_statistics": RouterStatistics,
+    "lora": LowRankAdapters,
 }
 
 

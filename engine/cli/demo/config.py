@@ -115,7 +115,9 @@ class DemoConfig:
 
     ``engine`` holds ``EngineConfig`` settings for all roles; ``actor``, ``critic`` and
     ``reference`` override them per role (``reference`` is always forward-only; ``critic`` is
-    built only for an algorithm whose advantage estimator reads values).
+    built only for an algorithm whose advantage estimator reads values). An actor with LoRA
+    (``actor: {lora: ...}``) is its own reference: the reference log-probs are the actor's with
+    its adapters off (``Engine.disable_adapter``), and no reference engine is built.
     """
 
     algorithm: str = attrs.field(default="ppo", validator=one_of(*ALGORITHMS))
@@ -145,6 +147,11 @@ class DemoConfig:
                 value=ppo.kl_coeff, target=ppo.kl_target, horizon=ppo.kl_horizon
             ).check_horizon(self.prompts * self.group_size, "ppo.kl_horizon")
         configs = {role: self.engine_config(role) for role in self.roles}
+        if self.reference_is_actor and self.reference:
+            raise ConfigError(
+                "section 'reference' is unused when the actor has LoRA (the reference is the "
+                "actor with its adapters off); remove it"
+            )
         model = configs["actor"].model
         if model.max_sequence_length < self.task.prompt_length + self.task.response_length:
             raise ConfigError(
@@ -175,6 +182,11 @@ class DemoConfig:
     def roles(self) -> tuple[str, ...]:
         """The engines the run builds: a critic only when the estimator reads values."""
         return ROLES if self.estimator().needs_values else ("actor", "reference")
+
+    @property
+    def reference_is_actor(self) -> bool:
+        """An actor with LoRA adapters is its own reference, with the adapters off."""
+        return self.engine_config("actor").lora is not None
 
     def estimator(self) -> AdvantageEstimator:
         """The algorithm's advantage estimator, with ``ppo.estimator_options``."""

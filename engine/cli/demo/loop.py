@@ -33,6 +33,7 @@ import os
 import signal
 import time
 from collections.abc import Mapping
+from contextlib import nullcontext
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -133,6 +134,7 @@ def run(config: DemoConfig, *, resume: bool) -> dict[str, Any]:
     metrics = MetricsFile(out / METRICS_FILE)
     trained = [role for role in config.roles if role != "reference"]
     roots = {role: out / CHECKPOINTS / role for role in trained}
+    built = [r for r in config.roles if not (r == "reference" and config.reference_is_actor)]
     engines = {
         role: Engine.build(
             head=HEADS[role],
@@ -140,8 +142,10 @@ def run(config: DemoConfig, *, resume: bool) -> dict[str, Any]:
             device=config.device,
             config=config.engine_config(role),
         )
-        for role in config.roles
+        for role in built
     }
+    if config.reference_is_actor:
+        engines["reference"] = engines["actor"]
     if not resume and (metrics.path.exists() or (out / CHECKPOINTS).exists()):
         raise ConfigError(
             f"{out} already holds a run; pass --resume to continue it, or choose another "
@@ -152,8 +156,8 @@ def run(config: DemoConfig, *, resume: bool) -> dict[str, Any]:
         raise ConfigError(
             f"the run in {out} has already done {done} iterations; ask for more with --steps"
         )
-    for engine in engines.values():
-        engine.initialize()
+    for role in built:
+        engines[role].initialize()
     actor = engines["actor"]
     lead = (dist.get_rank() if dist.is_initialized() else 0) == 0
     for role, directory in saved.items():
@@ -178,7 +182,8 @@ def run(config: DemoConfig, *, resume: bool) -> dict[str, Any]:
         f"{config.algorithm.upper()} demo: task parity, model {_describe_model(config)}, "
         f"{config.prompts} prompts x {config.group_size} "
         f"response{'s' if config.group_size > 1 else ''} x "
-        f"{config.task.response_length} tokens per iteration, engines {', '.join(engines)}, "
+        f"{config.task.response_length} tokens per iteration, engines {', '.join(built)}"
+        f"{' (reference: the LoRA actor, adapters off)' if config.reference_is_actor else ''}, "
         f"device {actor.platform.name}, backend {actor.backend.name}, "
         f"{dist.get_world_size() if dist.is_initialized() else 1} process(es)"
     )
@@ -261,7 +266,8 @@ def _iteration(
         batch["old_log_probs"] = _gather_outputs(actor, old, "log_probs")
         if actor.config.router_replay:  # the updates route each token as this pass did
             batch[ROUTED_EXPERTS] = _gather_outputs(actor, old, ROUTED_EXPERTS, torch.long)
-    with reference.eval_mode():
+    without_adapter = reference.disable_adapter() if reference is actor else nullcontext()
+    with reference.eval_mode(), without_adapter:
         batch["ref_log_probs"] = _gather_outputs(
             reference, reference.infer_batch(shard), "log_probs"
         )

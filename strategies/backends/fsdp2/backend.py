@@ -34,6 +34,7 @@ from strategies.backends.fsdp2.optimizer import (
 )
 from strategies.config import ParallelConfig, PartsConfig
 from strategies.hf.architecture import hf_config_for
+from strategies.lora import AdapterSwitch
 from strategies.offload import OffloadedParts
 
 #: Parallel settings this backend has no use for, and the value it runs them at.
@@ -71,6 +72,8 @@ class Fsdp2Backend:
     _clip_grad: float = attrs.field(default=0.0, init=False)
     _device: torch.device = attrs.field(factory=lambda: torch.device("cpu"), init=False)
     _offloaded: OffloadedParts = attrs.field(factory=OffloadedParts, init=False)
+    #: Whether LoRA adapters (``EngineConfig.lora``) take part in the forward.
+    _adapter_switch: AdapterSwitch = attrs.field(factory=AdapterSwitch, init=False)
 
     # -- checks --------------------------------------------------------------------------------
     def required_capabilities(self, config: PartsConfig) -> frozenset[str]:
@@ -117,6 +120,10 @@ class Fsdp2Backend:
     def build_model(self, config: PartsConfig, head: Head, device: torch.device) -> None:
         self._device = device
         model = build_causal_model(config, head.output_spec(), device, self.attention)
+        if config.lora is not None:
+            from strategies.backends.fsdp2.lora import attach_adapters
+
+            attach_adapters(model, config, self._adapter_switch)
         if self.activation_checkpointing:
             model.model.gradient_checkpointing_enable(  # type: ignore[operator]
                 gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -270,13 +277,32 @@ class Fsdp2Backend:
         """(Hugging Face name, full tensor) pairs, one at a time (collective)."""
         from strategies.backends.fsdp2.export import export_hf
 
-        return export_hf(self._require_model(), config.model)
+        return export_hf(self._require_model(), config.model, config.lora)
 
     def save_hf(self, config: PartsConfig, directory: str) -> None:
         """Write a Hugging Face checkpoint of the model (collective: every rank calls it)."""
         from strategies.backends.fsdp2.export import save_hf
 
-        save_hf(self._require_model(), config.model, directory)
+        save_hf(self._require_model(), config.model, directory, config.lora)
+
+    # -- LoRA ----------------------------------------------------------------------------------
+    def check_lora(self, config: PartsConfig) -> None:
+        """Dense models (transformers' fused experts get no adapters)."""
+        from strategies.backends.fsdp2.lora import check_lora
+
+        check_lora(config)
+
+    def set_adapters_enabled(self, enabled: bool) -> None:
+        self._adapter_switch.enabled = enabled
+
+    def adapters_enabled(self) -> bool:
+        return self._adapter_switch.enabled
+
+    def export_adapter(self, config: PartsConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """The adapters as (Hugging Face name, full tensor) pairs, one at a time (collective)."""
+        from strategies.backends.fsdp2.export import export_adapter
+
+        return export_adapter(self._require_model())
 
     def _require_model(self) -> CausalModel:
         if self._model is None:

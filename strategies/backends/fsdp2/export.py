@@ -16,31 +16,62 @@ from collections.abc import Iterator
 
 import torch
 
-from strategies.config import ModelConfig
+from strategies.backends.fsdp2.lora import is_adapter_parameter
+from strategies.config import LoraConfig, ModelConfig
 from strategies.distributed import barrier, rank
 from strategies.hf.architecture import hf_config_for
 from strategies.hf.experts import CheckpointLayout
 from strategies.hf.files import SINGLE_FILE
 from strategies.hf.metadata import write_hf_metadata
+from strategies.lora import adapter_delta
 from strategies.publish import publish_directory
 
 
-def export_hf(model: torch.nn.Module, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf(
+    model: torch.nn.Module, config: ModelConfig, lora: LoraConfig | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, full tensor) for every parameter (a tied ``lm_head`` once, as the
-    embedding; fused experts one tensor per expert projection), each a tensor of its own."""
-    from torch.distributed.tensor import DTensor
-
+    embedding; fused experts one tensor per expert projection), each a tensor of its own. With
+    LoRA the adapted linears come out merged, ``W + (B @ A) * scale``, and the adapters not."""
     layout = CheckpointLayout.of(config)
     for name, param in model.named_parameters():
-        held = param.detach()
-        shard = held.to_local() if isinstance(held, DTensor) else held
-        full = held.full_tensor() if isinstance(held, DTensor) else held
-        if full.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr():
-            full = full.clone()  # a world of one may hand back the parameter's own storage
+        if is_adapter_parameter(name):
+            continue
+        full = _full(param)
+        if lora is not None and name.endswith(".weight"):
+            linear = model.get_submodule(name.rpartition(".")[0])
+            if isinstance(getattr(linear, "lora_A", None), torch.nn.Module):
+                delta = adapter_delta(
+                    _full(linear.get_parameter("lora_A.weight")),
+                    _full(linear.get_parameter("lora_B.weight")),
+                    lora.scale,
+                )
+                full = (full.float() + delta).to(full.dtype)
         yield from layout.split(name, full)
 
 
-def save_hf(model: torch.nn.Module, config: ModelConfig, directory: str) -> None:
+def export_adapter(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name as peft has it, full tensor) of every LoRA adapter tensor."""
+    for name, param in model.named_parameters():
+        if is_adapter_parameter(name):
+            yield name, _full(param)
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a (possibly sharded) parameter, in storage of its own (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    held = param.detach()
+    shard = held.to_local() if isinstance(held, DTensor) else held
+    full = held.full_tensor() if isinstance(held, DTensor) else held
+    if full.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr():
+        full = full.clone()  # a world of one may hand back the parameter's own storage
+    return full
+
+
+def save_hf(
+    model: torch.nn.Module, config: ModelConfig, directory: str, lora: LoraConfig | None = None
+) -> None:
     """Write the model as a Hugging Face checkpoint in ``directory``: rank 0 gathers the
     tensors, writes safetensors and ``config.json`` (the source checkpoint's, with its tokenizer
     files, or the one the ModelConfig describes) into a temporary sibling and renames it."""
@@ -52,7 +83,9 @@ def save_hf(model: torch.nn.Module, config: ModelConfig, directory: str) -> None
     if writer:
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
-    tensors = {name: tensor.contiguous() for name, tensor in export_hf(model, config) if writer}
+    tensors = {
+        name: tensor.contiguous() for name, tensor in export_hf(model, config, lora) if writer
+    }
     if writer:
         save_file(tensors, os.path.join(staging, SINGLE_FILE), metadata={"format": "pt"})
         if config.hf_path is not None:

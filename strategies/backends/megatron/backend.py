@@ -34,6 +34,7 @@ from strategies.backends.megatron.optimizer import (
 from strategies.backends.megatron.routing import Routing
 from strategies.config import ModelConfig, ParallelConfig, PartsConfig
 from strategies.distributed import all_reduce_values
+from strategies.lora import AdapterSwitch
 from strategies.megatron_version import check_megatron_version
 from strategies.offload import OffloadedParts
 from strategies.publish import FileChecksums
@@ -69,6 +70,8 @@ class MegatronBackend:
     #: Host copies of the state an asynchronous save writes, reused by the next one.
     _staging_buffers: dict[Any, torch.Tensor] = attrs.field(factory=dict, init=False)
     _model: ModelConfig | None = attrs.field(default=None, init=False)
+    #: Whether LoRA adapters (``EngineConfig.lora``) take part in the forward.
+    _adapter_switch: AdapterSwitch = attrs.field(factory=AdapterSwitch, init=False)
     #: Mixture-of-experts routers (load statistics, router replay); empty for a dense model.
     _routing: Routing = attrs.field(factory=lambda: Routing([], 0, 0), init=False)
     #: The last forward_backward's micro-batches and row widths (for its recorded routes).
@@ -153,6 +156,11 @@ class MegatronBackend:
 
             for chunk in self._chunks:
                 load_hf_weights(chunk, config.model, config.model.hf_path)
+        if config.lora is not None:
+            from strategies.backends.megatron.lora import attach_adapters
+
+            for chunk in self._chunks:
+                attach_adapters(chunk, config, self._adapter_switch)
         wrapped: list[torch.nn.Module] = list(self._chunks)
         if config.dtype == "bfloat16":
             wrapped = [Float16Module(chunk.config, chunk) for chunk in self._chunks]
@@ -461,7 +469,7 @@ class MegatronBackend:
         self._require_model()
         self._check_hf_experts(config)
         for chunk in self._chunks:
-            yield from export_hf(chunk, config.model)
+            yield from export_hf(chunk, config.model, config)
 
     def save_hf(self, config: PartsConfig, directory: str) -> None:
         """Write a Hugging Face checkpoint of the model (collective: every rank calls it)."""
@@ -469,7 +477,28 @@ class MegatronBackend:
 
         self._require_model()
         self._check_hf_experts(config)
-        save_hf(self._chunks, config.model, directory)
+        save_hf(self._chunks, config.model, directory, config)
+
+    # -- LoRA ----------------------------------------------------------------------------------
+    def check_lora(self, config: PartsConfig) -> None:
+        """Dense models on megatron's local layer spec, without sequence parallelism."""
+        from strategies.backends.megatron.lora import check_lora
+
+        check_lora(config, uses_transformer_engine(self.layer_spec, config.parallel))
+
+    def set_adapters_enabled(self, enabled: bool) -> None:
+        self._adapter_switch.enabled = enabled
+
+    def adapters_enabled(self) -> bool:
+        return self._adapter_switch.enabled
+
+    def export_adapter(self, config: PartsConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's adapters as (Hugging Face name, full tensor) (collective over TP)."""
+        from strategies.backends.megatron.hf.export import export_adapter
+
+        self._require_model()
+        for chunk in self._chunks:
+            yield from export_adapter(chunk)
 
     def _check_hf_experts(self, config: PartsConfig) -> None:
         """The Hugging Face adapter maps sequential experts (the local layer spec) only."""

@@ -121,7 +121,7 @@ def test_matrix_lists_every_cell_and_why_npu_cannot_run_here() -> None:
         for device in ("cpu", "cuda", "npu")
     }
     common = ["checkpoints", "huggingface_export", "offload"]
-    assert report["backend_abilities"]["fsdp2"] == common
+    assert report["backend_abilities"]["fsdp2"] == [*common, "lora"]
     assert report["backend_abilities"]["megatron"] == [
         "checkpoints",
         "async_checkpoints",
@@ -129,6 +129,7 @@ def test_matrix_lists_every_cell_and_why_npu_cannot_run_here() -> None:
         "packing",
         "router_replay",
         "router_statistics",
+        "lora",
     ]
     for backend in ("megatron", "fsdp2"):
         assert cells[("value", backend, "cpu")]["runs_here"]

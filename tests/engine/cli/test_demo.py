@@ -470,3 +470,48 @@ def test_each_prompt_is_repeated_group_size_times_with_its_group_id() -> None:
     rows, group_ids = in_groups(prompts, 3)
     assert rows.tolist() == [[5, 0]] * 3 + [[7, 1]] * 3
     assert group_ids.tolist() == [0, 0, 0, 1, 1, 1]
+
+
+def test_a_lora_actor_is_its_own_reference_with_the_adapters_off(
+    tmp_path: Path, fresh_mesh: None, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """``--lora-rank``: one engine; each iteration's reference log-probs are the actor's inside
+    ``disable_adapter()`` (the base weights never move, so the reference stays the start)."""
+    from engine import Engine
+
+    built: list[Engine] = []
+    disabled: list[int] = []
+    original_init, original_disable = Engine.__init__, Engine.disable_adapter
+
+    def counting_init(self: Engine, **kwargs: Any) -> None:
+        original_init(self, **kwargs)
+        built.append(self)
+
+    def counting_disable(self: Engine) -> Any:
+        disabled.append(1)
+        return original_disable(self)
+
+    monkeypatch.setattr(Engine, "__init__", counting_init)
+    monkeypatch.setattr(Engine, "disable_adapter", counting_disable)
+    config = tmp_path / "grpo.yaml"
+    config.write_text(SHORT_GROUPS)
+    out = tmp_path / "run"
+    code = main([
+        "demo", "--algorithm", "grpo", "--config", str(config), "--steps", "2", "--device", "cpu",
+        "--output-dir", str(out), "--lora-rank", "4", "--lora-alpha", "8",
+    ])  # fmt: skip
+    assert code == 0, capsys.readouterr().err[-3000:]
+    assert "reference: the LoRA actor, adapters off" in capsys.readouterr().out
+    assert len(built) == 1 and built[0].config.lora is not None
+    assert (built[0].config.lora.rank, built[0].config.lora.alpha) == (4, 8.0)
+    assert len(disabled) == 2  # once per iteration
+    second = records(out)[1]
+    assert math.isfinite(second["kl"]) and second["kl"] > 0  # the actor left its reference
+
+
+def test_lora_alpha_without_rank_and_a_reference_section_with_a_lora_actor_are_refused(
+    tmp_path: Path,
+) -> None:
+    assert main(["demo", "--lora-alpha", "8", "--output-dir", str(tmp_path)]) == 2
+    with pytest.raises(ConfigError, match="section 'reference' is unused"):
+        DemoConfig.from_dict({"actor": {"lora": {"rank": 4}}, "reference": {"seed": 1}})

@@ -10,7 +10,9 @@ head's layer is yielded as ``value_head.weight``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,26 +26,43 @@ from strategies.backends.megatron.init import (
     tensor_parallel_place,
     unshard,
 )
+from strategies.backends.megatron.lora import (
+    LINEARS,
+    adapter_tensors,
+    is_adapter_parameter,
+    layer_adapters,
+    merged_delta,
+)
 from strategies.backends.megatron.model import ReplicatedOutputLayer
-from strategies.config import ModelConfig
+from strategies.config import ModelConfig, PartsConfig
 
 VALUE_HEAD = "value_head.weight"
+_LAYER_WEIGHT = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.weight$")
 
 
-def export_hf(chunk: torch.nn.Module, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf(
+    chunk: torch.nn.Module, config: ModelConfig, parts: PartsConfig | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for every parameter of ``chunk``, in the dtype the source
-    checkpoint states (``ModelConfig.checkpoint_dtype``) when there is one."""
+    checkpoint states (``ModelConfig.checkpoint_dtype``) when there is one. With LoRA
+    (``parts.lora``) the adapted linears come out merged, ``W + (B @ A) * scale``."""
     dtype = getattr(torch, config.checkpoint_dtype) if config.checkpoint_dtype else None
-    for name, tensor in _full_tensors(chunk, config):
+    for name, tensor in _full_tensors(chunk, config, parts):
         yield name, tensor if dtype is None else tensor.to(dtype)
 
 
+def export_adapter(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, full tensor) of the chunk's LoRA adapters (peft's names)."""
+    yield from adapter_tensors(chunk, _tensor_parallel_full)
+
+
 def _full_tensors(
-    chunk: torch.nn.Module, config: ModelConfig
+    chunk: torch.nn.Module, config: ModelConfig, parts: PartsConfig | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     from megatron.core import parallel_state as ps
 
     adapter = adapter_for(config)
+    adapters = layer_adapters(chunk) if parts is not None and parts.lora is not None else {}
     ep_size = ps.get_expert_model_parallel_world_size() if config.is_moe else 1
     per_rank = (config.num_experts or 0) // ep_size
     value_head = isinstance(getattr(chunk, "output_layer", None), ReplicatedOutputLayer)
@@ -52,7 +71,11 @@ def _full_tensors(
         head_layer = local_name.startswith("output_layer.")
         if head_layer and getattr(param, "shared_embedding", False):
             continue  # the last stage's copy of a tied embedding: the first stage yields it
+        if is_adapter_parameter(local_name):
+            continue  # merged into the linear it adapts
         full = _tensor_parallel_full(name, param)
+        if adapters:
+            full = _merged(name, full, adapters, parts)
         if value_head and head_layer:
             yield VALUE_HEAD, full.clone()
         elif ep_size > 1 and (local := expert_number(local_name)) is not None:
@@ -63,7 +86,19 @@ def _full_tensors(
             yield from adapter.to_hf(name, full)
 
 
-def _tensor_parallel_full(name: str, param: torch.nn.Parameter) -> torch.Tensor:
+def _merged(
+    name: str, full: torch.Tensor, adapters: dict[int, Any], parts: PartsConfig | None
+) -> torch.Tensor:
+    """``full`` plus its adapters' ``(B @ A) * scale`` when ``name`` is an adapted linear."""
+    match = _LAYER_WEIGHT.match(name)
+    if match is None or parts is None or match.group(2) not in LINEARS:
+        return full
+    layer = int(match.group(1))
+    delta = merged_delta(layer, match.group(2), adapters[layer], _tensor_parallel_full, parts)
+    return full if delta is None else (full.float() + delta).to(full.dtype)
+
+
+def _tensor_parallel_full(name: str, param: torch.Tensor) -> torch.Tensor:
     """The full tensor of a parameter sharded over its (expert) tensor-parallel group."""
     from megatron.core import parallel_state as ps
 

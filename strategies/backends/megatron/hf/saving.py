@@ -17,15 +17,21 @@ import torch
 
 from heads.errors import ConfigError
 from strategies.backends.megatron.hf.export import export_hf
-from strategies.config import ModelConfig
+from strategies.config import ModelConfig, PartsConfig
 from strategies.distributed import barrier, merged_dicts, rank
 from strategies.hf.files import SINGLE_FILE
 from strategies.hf.metadata import write_hf_metadata
 from strategies.publish import publish_directory
 
 
-def save_hf(chunks: Iterable[torch.nn.Module], config: ModelConfig, directory: str) -> None:
-    """Save ``chunks`` (this rank's part of the model) as an HF checkpoint in ``directory``."""
+def save_hf(
+    chunks: Iterable[torch.nn.Module],
+    config: ModelConfig,
+    directory: str,
+    parts: PartsConfig | None = None,
+) -> None:
+    """Save ``chunks`` (this rank's part of the model) as an HF checkpoint in ``directory``
+    (LoRA adapters merged into their linears, see ``export_hf``)."""
     from megatron.core import parallel_state as ps
     from safetensors.torch import save_file
 
@@ -45,7 +51,9 @@ def save_hf(chunks: Iterable[torch.nn.Module], config: ModelConfig, directory: s
         os.makedirs(staging)
     barrier()
     file = SINGLE_FILE if stages == 1 else f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
-    tensors = {name: t.contiguous() for chunk in chunks for name, t in export_hf(chunk, config)}
+    tensors = {
+        name: t.contiguous() for chunk in chunks for name, t in export_hf(chunk, config, parts)
+    }
     if writer:
         save_file(tensors, os.path.join(staging, file), metadata={"format": "pt"})
     names = dict.fromkeys(tensors, file) if writer else {}

@@ -1,0 +1,305 @@
+"""LoRA on megatron's tensor-parallel linears.
+
+Each transformer layer gets a ``lora`` module holding one :class:`~strategies.lora.LoraPair`
+per Hugging Face target (``q_proj`` ... ``down_proj``); a forward hook on the megatron linear
+adds the adapters' output to the linear's, in the linear's own layout:
+
+- column-parallel (``linear_qkv``: q/k/v; ``linear_fc1``: gate/up): ``A`` is replicated and
+  reads the full input; its rank-r output goes through ``copy_to_tensor_model_parallel_region``
+  (identity forward, all-reduce backward: ``A``'s gradient sums every rank's part of the
+  output); ``B`` is split over the output rows like the base weight, and the targets' outputs
+  are placed as megatron lays the fused output out (per query group q, k, v; ``[gate; up]``
+  per rank). A target that is not adapted adds zeros.
+- row-parallel (``linear_proj``: o; ``linear_fc2``: down): ``A`` is split along the input like
+  the base weight, its partial rank-r sums are all-reduced
+  (``reduce_from_tensor_model_parallel_region``), ``B`` is replicated.
+
+Replicated adapter tensors get the same gradient on every tensor-parallel rank, so megatron's
+DDP (data-parallel reduction) and grad norm (which counts replicated tensors once) treat them
+as they treat norm weights. Sharded ones carry megatron's tensor-parallel attributes, which
+grad norms and ``sharded_state_dict`` read. Every other parameter is frozen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from heads.errors import ConfigError
+from strategies.backends.megatron.hf.adapters import fuse_qkv
+from strategies.config import PartsConfig
+from strategies.lora import (
+    AdapterSwitch,
+    LoraPair,
+    adapter_delta,
+    adapter_names,
+    draw_a,
+    low_rank_update,
+)
+
+#: megatron linear (inside a layer) -> (its Hugging Face targets, column-parallel?).
+LINEARS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "self_attention.linear_qkv": (("q_proj", "k_proj", "v_proj"), True),
+    "self_attention.linear_proj": (("o_proj",), False),
+    "mlp.linear_fc1": (("gate_proj", "up_proj"), True),
+    "mlp.linear_fc2": (("down_proj",), False),
+}
+ADAPTERS = "lora"
+
+
+def check_lora(config: PartsConfig, uses_te: bool) -> None:
+    """What megatron LoRA supports (ConfigError naming the option otherwise)."""
+    if config.model.is_moe:
+        raise ConfigError(
+            "EngineConfig.lora on a mixture-of-experts model is not supported by the megatron "
+            "backend yet (expert linears get no adapters); use a dense model"
+        )
+    if config.parallel.sequence_parallel:
+        raise ConfigError(
+            "EngineConfig.lora with ParallelConfig.sequence_parallel is not supported by the "
+            "megatron backend (its adapters read the full sequence)"
+        )
+    if uses_te:
+        raise ConfigError(
+            "EngineConfig.lora needs MegatronBackend.layer_spec='local' (TransformerEngine's "
+            "linears fuse the layer norm into the linear, which the adapters must read after)"
+        )
+
+
+class LayerAdapters(torch.nn.Module):
+    """One layer's adapters, by target; knows how megatron's checkpoints shard them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: state-dict key -> the dimension it is split along over tensor-parallel ranks
+        self.tensor_parallel_axes: dict[str, int] = {}
+
+    def pair(self, target: str) -> LoraPair | None:
+        found = self._modules.get(target)
+        return found if isinstance(found, LoraPair) else None
+
+    def sharded_state_dict(
+        self,
+        prefix: str = "",
+        sharded_offsets: tuple[Any, ...] = (),
+        metadata: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        sharded: dict[str, Any] = make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            self.tensor_parallel_axes,
+            sharded_offsets,
+            tp_group=ps.get_tensor_model_parallel_group(),
+            dp_cp_group=(metadata or {})["dp_cp_group"],
+        )
+        return sharded
+
+
+def attach_adapters(chunk: torch.nn.Module, config: PartsConfig, switch: AdapterSwitch) -> None:
+    """Freeze ``chunk`` and give each of its layers its adapters (drawn from (seed, Hugging
+    Face name), this rank's shard kept) and the hooks that apply them."""
+    from megatron.core import parallel_state as ps
+
+    lora = config.lora
+    assert lora is not None
+    for param in chunk.parameters():
+        param.requires_grad_(False)
+    tp_rank, tp_size = (
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_world_size(),
+    )
+    sizes = _target_sizes(config)
+    for layer in getattr(getattr(chunk, "decoder", None), "layers", []):
+        number = int(layer.layer_number) - 1
+        adapters = LayerAdapters()
+        for target in lora.target_modules:
+            fan_in, fan_out, column = sizes[target]
+            a_name, _ = adapter_names(number, target)
+            full_a = draw_a((lora.rank, fan_in), config.seed, a_name)
+            # column-parallel: B split over its rows; row-parallel: A over its columns
+            split_name, split = ("lora_B", 0) if column else ("lora_A", 1)
+            if column:
+                pair = LoraPair(fan_in, lora.rank, fan_out // tp_size)
+                shard_a = full_a
+            else:
+                pair = LoraPair(fan_in // tp_size, lora.rank, fan_out)
+                shard_a = full_a.chunk(tp_size, dim=1)[tp_rank]
+            reference = next(layer.parameters())
+            pair.to(device=reference.device, dtype=reference.dtype)
+            with torch.no_grad():
+                pair.lora_A.weight.copy_(shard_a)
+                pair.lora_B.weight.zero_()
+            for part in ("lora_A", "lora_B"):
+                _mark(
+                    pair.get_parameter(f"{part}.weight"),
+                    split if part == split_name else None,
+                    tp_size,
+                )
+            adapters.tensor_parallel_axes[f"{target}.{split_name}.weight"] = split
+            adapters.add_module(target, pair)
+        layer.add_module(ADAPTERS, adapters)
+        for path, (targets, column) in LINEARS.items():
+            if any(adapters.pair(target) for target in targets):
+                hook = _column_hook if column else _row_hook
+                layer.get_submodule(path).register_forward_hook(
+                    hook(adapters, targets, config, switch)
+                )
+
+
+def _mark(param: torch.Tensor, dim: int | None, tp_size: int) -> None:
+    """megatron's tensor-parallel attributes (``dim`` None: replicated)."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    set_tensor_model_parallel_attributes(param, dim is not None and tp_size > 1, dim or 0, 1)
+
+
+def _target_sizes(config: PartsConfig) -> dict[str, tuple[int, int, bool]]:
+    """Per target: (full input size, full output size, column-parallel?)."""
+    model = config.model
+    head_dim = model.head_dim or model.hidden_size // model.num_attention_heads
+    attention = model.num_attention_heads * head_dim
+    kv = (model.num_query_groups or model.num_attention_heads) * head_dim
+    hidden, ffn = model.hidden_size, model.resolved_ffn_hidden_size
+    return {
+        "q_proj": (hidden, attention, True),
+        "k_proj": (hidden, kv, True),
+        "v_proj": (hidden, kv, True),
+        "o_proj": (attention, hidden, False),
+        "gate_proj": (hidden, ffn, True),
+        "up_proj": (hidden, ffn, True),
+        "down_proj": (ffn, hidden, False),
+    }
+
+
+Hook = Callable[[torch.nn.Module, tuple[Any, ...], Any], Any]
+
+
+def _column_hook(
+    adapters: LayerAdapters, targets: tuple[str, ...], config: PartsConfig, switch: AdapterSwitch
+) -> Hook:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    lora = config.lora
+    assert lora is not None
+    tp_size = ps.get_tensor_model_parallel_world_size()
+    groups = (config.model.num_query_groups or config.model.num_attention_heads) // tp_size
+    sizes = _target_sizes(config)
+
+    def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if not switch.enabled:
+            return output
+        out, bias = output
+        x = args[0]
+        pieces = []
+        for target in targets:
+            pair = adapters.pair(target)
+            if pair is None:
+                pieces.append(out.new_zeros(*out.shape[:-1], sizes[target][1] // tp_size))
+                continue
+            low = copy_to_tensor_model_parallel_region(
+                low_rank_update(x, pair.lora_A, lora, module.training)
+            )
+            pieces.append(pair.lora_B(low) * lora.scale)
+        delta = _fuse_last(pieces, groups) if len(pieces) == 3 else torch.cat(pieces, dim=-1)
+        return out + delta.to(out.dtype), bias
+
+    return hook
+
+
+def _row_hook(
+    adapters: LayerAdapters, targets: tuple[str, ...], config: PartsConfig, switch: AdapterSwitch
+) -> Hook:
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    lora = config.lora
+    assert lora is not None
+    (target,) = targets
+
+    def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        pair = adapters.pair(target)
+        if not switch.enabled or pair is None:
+            return output
+        out, bias = output
+        low = reduce_from_tensor_model_parallel_region(
+            low_rank_update(args[0], pair.lora_A, lora, module.training)
+        )
+        return out + (pair.lora_B(low) * lora.scale).to(out.dtype), bias
+
+    return hook
+
+
+def _fuse_last(pieces: list[torch.Tensor], groups: int) -> torch.Tensor:
+    """q, k, v outputs (last dimension) in megatron's fused per-query-group layout."""
+    return torch.cat([piece.unflatten(-1, (groups, -1)) for piece in pieces], dim=-1).flatten(-2)
+
+
+def layer_adapters(chunk: torch.nn.Module) -> dict[int, LayerAdapters]:
+    """The chunk's adapters by global layer number (0-based); empty without LoRA."""
+    found: dict[int, LayerAdapters] = {}
+    for layer in getattr(getattr(chunk, "decoder", None), "layers", []):
+        adapters = getattr(layer, ADAPTERS, None)
+        if isinstance(adapters, LayerAdapters):
+            found[int(layer.layer_number) - 1] = adapters
+    return found
+
+
+def is_adapter_parameter(local_name: str) -> bool:
+    return f".{ADAPTERS}." in local_name
+
+
+def merged_delta(
+    layer: int,
+    linear: str,
+    adapters: LayerAdapters,
+    full: Callable[[str, torch.Tensor], torch.Tensor],
+    config: PartsConfig,
+) -> torch.Tensor | None:
+    """``(B @ A) * scale`` of the targets of ``linear`` (``self_attention.linear_qkv``...) laid
+    out as its full weight, float32 (zeros for a target without adapter); None when none of
+    them is adapted. ``full(global name, param)`` gives an adapter tensor's full value."""
+    lora = config.lora
+    assert lora is not None
+    targets, _ = LINEARS[linear]
+    if not any(adapters.pair(target) for target in targets):
+        return None
+    sizes = _target_sizes(config)
+    device = next(adapters.parameters()).device
+    deltas = []
+    for target in targets:
+        pair = adapters.pair(target)
+        fan_in, fan_out, _ = sizes[target]
+        if pair is None:
+            deltas.append(torch.zeros(fan_out, fan_in, device=device))
+            continue
+        prefix = _global_prefix(layer, target)
+        a = full(f"{prefix}.lora_A.weight", pair.lora_A.weight)
+        b = full(f"{prefix}.lora_B.weight", pair.lora_B.weight)
+        deltas.append(adapter_delta(a, b, lora.scale))
+    if len(deltas) == 3:
+        groups = config.model.num_query_groups or config.model.num_attention_heads
+        return fuse_qkv(deltas[0], deltas[1], deltas[2], groups)
+    return torch.cat(deltas, dim=0)
+
+
+def adapter_tensors(
+    chunk: torch.nn.Module, full: Callable[[str, torch.Tensor], torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, full tensor) of every adapter tensor of ``chunk``."""
+    for layer, adapters in layer_adapters(chunk).items():
+        for target, pair in adapters.named_children():
+            assert isinstance(pair, LoraPair)
+            a_name, b_name = adapter_names(layer, target)
+            prefix = _global_prefix(layer, target)
+            yield a_name, full(f"{prefix}.lora_A.weight", pair.lora_A.weight).clone()
+            yield b_name, full(f"{prefix}.lora_B.weight", pair.lora_B.weight).clone()
+
+
+def _global_prefix(layer: int, target: str) -> str:
+    """The global name of layer ``layer``'s adapter of ``target`` (``init.global_parameters``)."""
+    return f"decoder.layers.{layer}.{ADAPTERS}.{target}"

@@ -1,0 +1,127 @@
+"""Low-rank adapters shared by the backends: the adapter pair, its layout-independent
+initialisation, its Hugging Face / PEFT names and the PEFT adapter directory.
+
+An adapter is named after the Hugging Face linear it adapts, as peft names it
+(``model.layers.3.self_attn.q_proj.lora_A.weight``): both backends draw ``A`` from (seed, that
+name), so every backend and parallel layout starts from the same adapter. ``A`` is drawn as
+peft draws it (``kaiming_uniform_(a=sqrt(5))``: uniform in ``+-1/sqrt(in_features)``), ``B``
+is 0, so a new adapter leaves the model's outputs unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable
+
+import torch
+
+from strategies.config import LoraConfig, ModelConfig
+from strategies.distributed import barrier, merged_dicts, rank
+from strategies.init import name_seed
+from strategies.publish import publish_directory
+
+#: The key prefix of peft's saved adapters (``PeftModel`` -> ``base_model`` -> ``model``).
+PEFT_PREFIX = "base_model.model."
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_CONFIG = "adapter_config.json"
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def hf_module(layer: int, target: str) -> str:
+    """The Hugging Face name of layer ``layer``'s linear ``target`` (e.g. ``q_proj``)."""
+    block = "self_attn" if target in _ATTENTION else "mlp"
+    return f"model.layers.{layer}.{block}.{target}"
+
+
+def adapter_names(layer: int, target: str) -> tuple[str, str]:
+    """The Hugging Face names of the adapter's ``A`` and ``B`` (peft's, without its prefix)."""
+    module = hf_module(layer, target)
+    return f"{module}.lora_A.weight", f"{module}.lora_B.weight"
+
+
+class LoraPair(torch.nn.Module):
+    """``lora_A`` (``in -> rank``) and ``lora_B`` (``rank -> out``), both without bias, as
+    peft's modules (so their state-dict names are peft's); either may hold a tensor-parallel
+    shard."""
+
+    def __init__(self, in_features: int, rank: int, out_features: int) -> None:
+        super().__init__()
+        self.lora_A = torch.nn.Linear(in_features, rank, bias=False)
+        self.lora_B = torch.nn.Linear(rank, out_features, bias=False)
+        for param in self.parameters():
+            param.requires_grad_(True)
+
+
+def draw_a(shape: tuple[int, int], seed: int, name: str) -> torch.Tensor:
+    """The full float32 ``A`` (``[rank, in_features]``) of the adapter named ``name``."""
+    generator = torch.Generator().manual_seed(name_seed(seed, name))
+    bound = 1.0 / shape[1] ** 0.5
+    return torch.empty(shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
+
+
+class AdapterSwitch:
+    """Whether the adapters take part in the forward (off: the base model, exactly)."""
+
+    def __init__(self) -> None:
+        self.enabled = True
+
+
+def low_rank_update(
+    x: torch.Tensor, lora_a: torch.nn.Module, config: LoraConfig, training: bool
+) -> torch.Tensor:
+    """``A dropout(x)``, the rank-r activation an adapter's ``B`` maps back up."""
+    if config.dropout and training:
+        x = torch.nn.functional.dropout(x, p=config.dropout, training=True)
+    result: torch.Tensor = lora_a(x)
+    return result
+
+
+def adapter_delta(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """What an adapter adds to its linear's weight, ``(B @ A) * scale``, float32; a merged
+    weight is ``(W.float() + delta).to(W.dtype)``."""
+    return (b.float() @ a.float()) * scale
+
+
+def peft_config(config: LoraConfig, model: ModelConfig) -> dict[str, object]:
+    """``adapter_config.json`` of a PEFT LoRA adapter for a causal LM."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": model.hf_path,
+        "r": config.rank,
+        "lora_alpha": config.rank if config.alpha is None else config.alpha,
+        "lora_dropout": config.dropout,
+        "target_modules": list(config.target_modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+
+
+def save_peft_adapter(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    config: LoraConfig,
+    model: ModelConfig,
+    directory: str,
+) -> None:
+    """Write a PEFT adapter directory (collective): every rank hands the adapter tensors it
+    yields under PEFT names (pipeline stages their own layers); rank 0 writes them all."""
+    from safetensors.torch import save_file
+
+    local = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors}
+    every = merged_dicts(local)
+    directory = os.path.abspath(directory)
+    if rank() == 0:
+        staging = directory + ".saving"
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+        save_file(dict(sorted(every.items())), os.path.join(staging, PEFT_WEIGHTS))
+        with open(os.path.join(staging, PEFT_CONFIG), "w") as handle:
+            json.dump(peft_config(config, model), handle, indent=2)
+        publish_directory(staging, directory)
+    barrier()

@@ -1,0 +1,140 @@
+"""LoRA under tensor, pipeline and data parallelism matches one process.
+
+Each layout runs as real processes (gloo on 127.0.0.1, a timeout on every process) on the same
+global batch, seed and adapter initialisation as a single-process run: after two AdamW steps the
+losses, the gradient norms (replicated adapter tensors counted once) and every adapter tensor
+(gathered to full tensors by ``get_per_tensor_param(adapter_only=True)``) agree within 1e-5,
+and ``B`` is no longer zero. Launches: megatron TP=2 x PP=2 (4 ranks), megatron DP=2 with
+the distributed optimizer (2 ranks) and fsdp2 DP=2 (2 ranks), each against its backend's
+single-process run; each saves a checkpoint that one process loads back to exactly the
+adapters the layout trained.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.multiprocess import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 2
+LENGTHS = [6, 11, 3, 9, 14, 5, 8, 12]
+TOLERANCE = 1e-5
+
+
+def _config(parallel: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+    from tests.factories import tiny_model
+
+    return {
+        "model": tiny_model(num_layers=2, vocab_size=64, hidden_size=32),
+        "parallel": parallel,
+        "backend": options,
+        "micro_batch_size": 2,
+        "seed": 11,
+        "optimizer": {"lr": 1e-2, "clip_grad": 1.0},
+        "lora": {
+            "rank": 4,
+            "alpha": 16,
+            "target_modules": ["q", "k", "v", "o", "gate", "up", "down"],
+        },
+    }
+
+
+def train_lora(
+    backend: str, parallel: dict[str, Any], options: dict[str, Any], checkpoint: str | None = None
+) -> dict[str, Any]:
+    """On every rank: train a LoRA LM on this rank's data-parallel shard; report the losses and
+    the full adapter tensors this rank exports; save a checkpoint when given a directory."""
+    from engine import Engine
+    from engine.data.batching import take_rows
+    from engine.losses import sft_loss
+    from tests.factories import random_batch
+
+    config = _config(parallel, options)
+    engine = Engine.build(head="lm", backend=backend, device="cpu", config=config).initialize()
+    dp_rank, dp_size = engine.get_data_parallel_rank(), engine.get_data_parallel_size()
+    shard = len(LENGTHS) // dp_size
+    losses, norms = [], []
+    with engine.train_mode():
+        for step in range(STEPS):
+            batch = take_rows(
+                random_batch(LENGTHS, 64, seed=step), slice(dp_rank * shard, (dp_rank + 1) * shard)
+            )
+            result = engine.train_batch(batch, sft_loss)
+            losses.append(result.get("loss"))
+            norms.append(result["grad_norm"])
+    adapters = {name: t.clone() for name, t in engine.get_per_tensor_param(adapter_only=True)}
+    if checkpoint is not None:
+        engine.save_checkpoint(checkpoint)
+    return {
+        "losses": losses,
+        "grad_norms": norms,
+        "adapters": adapters,
+        "output_rank": engine.holds_outputs(),
+    }
+
+
+def load_lora(backend: str, checkpoint: str, options: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """In one process: the adapters of the checkpoint, as exported after loading it."""
+    from engine import Engine
+
+    config = _config({}, options)
+    engine = Engine.build(head="lm", backend=backend, device="cpu", config=config).initialize()
+    engine.load_checkpoint(checkpoint)
+    return dict(engine.get_per_tensor_param(adapter_only=True))
+
+
+@pytest.fixture(scope="module")
+def single_processes() -> dict[str, dict[str, Any]]:
+    """Each backend's single-process run, made when a test first asks for it."""
+    return {}
+
+
+@pytest.mark.parametrize(
+    ("backend", "world", "parallel", "options"),
+    [
+        ("megatron", 4, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, {}),
+        ("megatron", 2, {}, {"use_distributed_optimizer": True}),
+        ("fsdp2", 2, {}, {}),
+    ],
+    ids=["megatron-tp2xpp2", "megatron-dp2-distributed-optimizer", "fsdp2-dp2"],
+)
+def test_lora_at_every_parallel_layout_matches_one_process(
+    single_processes: dict[str, dict[str, Any]],
+    tmp_path: Path,
+    backend: str,
+    world: int,
+    parallel: dict[str, Any],
+    options: dict[str, Any],
+) -> None:
+    if backend not in single_processes:
+        (single_processes[backend],) = run_ranks(train_lora, 1, backend, {}, {}, timeout=180)
+    single_process = single_processes[backend]
+    expected = single_process["adapters"]
+    assert all(float(t.abs().max()) > 1e-3 for n, t in expected.items() if "lora_B" in n)
+    checkpoint = str(tmp_path / "checkpoints")
+    reports = run_ranks(train_lora, world, backend, parallel, options, checkpoint, timeout=400)
+    for report in reports:  # replicated adapters count once in the norm, sharded ones whole
+        assert report["grad_norms"] == pytest.approx(single_process["grad_norms"], rel=TOLERANCE)
+        if report["output_rank"]:
+            assert report["losses"] == pytest.approx(
+                single_process["losses"], rel=TOLERANCE, abs=1e-6
+            )
+    gathered: dict[str, torch.Tensor] = {}
+    for report in reports:
+        for name, tensor in report["adapters"].items():
+            if name in gathered:  # every tensor-parallel and data-parallel rank has it whole
+                torch.testing.assert_close(tensor, gathered[name], atol=1e-6, rtol=0)
+            gathered[name] = tensor
+    assert set(gathered) == set(expected)
+    for name, tensor in gathered.items():
+        torch.testing.assert_close(tensor, expected[name], atol=TOLERANCE, rtol=TOLERANCE, msg=name)
+    # the checkpoint holds each rank's shard where it belongs: one process reads it back whole
+    (loaded,) = run_ranks(load_lora, 1, backend, checkpoint, options, timeout=180)
+    assert loaded.keys() == gathered.keys()
+    assert all(torch.equal(loaded[name], gathered[name]) for name in gathered)
