@@ -47,7 +47,15 @@ from engine.losses.contract import (
 )
 from engine.non_finite import ZERO_GRADIENT, NonFiniteGuard
 from engine.registry import BACKENDS, DEVICES, HEADS, check_part, resolve_device
-from heads.base import PER_SEQUENCE, PER_TOKEN, Head, HeadContext, check_results
+from heads.base import (
+    PER_SEQUENCE,
+    PER_TOKEN,
+    Head,
+    HeadContext,
+    apply_head,
+    check_fused,
+    check_results,
+)
 from heads.errors import BatchError, ConfigError, EngineStateError
 from strategies.backends.base import (
     OFFLOAD_PARTS,
@@ -131,6 +139,7 @@ class Engine:
             )
         if not self.config.forward_only and not self.head.outputs:
             raise ConfigError(f"head {self.head.name!r} declares no outputs")
+        check_fused(self.head)
         if self.config.offload.parts():
             require(self.backend, Offloading)  # config.offload asks for it
         if self.config.packing:
@@ -256,7 +265,7 @@ class Engine:
             )
             # the ids the model ran on: the padded ones are already on the device with ``data``
             model_ids = data[INPUT_IDS] if packed is None else micro_batch.input_ids.to(device)
-            outputs = self.head.postprocess(raw, model_ids, head_ctx)
+            outputs = apply_head(self.head, raw, model_ids, head_ctx)
             check_results(self.head, outputs, model_ids, head_ctx)
             if packed is not None:  # loss functions see right-padded rows
                 declared = self.head.outputs
