@@ -12,8 +12,10 @@ Only ``O(tokens)`` numbers are kept, besides ``h`` and ``W`` themselves.
 
 Backward recomputes each chunk's logits, turns them into their gradient with
 ``vocab_parallel.chunk_gradient`` (in place), and accumulates ``grad_h`` (per chunk) and
-``grad_W`` (summed over chunks, in float32 when the weight is not float32). One more matmul than
-the unfused path (the recomputation): 4 instead of 3.
+``grad_W`` (summed over chunks in the weight's dtype: each chunk's matmul accumulates in float32,
+but a low-precision weight's gradient is rounded once per chunk, not once as the unfused
+layer's; Liger's fused linear cross-entropy does the same). One more matmul than the unfused
+path (the recomputation): 4 instead of 3.
 
 Under tensor parallelism ``grad_h`` is this rank's part (its vocabulary columns): the hidden
 states are the input of a column-parallel layer, and the caller sums their gradient over the
@@ -23,7 +25,7 @@ loss is computed redundantly), as for ``vocab_parallel``.
 
 Memory (``C`` tokens per chunk, ``V`` local vocabulary): forward, one ``[C, V]`` buffer in the
 weight's dtype and one or two float32 ones; backward, the same plus the gradients of ``h`` and
-``W`` (and a float32 accumulator the size of ``W`` when ``W`` is not float32).
+``W``.
 """
 
 from __future__ import annotations
@@ -126,17 +128,6 @@ def fused_log_probs_and_entropy(
     return outputs, None
 
 
-def _add_product(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
-    """``total += left @ right`` with ``total`` float32: one low-precision matmul accumulating
-    in float32 on CUDA, float32 operands elsewhere."""
-    if left.dtype == total.dtype:
-        total.addmm_(left, right)
-    elif total.is_cuda:
-        torch.addmm(total, left, right, out_dtype=total.dtype, out=total)
-    else:
-        total.addmm_(left.to(total.dtype), right.to(total.dtype))
-
-
 class _FusedLogProbsAndEntropy(torch.autograd.Function):
     """Saves ``hidden``, ``weight`` (no copies) and per-token ``max``, ``log(sum exp)``, entropy.
 
@@ -228,7 +219,7 @@ class _FusedLogProbsAndEntropy(torch.autograd.Function):
         neg_log_sum = -log_sum
 
         grad_hidden = torch.empty_like(flat) if want_hidden else None
-        weight_total = torch.zeros(weight.shape, dtype=f32, device=device) if want_weight else None
+        grad_weight = torch.zeros_like(weight) if want_weight else None
         rows = min(chunk, n_tokens)
         buf_shape = (rows, vocab_local)
         # the logits' buffer receives their gradient in place; float32 work space beside it
@@ -256,10 +247,7 @@ class _FusedLogProbsAndEntropy(torch.autograd.Function):
             )
             if grad_hidden is not None:
                 grad_hidden[start:end] = torch.mm(logits, weight)
-            if weight_total is not None:
-                _add_product(weight_total, logits.t(), h_chunk)
-        grad_weight = None
-        if weight_total is not None:
-            grad_weight = weight_total if dtype == f32 else weight_total.to(dtype)
+            if grad_weight is not None:
+                grad_weight.addmm_(logits.t(), h_chunk)
         grad_h = None if grad_hidden is None else grad_hidden.view(hidden.shape)
         return (grad_h, grad_weight, *no_grads)
