@@ -57,7 +57,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 import torch
 
 from benchmarks.measure import peak_allocated
-from heads.fused_output import default_chunk_tokens, fused_log_probs_and_entropy
+from heads.fused_output import default_tile, fused_log_probs_and_entropy
 from heads.vocab_parallel import log_probs_and_entropy
 
 Outputs = tuple[torch.Tensor, torch.Tensor | None]
@@ -269,10 +269,10 @@ def measure_layer(
     size = torch.tensor([], dtype=dtype).element_size()
     logits_mib = tokens * vocab * size / 2**20
     grads_mib = (tokens + vocab) * hidden_size * size / 2**20
-    chunk = default_chunk_tokens(tokens, vocab, device)
+    chunk, block = default_tile(tokens, vocab, device)
     print(
         f"T={tokens} V={vocab} hidden={hidden_size} {str(dtype)[6:]} {device.type} "
-        f"entropy={with_entropy} rounds={rounds} chunk={chunk} tokens (logits {logits_mib:.0f} "
+        f"entropy={with_entropy} rounds={rounds} tile={chunk}x{block} (logits {logits_mib:.0f} "
         f"MiB, grads of hidden+W {grads_mib:.0f} MiB; "
         f"{layer_differences(hidden, weight, targets, with_entropy)})"
     )

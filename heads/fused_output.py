@@ -2,20 +2,24 @@
 (vocab-parallel) output weight: the output layer fused with ``heads.vocab_parallel``'s math, so
 that the ``[tokens, vocab]`` logits never exist for the whole micro-batch.
 
-Forward walks the tokens in chunks: ``logits = h_chunk @ W_local^T`` (a matmul in the weight's
-dtype, as the unfused output layer computes it), then the chunk's per-token statistics in
-float32 with ``vocab_parallel``'s own chunk code (row max, ``sum exp``, target logit, entropy
-term). The statistics of each chunk are relative to its *local* row max; after the loop the
-ranks of a tensor-parallel group agree on the global max (one all-reduce MAX), rescale their
-sums to it and add them up (one all-reduce SUM): the same two collectives as ``vocab_parallel``.
-Only ``O(tokens)`` numbers are kept, besides ``h`` and ``W`` themselves.
+The work is done in tiles of ``C`` tokens x ``B`` vocabulary rows of ``W``. Forward: a tile's
+``logits = h_chunk @ W_block^T`` (a matmul in the weight's dtype, as the unfused output layer
+computes it), then its per-token statistics in float32 with ``vocab_parallel``'s own chunk code
+(``sum exp``, entropy term, relative to the tile's row max) and the target logit where the tile
+holds it. Statistics relative to different maxima are combined by rescaling them to the larger
+one (online softmax): over the blocks of a token chunk, then over the ranks of a
+tensor-parallel group (one all-reduce MAX and one SUM: the same two collectives as
+``vocab_parallel``). Only ``O(tokens)`` numbers are kept, besides ``h`` and ``W`` themselves.
 
-Backward recomputes each chunk's logits, turns them into their gradient with
-``vocab_parallel.chunk_gradient`` (in place), and accumulates ``grad_h`` (per chunk) and
-``grad_W`` (summed over chunks in the weight's dtype: each chunk's matmul accumulates in float32,
-but a low-precision weight's gradient is rounded once per chunk, not once as the unfused
-layer's; Liger's fused linear cross-entropy does the same). One more matmul than the unfused
-path (the recomputation): 4 instead of 3.
+Backward recomputes each tile's logits, turns them into their gradient in place with
+``vocab_parallel.chunk_gradient``, and accumulates ``grad_h`` (over blocks, in float32) and
+``grad_W`` (over token chunks, in the weight's dtype: each tile's matmul accumulates in float32,
+a low-precision weight's gradient is rounded once per token chunk). One more matmul than the
+unfused path (the recomputation): 4 instead of 3.
+
+Tiles are large so that the matmuls run at full speed (``W_block`` is read once per token chunk:
+``C`` in the thousands), and bounded so that the work buffers stay a small fraction of the
+logits (:func:`default_tile`).
 
 Under tensor parallelism ``grad_h`` is this rank's part (its vocabulary columns): the hidden
 states are the input of a column-parallel layer, and the caller sums their gradient over the
@@ -23,9 +27,9 @@ group as that layer does (megatron's ``copy_to_tensor_model_parallel_region``, o
 sequence-parallel gather). Upstream gradients must be identical on every rank of the group (the
 loss is computed redundantly), as for ``vocab_parallel``.
 
-Memory (``C`` tokens per chunk, ``V`` local vocabulary): forward, one ``[C, V]`` buffer in the
-weight's dtype and one or two float32 ones; backward, the same plus the gradients of ``h`` and
-``W``.
+Memory: forward, one ``[C, B]`` buffer in the weight's dtype and one or two float32 ones;
+backward, the same (one more float32 where the weight is not float32) plus the gradients of
+``h`` and ``W`` and a float32 ``[C, hidden]`` accumulator.
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from heads.vocab_parallel import (
-    DEFAULT_CHUNK_ELEMENTS,
     DEFAULT_CPU_CHUNK_ELEMENTS,
     MIN_TEMPERATURE,
     UpstreamGradients,
@@ -47,24 +50,37 @@ from heads.vocab_parallel import (
     chunk_statistics,
     finish_statistics,
     target_columns,
+    work_view,
 )
 
-__all__ = ["MIN_CHUNK_TOKENS", "default_chunk_tokens", "fused_log_probs_and_entropy"]
+__all__ = ["VOCAB_BLOCK", "default_tile", "fused_log_probs_and_entropy"]
+
+VOCAB_BLOCK = 16384
+"""Vocabulary rows of ``W`` per tile (fewer when the local vocabulary is smaller)."""
 
 MIN_CHUNK_TOKENS = 128
-"""The fewest tokens a default chunk holds: the chunk's matmul ``[C, hidden] x [hidden, V]``
-keeps a full tile of rows for the accelerator's matrix units."""
+"""The fewest tokens a default tile holds: its matmul keeps full tiles of rows for the
+accelerator's matrix units."""
 
-_CHUNKS_PER_BATCH = 16
-"""A default chunk holds at most 1/16 of the micro-batch's tokens (but ``MIN_CHUNK_TOKENS``):
-the work buffers stay a small fraction of what the whole logits would take."""
+_TILES_PER_LOGITS = 16
+"""A default tile holds at most 1/16 of the micro-batch's logits (but ``MIN_CHUNK_TOKENS``
+rows): the work buffers stay a small fraction of what the whole logits would take."""
+
+_ACCELERATOR_TILE_ELEMENTS = 1 << 25
+"""On an accelerator a tile holds at most this many logits (128 MiB per float32 buffer): with
+``VOCAB_BLOCK`` rows of ``W``, 2048 tokens, so that each block of ``W`` is read once per 2048
+tokens and the matmuls are compute-bound."""
 
 
-def default_chunk_tokens(n_tokens: int, vocab_local: int, device: torch.device) -> int:
-    """Tokens per chunk: about ``DEFAULT_CHUNK_ELEMENTS`` logits (``DEFAULT_CPU_CHUNK_ELEMENTS``
-    on CPU) and at most 1/16 of the tokens, but never fewer than ``MIN_CHUNK_TOKENS``."""
-    budget = DEFAULT_CPU_CHUNK_ELEMENTS if device.type == "cpu" else DEFAULT_CHUNK_ELEMENTS
-    return max(MIN_CHUNK_TOKENS, min(budget // vocab_local, n_tokens // _CHUNKS_PER_BATCH))
+def default_tile(n_tokens: int, vocab_local: int, device: torch.device) -> tuple[int, int]:
+    """``(tokens, vocabulary rows)`` per tile: ``VOCAB_BLOCK`` rows (or the local vocabulary),
+    and as many tokens as fit in ``DEFAULT_CPU_CHUNK_ELEMENTS`` logits on CPU,
+    ``_ACCELERATOR_TILE_ELEMENTS`` elsewhere, and in 1/16 of the micro-batch's logits, but at
+    least ``MIN_CHUNK_TOKENS``."""
+    block = min(vocab_local, VOCAB_BLOCK)
+    budget = DEFAULT_CPU_CHUNK_ELEMENTS if device.type == "cpu" else _ACCELERATOR_TILE_ELEMENTS
+    budget = min(budget, n_tokens * vocab_local // _TILES_PER_LOGITS)
+    return max(MIN_CHUNK_TOKENS, budget // block), block
 
 
 def fused_log_probs_and_entropy(
@@ -76,7 +92,7 @@ def fused_log_probs_and_entropy(
     compute_entropy: bool = True,
     group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
-    chunk_size: int | None = None,
+    tile: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log_probs_and_entropy(hidden @ weight.T, targets, ...)`` without the logits.
 
@@ -88,7 +104,7 @@ def fused_log_probs_and_entropy(
         targets: ``[...]`` int64 token ids in the full vocabulary (outside ``[0, V)``: target
             logit 0, mask them out yourself).
         temperature, compute_entropy, group, vocab_start: as ``log_probs_and_entropy``.
-        chunk_size: tokens per chunk; None: :func:`default_chunk_tokens`.
+        tile: ``(tokens, vocabulary rows)`` per tile; None: :func:`default_tile`.
 
     Returns:
         ``(log_probs, entropy)``, float32 ``[...]`` (entropy None when not computed); the
@@ -115,26 +131,37 @@ def fused_log_probs_and_entropy(
         raise TypeError(f"targets must be int64, got {targets.dtype}")
     if group is None and vocab_start != 0:
         raise ValueError("vocab_start must be 0 when group is None (full vocabulary)")
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    if chunk_size is None:
-        chunk_size = default_chunk_tokens(targets.numel(), weight.shape[0], weight.device)
+    if tile is not None and min(tile) < 1:
+        raise ValueError(f"tile sizes must be positive, got {tile}")
+    if tile is None:
+        tile = default_tile(targets.numel(), weight.shape[0], weight.device)
     temp = max(float(temperature), MIN_TEMPERATURE)
     apply: Callable[..., Any] = _FusedLogProbsAndEntropy.apply
-    outputs = apply(hidden, weight, targets, temp, compute_entropy, group, vocab_start, chunk_size)
+    outputs = apply(hidden, weight, targets, temp, compute_entropy, group, vocab_start, tile)
     if compute_entropy:
         log_probs, entropy = outputs
         return log_probs, entropy
     return outputs, None
 
 
-class _FusedLogProbsAndEntropy(torch.autograd.Function):
-    """Saves ``hidden``, ``weight`` (no copies) and per-token ``max``, ``log(sum exp)``, entropy.
+def _rebase(stats: torch.Tensor, row_max: torch.Tensor, new_max: torch.Tensor, temp: float) -> None:
+    """Move ``stats`` (rows ``S``, target logit and, with the entropy, ``W``) from ``row_max`` to
+    ``new_max >= row_max``, in place: ``d = (M - m) / T``, ``S' = exp(-d) S``,
+    ``W' = exp(-d) (W - d S)``."""
+    shift = (new_max - row_max).div_(temp)
+    scale = torch.exp(-shift)
+    if stats.shape[0] == 3:
+        stats[2].sub_(shift * stats[0]).mul_(scale)
+    stats[0].mul_(scale)
 
-    Chunk statistics relative to the chunk's own row max ``m`` (``s = (x - m) / T``,
-    ``S = sum exp(s)``, ``W = sum exp(s) s``) move to another max ``M >= m`` with
-    ``d = (M - m) / T``: ``S' = exp(-d) S`` and ``W' = exp(-d) (W - d S)``.
-    """
+
+def _blocks(vocab_local: int, block: int) -> list[tuple[int, int]]:
+    return [(start, min(start + block, vocab_local)) for start in range(0, vocab_local, block)]
+
+
+class _FusedLogProbsAndEntropy(torch.autograd.Function):
+    """Saves ``hidden``, ``weight`` (no copies) and per-token ``max``, ``log(sum exp)``, entropy
+    (notation of ``vocab_parallel._LogProbsAndEntropy``)."""
 
     @staticmethod
     def forward(
@@ -146,55 +173,73 @@ class _FusedLogProbsAndEntropy(torch.autograd.Function):
         compute_entropy: bool,
         group: dist.ProcessGroup | None,
         vocab_start: int,
-        chunk: int,
+        tile: tuple[int, int],
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         flat = hidden.reshape(-1, hidden.shape[-1])
         n_tokens, vocab_local = flat.shape[0], weight.shape[0]
         device, f32 = weight.device, torch.float32
-        idx, elsewhere = target_columns(targets.reshape(-1), vocab_start, vocab_local)
+        chunk, block = tile
+        local_targets = targets.reshape(-1) - vocab_start
+        # stats rows: S, target logit x_t (0 where no tile here holds it), W
+        rows_of_stats = 3 if compute_entropy else 2
+        stats = torch.zeros(rows_of_stats, n_tokens, dtype=f32, device=device)
         row_max = torch.empty(n_tokens, dtype=f32, device=device)
-        # stats rows: S, target logit x_t (0 when another rank holds it), W
-        stats = torch.empty(3 if compute_entropy else 2, n_tokens, dtype=f32, device=device)
+        tile_stats = torch.empty(rows_of_stats, min(chunk, n_tokens), dtype=f32, device=device)
 
-        rows = min(chunk, n_tokens)
-        logits_buf = torch.empty(rows, vocab_local, dtype=weight.dtype, device=device)
-        shifted_buf = torch.empty(rows, vocab_local, dtype=f32, device=device)
+        rows, columns = min(chunk, n_tokens), min(block, vocab_local)
+        logits_buf = torch.empty(rows * columns, dtype=weight.dtype, device=device)
+        shifted_buf = torch.empty(rows * columns, dtype=f32, device=device)
         exp_buf = torch.empty_like(shifted_buf) if compute_entropy else None
         for start in range(0, n_tokens, chunk):
             end = min(start + chunk, n_tokens)
-            logits = torch.mm(
-                flat[start:end].to(weight.dtype), weight.t(), out=logits_buf[: end - start]
-            )
-            row_max[start:end] = logits.amax(dim=-1)
-            stats[1, start:end] = logits.gather(1, idx[start:end, None]).squeeze(1)
-            chunk_statistics(
-                logits,
-                row_max[start:end],
-                temp,
-                stats[0, start:end],
-                stats[2, start:end] if compute_entropy else None,
-                shifted_buf,
-                exp_buf,
-            )
-        del logits_buf, shifted_buf, exp_buf
-        stats[1].masked_fill_(elsewhere, 0)
+            h_chunk = flat[start:end].to(weight.dtype)
+            chunk_stats, chunk_max = stats[:, start:end], row_max[start:end]
+            here = tile_stats[:, : end - start]
+            for first, last in _blocks(vocab_local, block):
+                logits = torch.mm(
+                    h_chunk,
+                    weight[first:last].t(),
+                    out=work_view(logits_buf, end - start, last - first),
+                )
+                col, outside = target_columns(local_targets[start:end], first, last - first)
+                chunk_stats[1] += logits.gather(1, col[:, None]).squeeze(1).masked_fill_(outside, 0)
+                tile_max = logits.amax(dim=-1).to(f32)
+                chunk_statistics(
+                    logits,
+                    tile_max,
+                    temp,
+                    here[0],
+                    here[2] if compute_entropy else None,
+                    shifted_buf,
+                    exp_buf,
+                )
+                if first == 0:
+                    chunk_stats[0].copy_(here[0])
+                    if compute_entropy:
+                        chunk_stats[2].copy_(here[2])
+                    chunk_max.copy_(tile_max)
+                    continue
+                new_max = torch.maximum(chunk_max, tile_max)
+                _rebase(chunk_stats, chunk_max, new_max, temp)
+                _rebase(here, tile_max, new_max, temp)
+                chunk_stats[0].add_(here[0])
+                if compute_entropy:
+                    chunk_stats[2].add_(here[2])
+                chunk_max.copy_(new_max)
+        del logits_buf, shifted_buf, exp_buf, tile_stats
         if group is not None:  # every rank's sums relative to the global max, then added up
             local_max = row_max.clone()
             all_reduce_over(row_max, dist.ReduceOp.MAX, group)
-            shift = (row_max - local_max).div_(temp)
-            scale = torch.exp(-shift)
-            if compute_entropy:
-                stats[2].sub_(shift * stats[0]).mul_(scale)
-            stats[0].mul_(scale)
+            _rebase(stats, local_max, row_max, temp)
             all_reduce_over(stats, dist.ReduceOp.SUM, group)
         log_probs, log_sum, entropy = finish_statistics(stats, row_max, temp)
 
-        saved = [hidden, weight, idx, elsewhere, row_max, log_sum]
+        saved = [hidden, weight, local_targets, row_max, log_sum]
         if entropy is not None:
             saved.append(entropy)
         ctx.save_for_backward(*saved)
         ctx.temp = temp
-        ctx.chunk = chunk
+        ctx.tile = tile
         ctx.set_materialize_grads(False)
         shape = hidden.shape[:-1]
         if entropy is None:
@@ -204,50 +249,66 @@ class _FusedLogProbsAndEntropy(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight, idx, elsewhere, row_max, log_sum, *rest = ctx.saved_tensors
+        hidden, weight, local_targets, row_max, log_sum, *rest = ctx.saved_tensors
         no_grads = (None,) * 6
         want_hidden, want_weight = ctx.needs_input_grad[:2]
         if all(g is None for g in grads) or not (want_hidden or want_weight):
             return (None, None, *no_grads)
         temp: float = ctx.temp
-        chunk: int = ctx.chunk
+        chunk, block = ctx.tile
         f32 = torch.float32
         flat = hidden.reshape(-1, hidden.shape[-1])
         n_tokens, vocab_local = flat.shape[0], weight.shape[0]
         device, dtype = weight.device, weight.dtype
+        _, elsewhere = target_columns(local_targets, 0, vocab_local)
         upstream = UpstreamGradients(grads, rest[0] if rest else None, elsewhere, temp)
         neg_log_sum = -log_sum
 
         grad_hidden = torch.empty_like(flat) if want_hidden else None
         grad_weight = torch.zeros_like(weight) if want_weight else None
-        rows = min(chunk, n_tokens)
-        buf_shape = (rows, vocab_local)
+        rows, columns = min(chunk, n_tokens), min(block, vocab_local)
+        hidden_total = (
+            torch.empty(rows, flat.shape[1], dtype=f32, device=device) if want_hidden else None
+        )
         # the logits' buffer receives their gradient in place; float32 work space beside it
         # where the weight is not float32, and for the probabilities when the entropy has one
-        logits_buf = torch.empty(buf_shape, dtype=dtype, device=device)
-        work_buf = None if dtype == f32 else torch.empty(buf_shape, dtype=f32, device=device)
-        prob_buf = (
-            None if upstream.slope is None else torch.empty(buf_shape, dtype=f32, device=device)
-        )
+        logits_buf = torch.empty(rows * columns, dtype=dtype, device=device)
+        work_buf = None if dtype == f32 else torch.empty(rows * columns, dtype=f32, device=device)
+        prob_buf = None if upstream.slope is None else torch.empty_like(logits_buf, dtype=f32)
         for start in range(0, n_tokens, chunk):
             end = min(start + chunk, n_tokens)
-            h_chunk = flat[start:end].to(dtype)
-            logits = torch.mm(h_chunk, weight.t(), out=logits_buf[: end - start])
-            chunk_gradient(
-                logits,
-                slice(start, end),
-                upstream,
-                row_max,
-                neg_log_sum,
-                idx,
-                temp,
-                logits,
-                work_buf,
-                prob_buf,
-            )
+            tokens = slice(start, end)
+            h_chunk = flat[tokens].to(dtype)
+            if hidden_total is not None:
+                total = hidden_total[: end - start].zero_()
+            for first, last in _blocks(vocab_local, block):
+                w_block = weight[first:last]
+                logits = torch.mm(
+                    h_chunk, w_block.t(), out=work_view(logits_buf, end - start, last - first)
+                )
+                col, outside = target_columns(local_targets[tokens], first, last - first)
+                one_hot = upstream.target_grad[tokens].masked_fill(outside[:, None], 0)
+                chunk_gradient(
+                    logits,
+                    tokens,
+                    upstream,
+                    row_max,
+                    neg_log_sum,
+                    col[:, None],
+                    one_hot,
+                    temp,
+                    logits,
+                    work_buf,
+                    prob_buf,
+                )
+                if hidden_total is not None:
+                    if dtype == f32:
+                        total.addmm_(logits, w_block)
+                    else:
+                        total.add_(torch.mm(logits, w_block))
+                if grad_weight is not None:
+                    grad_weight[first:last].addmm_(logits.t(), h_chunk)
             if grad_hidden is not None:
-                grad_hidden[start:end] = torch.mm(logits, weight)
-            if grad_weight is not None:
-                grad_weight.addmm_(logits.t(), h_chunk)
+                grad_hidden[tokens] = total
         grad_h = None if grad_hidden is None else grad_hidden.view(hidden.shape)
         return (grad_h, grad_weight, *no_grads)

@@ -137,6 +137,11 @@ def target_columns(
     return column, column != local
 
 
+def work_view(buffer: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """A contiguous ``[rows, columns]`` view of the start of a (contiguous) work buffer."""
+    return buffer.view(-1)[: rows * columns].view(rows, columns)
+
+
 def chunk_statistics(
     logits: torch.Tensor,
     row_max: torch.Tensor,
@@ -148,19 +153,19 @@ def chunk_statistics(
 ) -> None:
     """Per token of a chunk of logits ``[C, V_local]``: ``sums = sum exp(s)`` and (when
     ``entropy_terms`` is given) ``entropy_terms = sum exp(s) s`` with ``s = (x - row_max) / T``.
-    ``shifted_buf`` / ``exp_buf`` are float32 ``[>= C, V_local]`` work buffers (``exp_buf`` only
+    ``shifted_buf`` / ``exp_buf`` are float32 ``[>= C, >= V_local]`` work buffers (``exp_buf`` only
     with the entropy). The log-probabilities come out the same with and without the entropy:
     ``exp`` of the clamped values is the same 0."""
-    rows = logits.shape[0]
+    rows, columns = logits.shape
     # float32 subtraction also upcasts low-precision logits exactly
-    shifted = torch.sub(logits, row_max[:, None], out=shifted_buf[:rows])
+    shifted = torch.sub(logits, row_max[:, None], out=work_view(shifted_buf, rows, columns))
     if temp != 1.0:
         shifted.div_(temp)
     if entropy_terms is None or exp_buf is None:
         torch.sum(shifted.exp_(), dim=-1, out=sums)
         return
     shifted.clamp_min_(_LOG_FLOOR)
-    exps = torch.exp(shifted, out=exp_buf[:rows])
+    exps = torch.exp(shifted, out=work_view(exp_buf, rows, columns))
     torch.sum(exps, dim=-1, out=sums)
     torch.sum(exps.mul_(shifted), dim=-1, out=entropy_terms)
 
@@ -216,35 +221,36 @@ def chunk_gradient(
     upstream: UpstreamGradients,
     row_max: torch.Tensor,
     neg_log_sum: torch.Tensor,
-    idx: torch.Tensor,
+    col: torch.Tensor,
+    target_grad: torch.Tensor,
     temp: float,
     out: torch.Tensor,
     work_buf: torch.Tensor | None,
     prob_buf: torch.Tensor | None,
 ) -> None:
-    """The gradient w.r.t. a chunk of logits ``[C, V_local]`` (tokens ``rows`` of the per-token
-    arrays) into ``out`` (``[C, V_local]``, any float dtype). ``work_buf``: float32 work space
-    ``[>= C, V_local]``, or None to work in ``out`` (float32); ``prob_buf``: the same for the
-    probabilities, needed when the entropy has a gradient."""
-    size = logits.shape[0]
-    work = out if work_buf is None else work_buf[:size]
+    """The gradient w.r.t. a chunk of logits ``[C, V_chunk]`` (tokens ``rows`` of the per-token
+    arrays) into ``out`` (``[C, V_chunk]``, any float dtype; may be ``logits`` itself).
+    ``col``: each token's target column in the chunk ``[C, 1]``, and ``target_grad`` its one-hot
+    term ``[C, 1]`` (0 where the chunk does not hold the target). ``work_buf``: float32 work
+    space ``[>= C, V_chunk]``, or None to work in ``out`` (float32); ``prob_buf``: the same for
+    the probabilities, needed when the entropy has a gradient."""
+    work = out if work_buf is None else work_view(work_buf, *logits.shape)
     log_p = torch.sub(logits, row_max[rows, None], out=work)
     log_p = torch.add(neg_log_sum[rows, None], log_p, alpha=1.0 / temp, out=work)
-    col = idx[rows, None]
-    base, slope, target_grad = upstream.base[rows, None], upstream.slope, upstream.target_grad
+    base, slope = upstream.base[rows, None], upstream.slope
     if slope is None:
         probs, coef = log_p.exp_(), base
         coef_at_target = coef
     else:
         assert prob_buf is not None
         log_p.clamp_min_(_LOG_FLOOR)
-        probs = torch.exp(log_p, out=prob_buf[:size])
+        probs = torch.exp(log_p, out=work_view(prob_buf, *logits.shape))
         coef = torch.addcmul(base, slope[rows, None], log_p, out=work)
         coef_at_target = coef.gather(1, col)
     if work_buf is None:  # float32: the product is not rounded, add the term in place
-        torch.mul(probs, coef, out=out).scatter_add_(1, col, target_grad[rows])
+        torch.mul(probs, coef, out=out).scatter_add_(1, col, target_grad)
         return
-    fixed = probs.gather(1, col).mul_(coef_at_target).add_(target_grad[rows])
+    fixed = probs.gather(1, col).mul_(coef_at_target).add_(target_grad)
     torch.mul(probs, coef, out=out).scatter_(1, col, fixed.to(out.dtype))
 
 
@@ -345,7 +351,8 @@ class _LogProbsAndEntropy(torch.autograd.Function):
                 upstream,
                 row_max,
                 neg_log_sum,
-                idx,
+                idx[start:end, None],
+                upstream.target_grad[start:end],
                 temp,
                 grad[start:end],
                 work_buf,
