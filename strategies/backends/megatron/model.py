@@ -268,12 +268,27 @@ def hand_over_hidden_states(model: torch.nn.Module) -> None:
         x: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: Any = None
     ) -> tuple[torch.Tensor, None]:
         if layer.sequence_parallel:
-            return mappings.gather_from_sequence_parallel_region(x, group=layer.tp_group), None
-        if layer.tp_group.size() > 1:
-            return mappings.copy_to_tensor_model_parallel_region(x, group=layer.tp_group), None
-        return x, None
+            x = mappings.gather_from_sequence_parallel_region(x, group=layer.tp_group)
+        elif layer.tp_group.size() > 1:
+            x = mappings.copy_to_tensor_model_parallel_region(x, group=layer.tp_group)
+        return _ContiguousGradient.apply(x), None
 
     layer.forward = forward
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """Identity whose gradient is made contiguous. GPTModel hands the hidden states over
+    transposed (``[s, b, h] -> [b, s, h]``), so their gradient comes back as a transposed view;
+    megatron's tensor-parallel all-reduce of it (``mappings._reduce``) would all-reduce a
+    contiguous copy and drop the result."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
 
 def output_weight(model: Any) -> torch.Tensor:
