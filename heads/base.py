@@ -88,6 +88,11 @@ class Head(Protocol):
 
     Using these two helpers with ``ctx`` makes a head work in both layouts.
 
+    A head over the vocabulary may instead apply the output layer itself, so that the logits
+    never exist: its ``output_spec()`` says ``fused=True`` and it implements
+    ``postprocess_hidden`` (:class:`FusedOutputHead`), which receives the final hidden states and
+    the output weight.
+
     The engine checks every micro-batch's results against the declaration
     (:func:`check_results`).
     """

@@ -42,8 +42,17 @@ __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
     "DEFAULT_CPU_CHUNK_ELEMENTS",
     "MIN_TEMPERATURE",
+    "UpstreamGradients",
+    "all_reduce_over",
+    "chunk_gradient",
+    "chunk_statistics",
+    "finish_statistics",
     "log_probs_and_entropy",
+    "target_columns",
+    "work_view",
 ]
+"""The per-chunk pieces (statistics, their combination, the gradient) are shared with
+``heads.fused_output``, which computes the logits chunk by chunk itself."""
 
 MIN_TEMPERATURE = 1e-8
 """Temperatures below this (including 0 and negatives) are clamped to it."""
