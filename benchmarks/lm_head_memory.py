@@ -1,4 +1,24 @@
-"""Memory and time of ``heads.vocab_parallel.log_probs_and_entropy`` vs the naive LM-head math.
+"""Memory and time of the LM head: the output layer fused with the head's math
+(``heads.fused_output``) vs materialised logits; and (``--head-only``) the head op
+``heads.vocab_parallel.log_probs_and_entropy`` vs the naive LM-head math on given logits.
+
+Output layer + head (default). materialised: ``logits = hidden @ W.T`` then
+``log_probs_and_entropy(logits, targets)`` (the unfused engine path); fused:
+``fused_log_probs_and_entropy(hidden, W, targets)`` (default chunking). ``hidden [T, H]`` and
+``W [V, H]`` require grad; one step = forward, then backward with fixed random upstream
+gradients for the log-probs and the entropy (gradients land in ``hidden.grad``/``W.grad``, freed
+after the step). Peak extra memory: the most allocated during the step beyond what was live
+before it (CUDA: ``torch.cuda.max_memory_allocated``; CPU: profiler events as below), shown with
+and without the gradients of ``hidden`` and ``W`` (both methods produce them; the logits exist
+only in the materialised one). Time: median of ``--rounds`` steps after a warm-up, the methods
+alternating (CUDA: synchronised before and after). Default sizes: on CUDA V in {32K, 152K} x
+T in {4K, 16K}, hidden 4096, bfloat16; on CPU (and with ``--small``) a matrix that runs in
+seconds. Target: fused/materialised peak extra memory <= 0.1x at <= 1.1x time.
+
+    python -m benchmarks.lm_head_memory [--device cpu|cuda] [--small] [--dtype float32|bfloat16]
+        [--hidden H] [--tokens T ...] [--vocab V ...] [--rounds 5] [--no-entropy] [--seed 0]
+
+Head only (``--head-only``):
 
 naive: ``logp = log_softmax(logits, -1)``; ``log_probs = logp.gather(-1, targets)``;
 ``entropy = -(logp.exp() * logp).sum(-1)``. Ours: ``log_probs_and_entropy(logits, targets)``
@@ -20,8 +40,8 @@ Ratios are ours / naive; the issue's target is <= 0.5x peak extra memory at <= 1
 Also printed: the largest differences between the two methods' results and gradients on the
 first 256 tokens. Never pass/fail.
 
-    python -m benchmarks.lm_head_memory [--tokens 4096] [--vocab 32768] [--rounds 7]
-        [--no-entropy] [--seed 0]
+    python -m benchmarks.lm_head_memory --head-only [--tokens 4096] [--vocab 32768]
+        [--rounds 7] [--no-entropy] [--seed 0]
 """
 
 from __future__ import annotations
@@ -37,6 +57,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 import torch
 
 from benchmarks.measure import peak_allocated
+from heads.fused_output import default_tile, fused_log_probs_and_entropy
 from heads.vocab_parallel import log_probs_and_entropy
 
 Outputs = tuple[torch.Tensor, torch.Tensor | None]
@@ -141,18 +162,171 @@ def measure(tokens: int, vocab: int, rounds: int, with_entropy: bool, seed: int)
     )
 
 
+LayerMethod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], Outputs]
+
+
+def materialised(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, with_entropy: bool
+) -> Outputs:
+    return log_probs_and_entropy(hidden @ weight.t(), targets, compute_entropy=with_entropy)
+
+
+def fused(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, with_entropy: bool
+) -> Outputs:
+    return fused_log_probs_and_entropy(hidden, weight, targets, compute_entropy=with_entropy)
+
+
+LAYER_METHODS: dict[str, LayerMethod] = {"fused": fused, "materialised": materialised}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_extra(fn: Callable[[], None], device: torch.device) -> int:
+    """Most bytes allocated by ``fn`` beyond what was live before it."""
+    if device.type != "cuda":
+        return peak_allocated(fn)
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+def layer_differences(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, with_entropy: bool
+) -> str:
+    """Largest differences between the two methods on the first 256 tokens (float32 copies)."""
+    h = hidden[:256].detach().float()
+    w = weight.detach().float()
+    t = targets[:256]
+    generator = torch.Generator().manual_seed(1)
+    upstream = [torch.randn(len(t), generator=generator).to(h.device) for _ in range(2)]
+    found = []
+    for method in LAYER_METHODS.values():
+        leaf_h, leaf_w = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        log_probs, entropy = method(leaf_h, leaf_w, t, with_entropy)
+        loss = (log_probs * upstream[0]).sum()
+        if entropy is not None:
+            loss = loss + (entropy * upstream[1]).sum()
+        loss.backward()
+        assert leaf_h.grad is not None and leaf_w.grad is not None
+        found.append((log_probs.detach(), leaf_h.grad, leaf_w.grad))
+    (lp_a, gh_a, gw_a), (lp_b, gh_b, gw_b) = found
+    diffs = [float((a - b).abs().max()) for a, b in ((lp_a, lp_b), (gh_a, gh_b), (gw_a, gw_b))]
+    return "max |diff| f32 log_probs {:.1e}, grad hidden {:.1e}, grad W {:.1e}".format(*diffs)
+
+
+def measure_layer(
+    tokens: int,
+    vocab: int,
+    hidden_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    rounds: int,
+    with_entropy: bool,
+    seed: int,
+) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    scale = hidden_size**-0.5 * 3
+    hidden = torch.randn(tokens, hidden_size, generator=generator).to(device, dtype)
+    weight = (torch.randn(vocab, hidden_size, generator=generator) * scale).to(device, dtype)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    targets = torch.randint(0, vocab, (tokens,), generator=generator).to(device)
+    upstream = [torch.randn(tokens, generator=generator).to(device) for _ in range(2)]
+
+    def run(name: str) -> Callable[[], None]:
+        def once() -> None:
+            log_probs, entropy = LAYER_METHODS[name](hidden, weight, targets, with_entropy)
+            outputs, grads = [log_probs], [upstream[0]]
+            if entropy is not None:
+                outputs.append(entropy)
+                grads.append(upstream[1])
+            torch.autograd.backward(outputs, grads)
+            hidden.grad = weight.grad = None
+
+        return once
+
+    peaks = {name: peak_extra(run(name), device) for name in LAYER_METHODS}
+    times: dict[str, list[float]] = {name: [] for name in LAYER_METHODS}
+    for name in LAYER_METHODS:  # warm-up
+        run(name)()
+    for index in range(rounds):
+        order = list(LAYER_METHODS) if index % 2 == 0 else list(reversed(LAYER_METHODS))
+        for name in order:
+            synchronize(device)
+            start = time.perf_counter()
+            run(name)()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    size = torch.tensor([], dtype=dtype).element_size()
+    logits_mib = tokens * vocab * size / 2**20
+    grads_mib = (tokens + vocab) * hidden_size * size / 2**20
+    chunk, block = default_tile(tokens, vocab, device)
+    print(
+        f"T={tokens} V={vocab} hidden={hidden_size} {str(dtype)[6:]} {device.type} "
+        f"entropy={with_entropy} rounds={rounds} tile={chunk}x{block} (logits {logits_mib:.0f} "
+        f"MiB, grads of hidden+W {grads_mib:.0f} MiB; "
+        f"{layer_differences(hidden, weight, targets, with_entropy)})"
+    )
+    for name in LAYER_METHODS:
+        print(
+            f"  {name:12s}: peak extra {peaks[name] / 2**20:8.1f} MiB "
+            f"({peaks[name] / 2**20 - grads_mib:8.1f} beyond the grads), "
+            f"median time {medians[name]:.4f} s"
+        )
+    beyond = {name: max(peak / 2**20 - grads_mib, 1e-9) for name, peak in peaks.items()}
+    print(
+        f"  fused/materialised: peak extra {peaks['fused'] / peaks['materialised']:.3f} "
+        f"({beyond['fused'] / beyond['materialised']:.3f} beyond the grads; target <= 0.1), "
+        f"time {medians['fused'] / medians['materialised']:.2f} (target <= 1.1)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--vocab", type=int, default=32768)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--head-only", action="store_true", help="the head op on given logits")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--small", action="store_true", help="the CPU-sized matrix")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default=None)
+    parser.add_argument("--hidden", type=int, default=None)
+    parser.add_argument("--tokens", type=int, nargs="+", default=None)
+    parser.add_argument("--vocab", type=int, nargs="+", default=None)
+    parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--no-entropy", action="store_true", help="log-probabilities only")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    measure(args.tokens, args.vocab, args.rounds, not args.no_entropy, args.seed)
+    with_entropy = not args.no_entropy
+    if args.head_only:
+        tokens, vocab = (args.tokens or [4096])[0], (args.vocab or [32768])[0]
+        measure(tokens, vocab, args.rounds or 7, with_entropy, args.seed)
+        return
+    device = torch.device(args.device)
+    small = args.small or device.type == "cpu"
+    dtype = DTYPES[args.dtype or ("float32" if small else "bfloat16")]
+    hidden_size = args.hidden or (128 if small else 4096)
+    for vocab in args.vocab or ([8192, 32768] if small else [32768, 151936]):
+        for tokens in args.tokens or ([2048] if small else [4096, 16384]):
+            measure_layer(
+                tokens,
+                vocab,
+                hidden_size,
+                dtype,
+                device,
+                args.rounds or (3 if small else 5),
+                with_entropy,
+                args.seed,
+            )
 
 
 if __name__ == "__main__":

@@ -48,7 +48,16 @@ from engine.losses.contract import (
 )
 from engine.non_finite import ZERO_GRADIENT, NonFiniteGuard
 from engine.registry import BACKENDS, DEVICES, HEADS, check_part, resolve_device
-from heads.base import PER_SEQUENCE, PER_TOKEN, Head, HeadContext, check_results, declared_results
+from heads.base import (
+    PER_SEQUENCE,
+    PER_TOKEN,
+    Head,
+    HeadContext,
+    apply_head,
+    check_fused,
+    check_results,
+    declared_results,
+)
 from heads.errors import BatchError, ConfigError, EngineStateError
 from strategies.backends.base import (
     OFFLOAD_PARTS,
@@ -135,6 +144,7 @@ class Engine:
         declared = declared_results(self.head)  # a bad declaration fails here, by name
         if not self.config.forward_only and not declared:
             raise ConfigError(f"head {self.head.name!r} declares no outputs")
+        check_fused(self.head)
         if self.config.offload.parts():
             require(self.backend, Offloading)  # config.offload asks for it
         if self.config.packing:
@@ -307,7 +317,7 @@ class Engine:
             )
             # the ids the model ran on: the padded ones are already on the device with ``data``
             model_ids = data[INPUT_IDS] if packed is None else micro_batch.input_ids.to(device)
-            outputs = self.head.postprocess(raw, model_ids, head_ctx)
+            outputs = apply_head(self.head, raw, model_ids, head_ctx)
             check_results(self.head, outputs, model_ids, head_ctx, deferred=step.checks)
             if packed is not None:  # loss functions see right-padded rows
                 declared = declared_results(self.head)

@@ -26,8 +26,14 @@ class OutputSpec:
     allow_tied_embeddings: bool = False
     #: dtype of the results the head returns.
     result_dtype: torch.dtype = torch.float32
+    #: ``vocab`` only: the backend does not apply the output layer; it hands the head the final
+    #: hidden states and the output weight (:class:`FusedOutputHead`), so that the head can
+    #: compute its results without materialising the ``[tokens, vocab]`` logits.
+    fused: bool = False
 
     def __attrs_post_init__(self) -> None:
+        if self.fused and self.kind != "vocab":
+            raise ConfigError(f"a fused output layer needs kind 'vocab', got {self.kind!r}")
         if self.kind == "replicated" and self.features <= 0:
             raise ConfigError(f"a replicated output layer needs features > 0, got {self.features}")
         if self.kind == "replicated" and self.allow_tied_embeddings:
@@ -48,6 +54,12 @@ class HeadContext:
     #: these are their offsets in it (``[n + 1]``, from 0 to the row's length); set by the
     #: engine. None: one sequence per row, right-padded.
     cu_seqlens: torch.Tensor | None = None
+    #: Fused heads (``OutputSpec.fused``): the output layer's weight ``[V_local, hidden]``
+    #: (this rank's vocabulary shard, the embedding's when tied), live and differentiable where
+    #: the head runs; the raw output is then the final hidden states ``[rows, seq, hidden]``.
+    #: Under tensor parallelism the hidden states' gradient is summed over the group by the
+    #: backend, as for the column-parallel layer's input. None: the raw output is the layer's.
+    output_weight: torch.Tensor | None = None
 
 
 #: A result's layout: per token, aligned to the token it scores (``[batch, seq, *features]``),
@@ -132,6 +144,11 @@ class Head(Protocol):
 
     Using these two helpers with ``ctx`` makes a head work in both layouts.
 
+    A head over the vocabulary may instead apply the output layer itself, so that the logits
+    never exist: its ``output_spec()`` says ``fused=True`` and it implements
+    ``postprocess_hidden`` (:class:`FusedOutputHead`), which receives the final hidden states and
+    the output weight.
+
     The engine checks every micro-batch's results against the declaration
     (:func:`check_results`).
     """
@@ -149,6 +166,43 @@ class Head(Protocol):
     def postprocess(
         self, raw: torch.Tensor, input_ids: torch.Tensor, ctx: HeadContext
     ) -> dict[str, torch.Tensor]: ...
+
+
+@runtime_checkable
+class FusedOutputHead(Head, Protocol):
+    """A head whose ``output_spec()`` is ``fused``: it applies the vocabulary output layer itself
+    (``postprocess`` stays for backends and callers that hand it logits)."""
+
+    def postprocess_hidden(
+        self, hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor, ctx: HeadContext
+    ) -> dict[str, torch.Tensor]:
+        """``postprocess``'s results from the final hidden states ``[rows, seq, hidden]`` and the
+        output weight ``[V_local, hidden]`` instead of the logits."""
+        ...
+
+
+def check_fused(head: Head) -> None:
+    """A head asking for a fused output layer implements ``postprocess_hidden`` (ConfigError)."""
+    if head.output_spec().fused and not isinstance(head, FusedOutputHead):
+        raise ConfigError(
+            f"head {head.name!r} asks for a fused output layer (OutputSpec.fused) but has no "
+            "postprocess_hidden(hidden, weight, input_ids, ctx)"
+        )
+
+
+def apply_head(
+    head: Head, raw: torch.Tensor, input_ids: torch.Tensor, ctx: HeadContext
+) -> dict[str, torch.Tensor]:
+    """The head's results: from the hidden states and output weight where the backend handed
+    them over (``ctx.output_weight``), else from the raw output of the layer."""
+    if ctx.output_weight is None:
+        return head.postprocess(raw, input_ids, ctx)
+    if not isinstance(head, FusedOutputHead):
+        raise ConfigError(
+            f"the backend handed head {head.name!r} hidden states and the output weight, but "
+            "the head has no postprocess_hidden(hidden, weight, input_ids, ctx)"
+        )
+    return head.postprocess_hidden(raw, ctx.output_weight, input_ids, ctx)
 
 
 def shift_to_scored_token(

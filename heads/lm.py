@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import ClassVar
 
 import attrs
 import torch
 
 from heads.base import PER_TOKEN, Granularity, HeadContext, OutputSpec, shift_to_scored_token
+from heads.fused_output import fused_log_probs_and_entropy
 from heads.validation import bool_field, float_field, positive
 from heads.vocab_parallel import log_probs_and_entropy
 
@@ -18,13 +21,17 @@ class LMHead:
 
     ``temperature`` is a finite number > 0 (the sampler's; greedy decoding has no log-probs to
     match). Under tensor parallelism the results are computed vocab-parallel; the full
-    vocabulary is never gathered.
+    vocabulary is never gathered. ``fused`` (the default): the backend hands over the final hidden
+    states and the output weight, and the output layer runs fused with the head's math in token
+    chunks (``heads.fused_output``), so the ``[tokens, vocab]`` logits never exist; the results
+    equal the unfused path's up to float rounding.
     """
 
     name: ClassVar[str] = "lm"
 
     temperature: float = float_field(1.0, positive)
     compute_entropy: bool = bool_field(False)
+    fused: bool = bool_field(True)
 
     @property
     def outputs(self) -> dict[str, Granularity]:
@@ -32,16 +39,32 @@ class LMHead:
         return dict.fromkeys(keys, PER_TOKEN)
 
     def output_spec(self) -> OutputSpec:
-        return OutputSpec(kind="vocab", allow_tied_embeddings=True)
+        return OutputSpec(kind="vocab", allow_tied_embeddings=True, fused=self.fused)
 
     def postprocess(
         self, raw: torch.Tensor, input_ids: torch.Tensor, ctx: HeadContext
     ) -> dict[str, torch.Tensor]:
+        return self._scored(log_probs_and_entropy, raw, input_ids, ctx)
+
+    def postprocess_hidden(
+        self, hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor, ctx: HeadContext
+    ) -> dict[str, torch.Tensor]:
+        return self._scored(
+            functools.partial(fused_log_probs_and_entropy, weight=weight), hidden, input_ids, ctx
+        )
+
+    def _scored(
+        self,
+        compute: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+        raw: torch.Tensor,
+        input_ids: torch.Tensor,
+        ctx: HeadContext,
+    ) -> dict[str, torch.Tensor]:
         # Score the next token at every position; the last position's target is a placeholder.
         next_tokens = torch.roll(input_ids, shifts=-1, dims=1)
-        log_probs, entropy = log_probs_and_entropy(
+        log_probs, entropy = compute(
             raw,
-            next_tokens,
+            targets=next_tokens,
             temperature=self.temperature,
             compute_entropy=self.compute_entropy,
             group=ctx.tensor_parallel_group,

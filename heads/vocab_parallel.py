@@ -42,8 +42,17 @@ __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
     "DEFAULT_CPU_CHUNK_ELEMENTS",
     "MIN_TEMPERATURE",
+    "UpstreamGradients",
+    "all_reduce_over",
+    "chunk_gradient",
+    "chunk_statistics",
+    "finish_statistics",
     "log_probs_and_entropy",
+    "target_columns",
+    "work_view",
 ]
+"""The per-chunk pieces (statistics, their combination, the gradient) are shared with
+``heads.fused_output``, which computes the logits chunk by chunk itself."""
 
 MIN_TEMPERATURE = 1e-8
 """Temperatures below this (including 0 and negatives) are clamped to it."""
@@ -123,18 +132,135 @@ def log_probs_and_entropy(
     return outputs, None
 
 
-def _all_reduce(tensor: torch.Tensor, op: Any, group: dist.ProcessGroup | None) -> None:
+def all_reduce_over(tensor: torch.Tensor, op: Any, group: dist.ProcessGroup | None) -> None:
     if group is not None:
         dist.all_reduce(tensor, op=op, group=group)
 
 
-def _target_index(
+def target_columns(
     targets: torch.Tensor, vocab_start: int, vocab_local: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Local column of each target (clamped into range) and whether another rank holds it."""
     local = targets - vocab_start if vocab_start else targets
     column = local.clamp(0, vocab_local - 1)
     return column, column != local
+
+
+def work_view(buffer: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """A contiguous ``[rows, columns]`` view of the start of a (contiguous) work buffer."""
+    return buffer.view(-1)[: rows * columns].view(rows, columns)
+
+
+def chunk_statistics(
+    logits: torch.Tensor,
+    row_max: torch.Tensor,
+    temp: float,
+    sums: torch.Tensor,
+    entropy_terms: torch.Tensor | None,
+    shifted_buf: torch.Tensor,
+    exp_buf: torch.Tensor | None,
+) -> None:
+    """Per token of a chunk of logits ``[C, V_local]``: ``sums = sum exp(s)`` and (when
+    ``entropy_terms`` is given) ``entropy_terms = sum exp(s) s`` with ``s = (x - row_max) / T``.
+    ``shifted_buf`` / ``exp_buf`` are float32 ``[>= C, >= V_local]`` work buffers (``exp_buf`` only
+    with the entropy). The log-probabilities come out the same with and without the entropy:
+    ``exp`` of the clamped values is the same 0."""
+    rows, columns = logits.shape
+    # float32 subtraction also upcasts low-precision logits exactly
+    shifted = torch.sub(logits, row_max[:, None], out=work_view(shifted_buf, rows, columns))
+    if temp != 1.0:
+        shifted.div_(temp)
+    if entropy_terms is None or exp_buf is None:
+        torch.sum(shifted.exp_(), dim=-1, out=sums)
+        return
+    shifted.clamp_min_(_LOG_FLOOR)
+    exps = torch.exp(shifted, out=work_view(exp_buf, rows, columns))
+    torch.sum(exps, dim=-1, out=sums)
+    torch.sum(exps.mul_(shifted), dim=-1, out=entropy_terms)
+
+
+def finish_statistics(
+    stats: torch.Tensor, row_max: torch.Tensor, temp: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(log_probs, log_sum, entropy)`` from the global per-token statistics ``stats`` (rows:
+    ``S``, target logit, and ``W`` when the entropy is computed; consumed in place) and the
+    global ``row_max``."""
+    log_sum = stats[0].log()
+    log_probs = stats[1].sub_(row_max)
+    if temp != 1.0:
+        log_probs.div_(temp)
+    log_probs.sub_(log_sum)
+    entropy = log_sum - stats[2] / stats[0] if stats.shape[0] == 3 else None
+    return log_probs, log_sum, entropy
+
+
+class UpstreamGradients:
+    """The per-token coefficients of the logits' gradient for upstream gradients ``g_lp``
+    (log-probs) and ``g_h`` (entropy): ``dx = p * (base + slope * log p) + onehot(t) * g_lp / T``
+    with ``base = -(g_lp + g_h H) / T`` and ``slope = -g_h / T`` (``None`` without ``g_h``)."""
+
+    def __init__(
+        self,
+        grads: tuple[torch.Tensor | None, ...],
+        entropy: torch.Tensor | None,
+        elsewhere: torch.Tensor,
+        temp: float,
+    ) -> None:
+        f32 = torch.float32
+        n_tokens = elsewhere.shape[0]
+        if grads[0] is None:
+            g_lp = torch.zeros(n_tokens, dtype=f32, device=elsewhere.device)
+        else:
+            g_lp = grads[0].reshape(-1).to(f32)
+        g_h = None if len(grads) < 2 or grads[1] is None else grads[1].reshape(-1).to(f32)
+        self.base = torch.div(g_lp, -temp)
+        self.slope: torch.Tensor | None = None
+        if g_h is not None:
+            assert entropy is not None
+            self.base.sub_(g_h * entropy / temp)
+            self.slope = -g_h / temp
+        # The one-hot term, added in float32 before any rounding to the logits' dtype
+        # (p_t * base ~ -g_lp / T cancels it when p_t ~ 1); 0 where another rank holds t.
+        self.target_grad = (g_lp / temp).masked_fill_(elsewhere, 0).unsqueeze(1)
+
+
+def chunk_gradient(
+    logits: torch.Tensor,
+    rows: slice,
+    upstream: UpstreamGradients,
+    row_max: torch.Tensor,
+    neg_log_sum: torch.Tensor,
+    col: torch.Tensor,
+    target_grad: torch.Tensor,
+    temp: float,
+    out: torch.Tensor,
+    work_buf: torch.Tensor | None,
+    prob_buf: torch.Tensor | None,
+) -> None:
+    """The gradient w.r.t. a chunk of logits ``[C, V_chunk]`` (tokens ``rows`` of the per-token
+    arrays) into ``out`` (``[C, V_chunk]``, any float dtype; may be ``logits`` itself).
+    ``col``: each token's target column in the chunk ``[C, 1]``, and ``target_grad`` its one-hot
+    term ``[C, 1]`` (0 where the chunk does not hold the target). ``work_buf``: float32 work
+    space ``[>= C, V_chunk]``, or None to work in ``out`` (float32); ``prob_buf``: the same for
+    the probabilities, needed when the entropy has a gradient."""
+    work = out if work_buf is None else work_view(work_buf, *logits.shape)
+    log_p = torch.sub(logits, row_max[rows, None], out=work)
+    log_p = torch.add(neg_log_sum[rows, None], log_p, alpha=1.0 / temp, out=work)
+    base, slope = upstream.base[rows, None], upstream.slope
+    if slope is None:
+        probs, coef = log_p.exp_(), base
+        coef_at_target = coef
+    else:
+        assert prob_buf is not None
+        log_p.clamp_min_(_LOG_FLOOR)
+        probs = torch.exp(log_p, out=work_view(prob_buf, *logits.shape))
+        coef = torch.addcmul(base, slope[rows, None], log_p, out=work)
+        coef_at_target = coef.gather(1, col)
+    if work_buf is None:  # float32: the product is not rounded, add the term in place
+        torch.mul(probs, coef, out=out).scatter_add_(1, col, target_grad)
+        return
+    fixed = probs.gather(1, col).mul_(coef_at_target).add_(target_grad)
+    torch.mul(probs, coef, out=out).scatter_(1, col, fixed.to(out.dtype))
 
 
 class _LogProbsAndEntropy(torch.autograd.Function):
@@ -164,11 +290,11 @@ class _LogProbsAndEntropy(torch.autograd.Function):
 
         # Global max of the raw logits per token (dividing by T > 0 keeps the argmax).
         row_max = flat.amax(dim=-1).to(f32)
-        _all_reduce(row_max, dist.ReduceOp.MAX, group)
+        all_reduce_over(row_max, dist.ReduceOp.MAX, group)
 
         # stats rows: S, target logit x_t (0 when another rank holds it), W
         stats = torch.empty(3 if compute_entropy else 2, n_tokens, dtype=f32, device=device)
-        idx, elsewhere = _target_index(targets.reshape(-1), vocab_start, vocab_local)
+        idx, elsewhere = target_columns(targets.reshape(-1), vocab_start, vocab_local)
         stats[1] = flat.gather(1, idx.unsqueeze(1)).squeeze(1).masked_fill_(elsewhere, 0)
 
         rows = min(chunk, n_tokens)
@@ -176,28 +302,18 @@ class _LogProbsAndEntropy(torch.autograd.Function):
         exp_buf = torch.empty_like(shifted_buf) if compute_entropy else None
         for start in range(0, n_tokens, chunk):
             end = min(start + chunk, n_tokens)
-            # float32 subtraction also upcasts low-precision logits exactly
-            shifted = torch.sub(
-                flat[start:end], row_max[start:end, None], out=shifted_buf[: end - start]
+            chunk_statistics(
+                flat[start:end],
+                row_max[start:end],
+                temp,
+                stats[0, start:end],
+                stats[2, start:end] if compute_entropy else None,
+                shifted_buf,
+                exp_buf,
             )
-            if temp != 1.0:
-                shifted.div_(temp)
-            if exp_buf is None:
-                torch.sum(shifted.exp_(), dim=-1, out=stats[0, start:end])
-                continue
-            shifted.clamp_min_(_LOG_FLOOR)
-            exps = torch.exp(shifted, out=exp_buf[: end - start])
-            torch.sum(exps, dim=-1, out=stats[0, start:end])
-            torch.sum(exps.mul_(shifted), dim=-1, out=stats[2, start:end])
         del shifted_buf, exp_buf
-        _all_reduce(stats, dist.ReduceOp.SUM, group)
-
-        log_sum = stats[0].log()
-        log_probs = stats[1].sub_(row_max)
-        if temp != 1.0:
-            log_probs.div_(temp)
-        log_probs.sub_(log_sum)
-        entropy = log_sum - stats[2] / stats[0] if compute_entropy else None
+        all_reduce_over(stats, dist.ReduceOp.SUM, group)
+        log_probs, log_sum, entropy = finish_statistics(stats, row_max, temp)
 
         saved = [logits, idx, elsewhere, row_max, log_sum]
         if entropy is not None:
@@ -225,22 +341,7 @@ class _LogProbsAndEntropy(torch.autograd.Function):
         flat = logits.reshape(-1, vocab_local)
         n_tokens = flat.shape[0]
         device = logits.device
-
-        # dx = p * (base + slope * log p) + onehot(t) * g_lp / T, with per-token
-        # base = -(g_lp + g_h H) / T and slope = -g_h / T.
-        if grads[0] is None:
-            g_lp = torch.zeros(n_tokens, dtype=f32, device=device)
-        else:
-            g_lp = grads[0].reshape(-1).to(f32)
-        g_h = None if len(grads) < 2 or grads[1] is None else grads[1].reshape(-1).to(f32)
-        base = torch.div(g_lp, -temp)
-        slope = None
-        if g_h is not None:
-            base.sub_(g_h * rest[0] / temp)
-            slope = -g_h / temp
-        # The one-hot term, added in float32 before any rounding to the logits' dtype
-        # (p_t * base ~ -g_lp / T cancels it when p_t ~ 1); 0 where another rank holds t.
-        target_grad = (g_lp / temp).masked_fill_(elsewhere, 0).unsqueeze(1)
+        upstream = UpstreamGradients(grads, rest[0] if rest else None, elsewhere, temp)
         neg_log_sum = -log_sum
 
         grad = torch.empty(flat.shape, dtype=logits.dtype, device=device)
@@ -248,26 +349,22 @@ class _LogProbsAndEntropy(torch.autograd.Function):
         # float32 logits: compute straight into the gradient's storage
         buf_shape = (rows, vocab_local)
         work_buf = None if logits.dtype == f32 else torch.empty(buf_shape, dtype=f32, device=device)
-        prob_buf = None if slope is None else torch.empty(buf_shape, dtype=f32, device=device)
+        prob_buf = (
+            None if upstream.slope is None else torch.empty(buf_shape, dtype=f32, device=device)
+        )
         for start in range(0, n_tokens, chunk):
             end = min(start + chunk, n_tokens)
-            out = grad[start:end]
-            work = out if work_buf is None else work_buf[: end - start]
-            log_p = torch.sub(flat[start:end], row_max[start:end, None], out=work)
-            log_p = torch.add(neg_log_sum[start:end, None], log_p, alpha=1.0 / temp, out=work)
-            col = idx[start:end, None]
-            if slope is None:
-                probs, coef = log_p.exp_(), base[start:end, None]
-                coef_at_target = coef
-            else:
-                assert prob_buf is not None
-                log_p.clamp_min_(_LOG_FLOOR)
-                probs = torch.exp(log_p, out=prob_buf[: end - start])
-                coef = torch.addcmul(base[start:end, None], slope[start:end, None], log_p, out=work)
-                coef_at_target = coef.gather(1, col)
-            if work_buf is None:  # float32: the product is not rounded, add the term in place
-                torch.mul(probs, coef, out=out).scatter_add_(1, col, target_grad[start:end])
-                continue
-            fixed = probs.gather(1, col).mul_(coef_at_target).add_(target_grad[start:end])
-            torch.mul(probs, coef, out=out).scatter_(1, col, fixed.to(out.dtype))
+            chunk_gradient(
+                flat[start:end],
+                slice(start, end),
+                upstream,
+                row_max,
+                neg_log_sum,
+                idx[start:end, None],
+                upstream.target_grad[start:end],
+                temp,
+                grad[start:end],
+                work_buf,
+                prob_buf,
+            )
         return (grad.view(logits.shape), *no_grads)

@@ -34,7 +34,8 @@ class DeviceReads(TorchFunctionMode):
 
     On the CPU the device is the host, so "on the device" is tracked: the model's parameters and
     whatever is moved with ``.to(device)`` are device values, and so is every result of an
-    operation on one. Reads of the host-side batch (lengths, planning) are host work on an
+    operation on one, and every tensor (and the base of every view) an operation writes one
+    into. Reads of the host-side batch (lengths, planning) are host work on an
     accelerator too, and are not counted."""
 
     def __init__(self, roots: list[torch.Tensor]) -> None:
@@ -65,9 +66,14 @@ class DeviceReads(TorchFunctionMode):
             isinstance(x, torch.device | str) for x in (*args[1:], *kwargs.values())
         )
         if on_device or moved:
-            for out in tree_flatten(result)[0]:
+            written = [result, kwargs.get("out")]
+            if name.endswith("_") and not name.startswith("__") and args:
+                written.append(args[0])  # an in-place op writes a device value into its target
+            for out in tree_flatten(written)[0]:
                 if isinstance(out, torch.Tensor):
                     self.add(out)
+                    if out._base is not None:  # a view: what it was taken from holds it too
+                        self.add(out._base)
         return result
 
 

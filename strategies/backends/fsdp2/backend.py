@@ -11,6 +11,7 @@ backend is cheap.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, cast
 
@@ -74,6 +75,8 @@ class Fsdp2Backend:
     _offloaded: OffloadedParts = attrs.field(factory=OffloadedParts, init=False)
     #: Whether LoRA adapters (``EngineConfig.lora``) take part in the forward.
     _adapter_switch: AdapterSwitch = attrs.field(factory=AdapterSwitch, init=False)
+    #: The head applies the output layer itself (``OutputSpec.fused``).
+    _fused: bool = attrs.field(default=False, init=False)
 
     # -- checks --------------------------------------------------------------------------------
     def required_capabilities(self, config: PartsConfig) -> frozenset[str]:
@@ -119,7 +122,9 @@ class Fsdp2Backend:
 
     def build_model(self, config: PartsConfig, head: Head, device: torch.device) -> None:
         self._device = device
-        model = build_causal_model(config, head.output_spec(), device, self.attention)
+        spec = head.output_spec()
+        self._fused = spec.fused
+        model = build_causal_model(config, spec, device, self.attention)
         if config.lora is not None:
             from strategies.backends.fsdp2.lora import attach_adapters
 
@@ -158,8 +163,15 @@ class Fsdp2Backend:
                 # Rows are right-padded and attention is causal, so no real token sees the
                 # padding after it: no padding mask, which transformers would read on the host
                 # (a device sync) to find that SDPA's own causal mask suffices.
-                raw = model(input_ids, None, positions)
-                loss, _ = consume(index, raw, head_context)
+                if self._fused:  # the head applies the output layer, inside the model's forward
+                    loss, _ = model(
+                        input_ids,
+                        None,
+                        positions,
+                        functools.partial(_consume_hidden, consume, index, head_context),
+                    )
+                else:
+                    loss, _ = consume(index, model(input_ids, None, positions), head_context)
                 if not forward_only:
                     loss.backward()
         except BaseException:
@@ -327,6 +339,20 @@ class Fsdp2Backend:
 #: The oldest torch whose FSDP2 has every call this backend makes (``fully_shard``'s
 #: ``set_gradient_divide_factor`` and ``set_force_sum_reduction_for_comms``); tested with 2.13.
 MIN_TORCH = "2.8"
+
+
+def _consume_hidden(
+    consume: MicroBatchConsumer,
+    index: int,
+    context: HeadContext,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``consume`` a micro-batch's final hidden states, with the output weight for the head.
+    The loss is returned from the FSDP root's forward, which warns about a view (the loss
+    function's may be one): a copy of the scalar."""
+    loss, metrics = consume(index, hidden, attrs.evolve(context, output_weight=weight))
+    return loss.clone(), metrics
 
 
 def check_torch_version() -> None:

@@ -20,6 +20,8 @@ sqrt(2 * num_layers)); norm weights 1; biases 0. Every full tensor is drawn on t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 
@@ -57,16 +59,23 @@ class CausalModel(torch.nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor,
-    ) -> torch.Tensor:
+        fused_head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+    ) -> Any:
         """The raw output ``[b, s, features]`` of right-padded ``input_ids`` (causal; a padding
-        ``attention_mask`` only changes what the padding positions see)."""
+        ``attention_mask`` only changes what the padding positions see); with ``fused_head``,
+        what ``fused_head(final hidden states, output weight)`` returns instead, computed inside
+        this forward: there FSDP2 holds the (root's) output weight gathered, and its gradient
+        reaches the reduce-scatter as the output layer's would."""
         hidden = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
         ).last_hidden_state
-        output: torch.Tensor = self.get_submodule(self.output_name)(hidden)
+        layer = self.get_submodule(self.output_name)
+        if fused_head is not None:
+            return fused_head(hidden, cast(torch.Tensor, layer.weight))
+        output: torch.Tensor = layer(hidden)
         return output
 
 

@@ -21,6 +21,7 @@ from strategies.backends.megatron import mesh, offload
 from strategies.backends.megatron.model import (
     build_gpt_model,
     check_transformer_overrides,
+    output_weight,
     sequence_splitting,
     transformer_config,
     uses_transformer_engine,
@@ -67,6 +68,8 @@ class MegatronBackend:
     _scheduler: Any = attrs.field(default=None, init=False)
     _device: torch.device = attrs.field(factory=lambda: torch.device("cpu"), init=False)
     _head_context: HeadContext = attrs.field(factory=HeadContext, init=False)
+    #: The head applies the output layer itself (``OutputSpec.fused``).
+    _fused: bool = attrs.field(default=False, init=False)
     #: Host copies of the state an asynchronous save writes, reused by the next one.
     _staging_buffers: dict[Any, torch.Tensor] = attrs.field(factory=dict, init=False)
     _model: ModelConfig | None = attrs.field(default=None, init=False)
@@ -134,6 +137,7 @@ class MegatronBackend:
         torch.manual_seed(config.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
         spec = head.output_spec()
+        self._fused = spec.fused
         virtual_stages = config.parallel.virtual_pipeline_parallel_size
         self._chunks = []
         for vp_stage in range(virtual_stages or 1):
@@ -229,7 +233,7 @@ class MegatronBackend:
         data: list[Iterator[tuple[int, MicroBatch]]] = [
             iter(enumerate(micro_batches)) for _ in self._wrapped
         ]
-        device, head_context = self._device, self._head_context
+        device, head_context, fused = self._device, self._head_context, self._fused
         widths = row_widths(micro_batches, config)
         routing, chunk_of = self._routing, {id(module): i for i, module in enumerate(self._wrapped)}
         self._last_run = (micro_batches, widths)
@@ -257,8 +261,13 @@ class MegatronBackend:
                 )
             output = model(input_ids, positions, attention_mask=None, **extra)
 
+            chunk = self._chunks[chunk_of[id(model)]]
+
             def loss_func(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-                loss, metrics = consume(index, raw[:, :length], head_context)
+                context = head_context  # on the last stage only
+                if fused:  # the raw output is the hidden states; the head applies the layer
+                    context = attrs.evolve(context, output_weight=output_weight(chunk))
+                loss, metrics = consume(index, raw[:, :length], context)
                 return loss, torch.ones((), dtype=torch.int), metrics
 
             return output, loss_func

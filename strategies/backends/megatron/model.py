@@ -253,6 +253,53 @@ class ReplicatedOutputLayer(torch.nn.Linear):
         return super().forward(x), None
 
 
+def hand_over_hidden_states(model: torch.nn.Module) -> None:
+    """Make a last-stage GPTModel chunk's vocabulary output layer return its input instead of
+    the logits: the final hidden states (GPTModel hands them over as ``[b, s, hidden]``),
+    entered into the tensor-parallel region as the column-parallel layer enters them (gradient
+    all-reduced over the group; with sequence parallelism, gathered along the sequence and the
+    gradient reduce-scattered). A fused head then applies the layer itself
+    (:func:`output_weight`). The layer stays the module it was (checkpoints, export)."""
+    from megatron.core.tensor_parallel import mappings
+
+    layer: Any = model.output_layer
+
+    def forward(
+        x: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: Any = None
+    ) -> tuple[torch.Tensor, None]:
+        if layer.sequence_parallel:
+            x = mappings.gather_from_sequence_parallel_region(x, group=layer.tp_group)
+        elif layer.tp_group.size() > 1:
+            x = mappings.copy_to_tensor_model_parallel_region(x, group=layer.tp_group)
+        return _ContiguousGradient.apply(x), None
+
+    layer.forward = forward
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """Identity whose gradient is made contiguous. GPTModel hands the hidden states over
+    transposed (``[s, b, h] -> [b, s, h]``), so their gradient comes back as a transposed view;
+    megatron's tensor-parallel all-reduce of it (``mappings._reduce``) would all-reduce a
+    contiguous copy and drop the result."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def output_weight(model: Any) -> torch.Tensor:
+    """The weight a last-stage GPTModel chunk's output layer applies: the embedding's where
+    tied (as GPTModel passes it), else the layer's own (this rank's vocabulary rows)."""
+    if model.share_embeddings_and_output_weights:
+        weight: torch.Tensor = model.shared_embedding_or_output_weight()
+        return weight
+    return model.output_layer.weight
+
+
 def build_gpt_model(
     config: PartsConfig,
     spec: OutputSpec,
@@ -289,6 +336,8 @@ def build_gpt_model(
         model.output_layer = ReplicatedOutputLayer(
             model_config.hidden_size, spec.features, dtype=dtype
         )
+    if spec.fused and post_process:
+        hand_over_hidden_states(model)
     if model_config.hf_path is None:
         initialize_parameters(model, config)
     elif spec.kind == "replicated" and post_process:  # the checkpoint brings everything else

@@ -1,0 +1,314 @@
+"""Per-token log-probabilities and entropy straight from the final hidden states and the
+(vocab-parallel) output weight: the output layer fused with ``heads.vocab_parallel``'s math, so
+that the ``[tokens, vocab]`` logits never exist for the whole micro-batch.
+
+The work is done in tiles of ``C`` tokens x ``B`` vocabulary rows of ``W``. Forward: a tile's
+``logits = h_chunk @ W_block^T`` (a matmul in the weight's dtype, as the unfused output layer
+computes it), then its per-token statistics in float32 with ``vocab_parallel``'s own chunk code
+(``sum exp``, entropy term, relative to the tile's row max) and the target logit where the tile
+holds it. Statistics relative to different maxima are combined by rescaling them to the larger
+one (online softmax): over the blocks of a token chunk, then over the ranks of a
+tensor-parallel group (one all-reduce MAX and one SUM: the same two collectives as
+``vocab_parallel``). Only ``O(tokens)`` numbers are kept, besides ``h`` and ``W`` themselves.
+
+Backward recomputes each tile's logits, turns them into their gradient in place with
+``vocab_parallel.chunk_gradient``, and accumulates ``grad_h`` (over blocks, in float32) and
+``grad_W`` (over token chunks, in the weight's dtype: each tile's matmul accumulates in float32,
+a low-precision weight's gradient is rounded once per token chunk). One more matmul than the
+unfused path (the recomputation): 4 instead of 3.
+
+Tiles are large so that the matmuls run at full speed (``W_block`` is read once per token chunk:
+``C`` in the thousands), and bounded so that the work buffers stay a small fraction of the
+logits (:func:`default_tile`).
+
+Under tensor parallelism ``grad_h`` is this rank's part (its vocabulary columns): the hidden
+states are the input of a column-parallel layer, and the caller sums their gradient over the
+group as that layer does (megatron's ``copy_to_tensor_model_parallel_region``, or the
+sequence-parallel gather). Upstream gradients must be identical on every rank of the group (the
+loss is computed redundantly), as for ``vocab_parallel``.
+
+Memory: forward, one ``[C, B]`` buffer in the weight's dtype and one or two float32 ones;
+backward, the same (one more float32 where the weight is not float32) plus the gradients of
+``h`` and ``W`` and a float32 ``[C, hidden]`` accumulator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from heads.vocab_parallel import (
+    DEFAULT_CPU_CHUNK_ELEMENTS,
+    MIN_TEMPERATURE,
+    UpstreamGradients,
+    all_reduce_over,
+    chunk_gradient,
+    chunk_statistics,
+    finish_statistics,
+    target_columns,
+    work_view,
+)
+
+__all__ = ["VOCAB_BLOCK", "default_tile", "fused_log_probs_and_entropy"]
+
+VOCAB_BLOCK = 16384
+"""Vocabulary rows of ``W`` per tile (fewer when the local vocabulary is smaller)."""
+
+MIN_CHUNK_TOKENS = 128
+"""The fewest tokens a default tile holds: its matmul keeps full tiles of rows for the
+accelerator's matrix units."""
+
+_TILES_PER_LOGITS = 16
+"""A default tile holds at most 1/16 of the micro-batch's logits (but ``MIN_CHUNK_TOKENS``
+rows): the work buffers stay a small fraction of what the whole logits would take."""
+
+_ACCELERATOR_TILE_ELEMENTS = 1 << 25
+"""On an accelerator a tile holds at most this many logits (128 MiB per float32 buffer): with
+``VOCAB_BLOCK`` rows of ``W``, 2048 tokens, so that each block of ``W`` is read once per 2048
+tokens and the matmuls are compute-bound."""
+
+
+def default_tile(n_tokens: int, vocab_local: int, device: torch.device) -> tuple[int, int]:
+    """``(tokens, vocabulary rows)`` per tile: ``VOCAB_BLOCK`` rows (or the local vocabulary),
+    and as many tokens as fit in ``DEFAULT_CPU_CHUNK_ELEMENTS`` logits on CPU,
+    ``_ACCELERATOR_TILE_ELEMENTS`` elsewhere, and in 1/16 of the micro-batch's logits, but at
+    least ``MIN_CHUNK_TOKENS``."""
+    block = min(vocab_local, VOCAB_BLOCK)
+    budget = DEFAULT_CPU_CHUNK_ELEMENTS if device.type == "cpu" else _ACCELERATOR_TILE_ELEMENTS
+    budget = min(budget, n_tokens * vocab_local // _TILES_PER_LOGITS)
+    return max(MIN_CHUNK_TOKENS, budget // block), block
+
+
+def fused_log_probs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    compute_entropy: bool = True,
+    group: dist.ProcessGroup | None = None,
+    vocab_start: int = 0,
+    tile: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log_probs_and_entropy(hidden @ weight.T, targets, ...)`` without the logits.
+
+    Args:
+        hidden: ``[..., H]`` final hidden states (any float dtype; the matmul runs in the
+            weight's dtype, the softmax statistics in float32).
+        weight: ``[V_local, H]`` output weight; with ``group``, this rank's vocabulary rows
+            ``[vocab_start, vocab_start + V_local)``.
+        targets: ``[...]`` int64 token ids in the full vocabulary (outside ``[0, V)``: target
+            logit 0, mask them out yourself).
+        temperature, compute_entropy, group, vocab_start: as ``log_probs_and_entropy``.
+        tile: ``(tokens, vocabulary rows)`` per tile; None: :func:`default_tile`.
+
+    Returns:
+        ``(log_probs, entropy)``, float32 ``[...]`` (entropy None when not computed); the
+        log-probs are bit-identical with and without the entropy. Differentiable w.r.t.
+        ``hidden`` (this rank's part under ``group``, see the module doc) and ``weight``.
+    """
+    if not hidden.is_floating_point() or not weight.is_floating_point():
+        raise TypeError(
+            f"hidden and weight must be floating point, got {hidden.dtype}, {weight.dtype}"
+        )
+    if weight.dim() != 2 or weight.shape[0] == 0:
+        raise ValueError(f"weight must be [V_local > 0, hidden], got {tuple(weight.shape)}")
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden's last dimension must be weight's hidden size {weight.shape[1]}, got "
+            f"hidden {tuple(hidden.shape)}"
+        )
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} must equal hidden.shape[:-1] "
+            f"{tuple(hidden.shape[:-1])}"
+        )
+    if targets.dtype != torch.int64:
+        raise TypeError(f"targets must be int64, got {targets.dtype}")
+    if group is None and vocab_start != 0:
+        raise ValueError("vocab_start must be 0 when group is None (full vocabulary)")
+    if tile is not None and min(tile) < 1:
+        raise ValueError(f"tile sizes must be positive, got {tile}")
+    if tile is None:
+        tile = default_tile(targets.numel(), weight.shape[0], weight.device)
+    temp = max(float(temperature), MIN_TEMPERATURE)
+    apply: Callable[..., Any] = _FusedLogProbsAndEntropy.apply
+    outputs = apply(hidden, weight, targets, temp, compute_entropy, group, vocab_start, tile)
+    if compute_entropy:
+        log_probs, entropy = outputs
+        return log_probs, entropy
+    return outputs, None
+
+
+def _rebase(stats: torch.Tensor, row_max: torch.Tensor, new_max: torch.Tensor, temp: float) -> None:
+    """Move ``stats`` (rows ``S``, target logit and, with the entropy, ``W``) from ``row_max`` to
+    ``new_max >= row_max``, in place: ``d = (M - m) / T``, ``S' = exp(-d) S``,
+    ``W' = exp(-d) (W - d S)``."""
+    shift = (new_max - row_max).div_(temp)
+    scale = torch.exp(-shift)
+    if stats.shape[0] == 3:
+        stats[2].sub_(shift * stats[0]).mul_(scale)
+    stats[0].mul_(scale)
+
+
+def _blocks(vocab_local: int, block: int) -> list[tuple[int, int]]:
+    return [(start, min(start + block, vocab_local)) for start in range(0, vocab_local, block)]
+
+
+class _FusedLogProbsAndEntropy(torch.autograd.Function):
+    """Saves ``hidden``, ``weight`` (no copies) and per-token ``max``, ``log(sum exp)``, entropy
+    (notation of ``vocab_parallel._LogProbsAndEntropy``)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        temp: float,
+        compute_entropy: bool,
+        group: dist.ProcessGroup | None,
+        vocab_start: int,
+        tile: tuple[int, int],
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        n_tokens, vocab_local = flat.shape[0], weight.shape[0]
+        device, f32 = weight.device, torch.float32
+        chunk, block = tile
+        local_targets = targets.reshape(-1) - vocab_start
+        # stats rows: S, target logit x_t (0 where no tile here holds it), W
+        rows_of_stats = 3 if compute_entropy else 2
+        stats = torch.zeros(rows_of_stats, n_tokens, dtype=f32, device=device)
+        row_max = torch.empty(n_tokens, dtype=f32, device=device)
+        tile_stats = torch.empty(rows_of_stats, min(chunk, n_tokens), dtype=f32, device=device)
+
+        rows, columns = min(chunk, n_tokens), min(block, vocab_local)
+        logits_buf = torch.empty(rows * columns, dtype=weight.dtype, device=device)
+        shifted_buf = torch.empty(rows * columns, dtype=f32, device=device)
+        exp_buf = torch.empty_like(shifted_buf) if compute_entropy else None
+        for start in range(0, n_tokens, chunk):
+            end = min(start + chunk, n_tokens)
+            h_chunk = flat[start:end].to(weight.dtype)
+            chunk_stats, chunk_max = stats[:, start:end], row_max[start:end]
+            here = tile_stats[:, : end - start]
+            for first, last in _blocks(vocab_local, block):
+                logits = torch.mm(
+                    h_chunk,
+                    weight[first:last].t(),
+                    out=work_view(logits_buf, end - start, last - first),
+                )
+                col, outside = target_columns(local_targets[start:end], first, last - first)
+                chunk_stats[1] += logits.gather(1, col[:, None]).squeeze(1).masked_fill_(outside, 0)
+                tile_max = logits.amax(dim=-1).to(f32)
+                chunk_statistics(
+                    logits,
+                    tile_max,
+                    temp,
+                    here[0],
+                    here[2] if compute_entropy else None,
+                    shifted_buf,
+                    exp_buf,
+                )
+                if first == 0:
+                    chunk_stats[0].copy_(here[0])
+                    if compute_entropy:
+                        chunk_stats[2].copy_(here[2])
+                    chunk_max.copy_(tile_max)
+                    continue
+                new_max = torch.maximum(chunk_max, tile_max)
+                _rebase(chunk_stats, chunk_max, new_max, temp)
+                _rebase(here, tile_max, new_max, temp)
+                chunk_stats[0].add_(here[0])
+                if compute_entropy:
+                    chunk_stats[2].add_(here[2])
+                chunk_max.copy_(new_max)
+        del logits_buf, shifted_buf, exp_buf, tile_stats
+        if group is not None:  # every rank's sums relative to the global max, then added up
+            local_max = row_max.clone()
+            all_reduce_over(row_max, dist.ReduceOp.MAX, group)
+            _rebase(stats, local_max, row_max, temp)
+            all_reduce_over(stats, dist.ReduceOp.SUM, group)
+        log_probs, log_sum, entropy = finish_statistics(stats, row_max, temp)
+
+        saved = [hidden, weight, local_targets, row_max, log_sum]
+        if entropy is not None:
+            saved.append(entropy)
+        ctx.save_for_backward(*saved)
+        ctx.temp = temp
+        ctx.tile = tile
+        ctx.set_materialize_grads(False)
+        shape = hidden.shape[:-1]
+        if entropy is None:
+            return log_probs.view(shape)
+        return log_probs.view(shape), entropy.view(shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, local_targets, row_max, log_sum, *rest = ctx.saved_tensors
+        no_grads = (None,) * 6
+        want_hidden, want_weight = ctx.needs_input_grad[:2]
+        if all(g is None for g in grads) or not (want_hidden or want_weight):
+            return (None, None, *no_grads)
+        temp: float = ctx.temp
+        chunk, block = ctx.tile
+        f32 = torch.float32
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        n_tokens, vocab_local = flat.shape[0], weight.shape[0]
+        device, dtype = weight.device, weight.dtype
+        _, elsewhere = target_columns(local_targets, 0, vocab_local)
+        upstream = UpstreamGradients(grads, rest[0] if rest else None, elsewhere, temp)
+        neg_log_sum = -log_sum
+
+        grad_hidden = torch.empty_like(flat) if want_hidden else None
+        grad_weight = torch.zeros_like(weight) if want_weight else None
+        rows, columns = min(chunk, n_tokens), min(block, vocab_local)
+        hidden_total = (
+            torch.empty(rows, flat.shape[1], dtype=f32, device=device) if want_hidden else None
+        )
+        # the logits' buffer receives their gradient in place; float32 work space beside it
+        # where the weight is not float32, and for the probabilities when the entropy has one
+        logits_buf = torch.empty(rows * columns, dtype=dtype, device=device)
+        work_buf = None if dtype == f32 else torch.empty(rows * columns, dtype=f32, device=device)
+        prob_buf = None if upstream.slope is None else torch.empty_like(logits_buf, dtype=f32)
+        for start in range(0, n_tokens, chunk):
+            end = min(start + chunk, n_tokens)
+            tokens = slice(start, end)
+            h_chunk = flat[tokens].to(dtype)
+            if hidden_total is not None:
+                total = hidden_total[: end - start].zero_()
+            for first, last in _blocks(vocab_local, block):
+                w_block = weight[first:last]
+                logits = torch.mm(
+                    h_chunk, w_block.t(), out=work_view(logits_buf, end - start, last - first)
+                )
+                col, outside = target_columns(local_targets[tokens], first, last - first)
+                one_hot = upstream.target_grad[tokens].masked_fill(outside[:, None], 0)
+                chunk_gradient(
+                    logits,
+                    tokens,
+                    upstream,
+                    row_max,
+                    neg_log_sum,
+                    col[:, None],
+                    one_hot,
+                    temp,
+                    logits,
+                    work_buf,
+                    prob_buf,
+                )
+                if hidden_total is not None:
+                    if dtype == f32:
+                        total.addmm_(logits, w_block)
+                    else:
+                        total.add_(torch.mm(logits, w_block))
+                if grad_weight is not None:
+                    grad_weight[first:last].addmm_(logits.t(), h_chunk)
+            if grad_hidden is not None:
+                grad_hidden[tokens] = total
+        grad_h = None if grad_hidden is None else grad_hidden.view(hidden.shape)
+        return (grad_h, grad_weight, *no_grads)
