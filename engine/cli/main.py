@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.cli.demo.config import ALGORITHMS
+from engine.cli.loggers import logger_flag, resolve_loggers
 from engine.cli.options import non_negative_int, parallel_flags, parallel_overrides, positive_int
 from engine.cli.train import train
 from heads.errors import EngineError
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--resume", action="store_true", help="continue the run in --output-dir from its checkpoint"
     )
+    logger_flag(demo)
     parallel_flags(demo)
     train = commands.add_parser("train", help="train a model on synthetic data")
     train.add_argument("--head", default="lm", help="head name (lm, value, or a plugin's)")
@@ -83,7 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--data", help="JSON lines: input_ids (+ returns for --head value, optional loss_mask)"
     )
-    train.add_argument("--output-dir", help="write metrics.jsonl and metrics.png here")
+    train.add_argument(
+        "--output-dir", help="write metrics.jsonl, metrics.png (and the loggers' files) here"
+    )
+    logger_flag(train)
     train.add_argument("--lr", type=float, help="peak learning rate")
     train.add_argument("--seed", type=int, help="random seed")
     parallel_flags(train)
@@ -109,8 +114,9 @@ def demo(args: argparse.Namespace) -> int:
     if args.router_replay:
         overrides["actor"] = {"router_replay": True}
     config = ppo_demo.resolve_config(args.config, overrides, args.resume, args.output_dir)
+    loggers = resolve_loggers(args.logger, config.output_dir)
     try:
-        summary = ppo_demo.run(config, resume=args.resume)
+        summary = ppo_demo.run(config, resume=args.resume, loggers=loggers)
     except ppo_demo.Interrupted as stopped:
         print(
             f"interrupted after iteration {stopped.iteration} (saved); continue with: "
