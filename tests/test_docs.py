@@ -250,7 +250,7 @@ def test_continue_replace_and_skip_shape_what_runs(tmp_path: Path) -> None:
     )
     first, second, third = parse(page(tmp_path, text))
     assert first.code == "x = 1\n" and first.skip is None
-    assert second.code == "x = 1\nz = x + 3\n" and second.line == 13
+    assert second.code == "x = 1\nz = x + 3\n" and second.line == 12
     assert third.skip == "needs a GPU" and third.language == "bash"
 
 

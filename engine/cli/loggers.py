@@ -25,7 +25,6 @@ DEFAULT_LOGGERS = ("console", "jsonl")
 #: The loggers that write files, so need an output directory.
 FILE_LOGGERS = ("jsonl", "tensorboard", "wandb")
 TENSORBOARD_DIR = "tensorboard"
-METRICS_FILE = "metrics.jsonl"
 WANDB_PROJECT = "composable-engine"
 
 
@@ -193,7 +192,8 @@ def open_loggers(
             continue
         assert output_dir is not None  # check_loggers refused file loggers without one
         if name == "jsonl":
-            sinks.append(JsonlLogger(metrics or MetricsFile(output_dir / METRICS_FILE)))
+            assert metrics is not None  # the run's metrics file, given with an output directory
+            sinks.append(JsonlLogger(metrics))
         elif name == "tensorboard":
             sinks.append(TensorBoardLogger(output_dir / TENSORBOARD_DIR, step_key))
         elif name == "wandb":

@@ -178,7 +178,7 @@ def _default_mask(record: dict[str, list[Any]]) -> list[float]:
 
 def train(args: argparse.Namespace) -> int:
     from engine import Engine, losses
-    from engine.cli.loggers import METRICS_FILE, open_loggers, resolve_loggers
+    from engine.cli.loggers import open_loggers, resolve_loggers
     from engine.cli.progress import MetricsFile, ProgressReporter, plot_metrics
     from engine.data.batching import take_rows
 
@@ -199,7 +199,7 @@ def train(args: argparse.Namespace) -> int:
     if records is not None and len(records) < args.batch_size:
         raise BatchError(f"--data holds {len(records)} records, fewer than --batch-size")
     output_dir = Path(args.output_dir) if args.output_dir else None
-    metrics = MetricsFile(output_dir / METRICS_FILE) if output_dir else None
+    metrics = MetricsFile(output_dir / "metrics.jsonl") if output_dir else None
     if metrics is not None and metrics.path.exists():
         raise ConfigError(f"{metrics.path} exists (an earlier run's); choose another --output-dir")
     engine.initialize()
