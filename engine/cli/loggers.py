@@ -67,6 +67,9 @@ def is_number(value: Any) -> bool:
 class MetricsLogger(Protocol):
     """A sink for a run's metrics: one record per step."""
 
+    #: Where its records go, for the run's closing message (None: nowhere to name).
+    where: str | None
+
     def log(self, step: int, record: Mapping[str, Any]) -> None: ...
 
     def close(self) -> None: ...
@@ -77,6 +80,7 @@ class ConsoleLogger:
 
     def __init__(self, progress: ProgressReporter) -> None:
         self.progress = progress
+        self.where: str | None = None
 
     def log(self, step: int, record: Mapping[str, Any]) -> None:
         self.progress.update(step, record)
@@ -90,6 +94,7 @@ class JsonlLogger:
 
     def __init__(self, metrics: MetricsFile) -> None:
         self.metrics = metrics
+        self.where: str | None = f"metrics in {metrics.path}"
 
     def log(self, step: int, record: Mapping[str, Any]) -> None:
         self.metrics.append(record)
@@ -106,6 +111,7 @@ class TensorBoardLogger:
 
         self.step_key = step_key
         self.writer = SummaryWriter(log_dir=os.fspath(directory))
+        self.where: str | None = f"TensorBoard events in {directory}"
 
     def log(self, step: int, record: Mapping[str, Any]) -> None:
         for name, value in record.items():
@@ -127,6 +133,7 @@ class WandbLogger:
 
         configured = "WANDB_MODE" in os.environ or "WANDB_API_KEY" in os.environ
         self.step_key = step_key
+        self.where: str | None = f"Weights & Biases run in {directory / 'wandb'}"
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", WANDB_PROJECT),
             name=name,
@@ -156,6 +163,9 @@ class Loggers:
     def log(self, record: Mapping[str, Any]) -> None:
         for sink in self.sinks:
             sink.log(int(record[self.step_key]), record)
+
+    def destinations(self) -> list[str]:
+        return [sink.where for sink in self.sinks if sink.where is not None]
 
     def close(self) -> None:
         for sink in self.sinks:

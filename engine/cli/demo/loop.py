@@ -57,7 +57,7 @@ from engine.cli.demo.rollout import (
     rollout_batch,
     sample,
 )
-from engine.cli.loggers import DEFAULT_LOGGERS, TENSORBOARD_DIR, open_loggers
+from engine.cli.loggers import DEFAULT_LOGGERS, open_loggers
 from engine.cli.progress import Column, MetricsFile, ProgressReporter, plot_metrics
 from engine.data.batching import ROUTED_EXPERTS, take_rows
 from engine.losses import (
@@ -216,16 +216,13 @@ def run(
             sinks.close()
             if lead:
                 _plot(history, out / PLOT_FILE, config.algorithm.upper())
-        files = {
-            "jsonl": f"metrics in {metrics.path}",
-            "tensorboard": f"TensorBoard events in {out / TENSORBOARD_DIR}",
-            "wandb": f"Weights & Biases run in {out / 'wandb'}",
-        }
         progress.message(
             "; ".join(
-                [f"checkpoint of iteration {last_saved} in {out / CHECKPOINTS}"]
-                + [files[name] for name in loggers if name in files]
-                + [f"plot in {out / PLOT_FILE}"]
+                [
+                    f"checkpoint of iteration {last_saved} in {out / CHECKPOINTS}",
+                    *sinks.destinations(),
+                    f"plot in {out / PLOT_FILE}",
+                ]
             )
         )
     if stop.requested and iteration < config.steps:
