@@ -53,7 +53,7 @@ def main() -> None:
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("gloo", rank=0, world_size=1)  # see README "Using it from verl"
+    dist.init_process_group("gloo", rank=0, world_size=1)  # see docs/verl.md
 
     from verl.utils import tensordict_utils as tu
     from verl.workers.config import (

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.cli.demo.config import ALGORITHMS
+from engine.cli.loggers import logger_flag, resolve_loggers
 from engine.cli.options import non_negative_int, parallel_flags, parallel_overrides, positive_int
 from engine.cli.train import train
 from engine.losses.rollout_correction import LEVELS, MODES
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="mask mode: the lower bound (default 1 / upper)",
     )
+    logger_flag(demo)
     parallel_flags(demo)
     train = commands.add_parser("train", help="train a model on synthetic data")
     train.add_argument("--head", default="lm", help="head name (lm, value, or a plugin's)")
@@ -114,7 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--data", help="JSON lines: input_ids (+ returns for --head value, optional loss_mask)"
     )
-    train.add_argument("--output-dir", help="write metrics.jsonl and metrics.png here")
+    train.add_argument(
+        "--output-dir", help="write metrics.jsonl, metrics.png (and the loggers' files) here"
+    )
+    logger_flag(train)
     train.add_argument("--lr", type=float, help="peak learning rate")
     train.add_argument("--seed", type=int, help="random seed")
     parallel_flags(train)
@@ -162,8 +167,9 @@ def demo(args: argparse.Namespace) -> int:
     if actor:
         overrides["actor"] = actor
     config = ppo_demo.resolve_config(args.config, overrides, args.resume, args.output_dir)
+    loggers = resolve_loggers(args.logger, config.output_dir)
     try:
-        summary = ppo_demo.run(config, resume=args.resume)
+        summary = ppo_demo.run(config, resume=args.resume, loggers=loggers)
     except ppo_demo.Interrupted as stopped:
         print(
             f"interrupted after iteration {stopped.iteration} (saved); continue with: "

@@ -7,6 +7,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -177,9 +178,11 @@ def _default_mask(record: dict[str, list[Any]]) -> list[float]:
 
 def train(args: argparse.Namespace) -> int:
     from engine import Engine, losses
+    from engine.cli.loggers import open_loggers, resolve_loggers
     from engine.cli.progress import MetricsFile, ProgressReporter, plot_metrics
     from engine.data.batching import take_rows
 
+    logger_names = resolve_loggers(args.logger, args.output_dir)
     config = engine_config(args)
     engine = Engine.build(head=args.head, backend=args.backend, device=args.device, config=config)
     if args.head not in TASKS:
@@ -195,7 +198,8 @@ def train(args: argparse.Namespace) -> int:
     records = read_sequences(args.data, args.head, config) if args.data else None
     if records is not None and len(records) < args.batch_size:
         raise BatchError(f"--data holds {len(records)} records, fewer than --batch-size")
-    metrics = MetricsFile(Path(args.output_dir) / "metrics.jsonl") if args.output_dir else None
+    output_dir = Path(args.output_dir) if args.output_dir else None
+    metrics = MetricsFile(output_dir / "metrics.jsonl") if output_dir else None
     if metrics is not None and metrics.path.exists():
         raise ConfigError(f"{metrics.path} exists (an earlier run's); choose another --output-dir")
     engine.initialize()
@@ -216,12 +220,23 @@ def train(args: argparse.Namespace) -> int:
     )
     parallel = config.parallel
     start = time.perf_counter()
-    with (
-        ProgressReporter(
-            label="step", total=args.steps, columns=TRAIN_COLUMNS, enabled=show
-        ) as progress,
-        engine.train_mode(),
-    ):
+    history: list[dict[str, Any]] = []
+    progress = ProgressReporter(
+        label="step",
+        total=args.steps,
+        columns=TRAIN_COLUMNS,
+        enabled=show and "console" in logger_names,
+    )
+    loggers = open_loggers(
+        logger_names if show else (),
+        step_key="step",
+        progress=progress,
+        metrics=metrics,
+        output_dir=output_dir,
+        run_name=f"train-{engine.head.name}-{engine.backend.name}",
+        settings=config.to_dict(),
+    )
+    with progress, engine.train_mode(), closing(loggers):
         progress.message(
             f"training head={engine.head.name} backend={engine.backend.name} "
             f"device={engine.platform.name} model={args.model or 'config'} steps={args.steps} "
@@ -230,16 +245,14 @@ def train(args: argparse.Namespace) -> int:
         )
         for step in range(1, args.steps + 1):
             batch = take_rows(next(batches), slice(dp_rank * shard, (dp_rank + 1) * shard))
-            result = engine.train_batch(batch, loss_fn)
-            progress.update(step, result)
-            if show and metrics is not None:
-                metrics.append({"step": step, **result})
+            record = {"step": step, **engine.train_batch(batch, loss_fn)}
+            loggers.log(record)
+            history.append(record)
         progress.message(f"done in {time.perf_counter() - start:.1f} s")
-    if show and metrics is not None:
-        metrics.close()
+    if show and output_dir is not None:
         plot_metrics(
-            metrics.read(),
-            metrics.path.with_suffix(".png"),
+            history,
+            output_dir / "metrics.png",
             x="step",
             panels=[("loss", ["loss"]), ("grad norm", ["grad_norm"])],
             title=f"train --head {engine.head.name}",

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
 INSTALL_HINT = (
     "install the Ascend CANN toolkit, then `pip install torch-npu==<your torch version>` and "
-    "MindSpeed from https://gitee.com/ascend/MindSpeed (see README, 'Ascend NPU hosts')"
+    "MindSpeed from https://gitee.com/ascend/MindSpeed (see docs/backends.md, 'Installing on "
+    "accelerator hosts')"
 )
 
 #: Overrides already applied, per MindSpeed adaptor module (a process has one).

@@ -32,7 +32,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from types import FrameType
@@ -60,6 +60,7 @@ from engine.cli.demo.rollout import (
     rollout_batch,
     sample,
 )
+from engine.cli.loggers import DEFAULT_LOGGERS, open_loggers
 from engine.cli.progress import Column, MetricsFile, ProgressReporter, plot_metrics
 from engine.data.batching import ROUTED_EXPERTS, take_rows
 from engine.losses import (
@@ -126,8 +127,11 @@ class Interrupted(Exception):
         self.iteration = iteration
 
 
-def run(config: DemoConfig, *, resume: bool) -> dict[str, Any]:
-    """Train; returns the summary. Raises :class:`Interrupted` after a saved Ctrl-C stop."""
+def run(
+    config: DemoConfig, *, resume: bool, loggers: Sequence[str] = DEFAULT_LOGGERS
+) -> dict[str, Any]:
+    """Train, writing each iteration's record to ``loggers``; returns the summary. Raises
+    :class:`Interrupted` after a saved Ctrl-C stop."""
     from engine import Engine
 
     out = Path(config.output_dir)
@@ -169,11 +173,12 @@ def run(config: DemoConfig, *, resume: bool) -> dict[str, Any]:
         _write_json(out / RUN_FILE, config.to_dict())
     device = actor.device or torch.device("cpu")
     generator = build_generator(actor.config.model, device)
+    history = metrics.read()  # a resumed run's earlier iterations
     training = Training(
         estimator=config.estimator(),
         actor_loss=_actor_loss(config.ppo),
         critic_loss=_critic_loss(config.ppo) if "critic" in engines else None,
-        reward_kl=_reward_kl_controller(config, metrics.read(), done),
+        reward_kl=_reward_kl_controller(config, history, done),
     )
     vocab = actor.config.model.vocab_size
     start = time.perf_counter()
@@ -187,12 +192,23 @@ def run(config: DemoConfig, *, resume: bool) -> dict[str, Any]:
         f"device {actor.platform.name}, backend {actor.backend.name}, "
         f"{dist.get_world_size() if dist.is_initialized() else 1} process(es)"
     )
-    with (
-        ProgressReporter(
-            label="iter", total=config.steps, columns=COLUMNS, start=done, enabled=lead
-        ) as progress,
-        StopRequest() as stop,
-    ):
+    progress = ProgressReporter(
+        label="iter",
+        total=config.steps,
+        columns=COLUMNS,
+        start=done,
+        enabled=lead and "console" in loggers,
+    )
+    sinks = open_loggers(
+        loggers if lead else (),
+        step_key="iteration",
+        progress=progress,
+        metrics=metrics,
+        output_dir=out,
+        run_name=f"demo-{config.algorithm}",
+        settings=config.to_dict(),
+    )
+    with progress, StopRequest() as stop:
         progress.message(header + (f"; resumed after iteration {done}" if done else ""))
         iteration = done
         try:
@@ -200,9 +216,8 @@ def run(config: DemoConfig, *, resume: bool) -> dict[str, Any]:
                 record = _iteration(
                     config, iteration, engines, generator, training, vocab, device, start
                 )
-                if lead:
-                    metrics.append(record)
-                progress.update(iteration, record)
+                sinks.log(record)
+                history.append(record)
                 stopping = stop.agreed(device)
                 if stopping or iteration % config.save_every == 0 or iteration == config.steps:
                     _save(engines, roots, iteration, config.keep_checkpoints)
@@ -210,16 +225,21 @@ def run(config: DemoConfig, *, resume: bool) -> dict[str, Any]:
                 if stopping:
                     break
         finally:
-            metrics.close()
+            sinks.close()
             if lead:
-                _plot(metrics, out / PLOT_FILE, config.algorithm.upper())
+                _plot(history, out / PLOT_FILE, config.algorithm.upper())
         progress.message(
-            f"checkpoint of iteration {last_saved} in {out / CHECKPOINTS}; metrics in "
-            f"{metrics.path}; plot in {out / PLOT_FILE}"
+            "; ".join(
+                [
+                    f"checkpoint of iteration {last_saved} in {out / CHECKPOINTS}",
+                    *sinks.destinations(),
+                    f"plot in {out / PLOT_FILE}",
+                ]
+            )
         )
     if stop.requested and iteration < config.steps:
         raise Interrupted(iteration)
-    return summarise(metrics.read()) if lead else {}
+    return summarise(history) if lead else {}
 
 
 @attrs.frozen(kw_only=True)
@@ -447,8 +467,7 @@ def _latest_common_checkpoint(roots: Mapping[str, Path]) -> tuple[int, dict[str,
     return common[-1], {role: steps[common[-1]] for role, steps in found.items()}
 
 
-def _plot(metrics: MetricsFile, path: Path, title: str) -> None:
-    records = metrics.read()
+def _plot(records: list[dict[str, Any]], path: Path, title: str) -> None:
     if records:
         plot_metrics(
             records,

@@ -363,10 +363,10 @@ def test_the_generator_gets_the_actors_weights_and_samples_its_distribution(
     torch.testing.assert_close(engine_log_probs[:, 1:], hf_log_probs, atol=1e-5, rtol=1e-5)
 
 
-def test_the_readme_config_example_is_a_valid_demo_config(tmp_path: Path) -> None:
-    readme = (ROOT / "README.md").read_text()
-    example = readme.split("```yaml\n", 1)[1].split("```", 1)[0]
-    path = tmp_path / "readme.yaml"
+def test_the_documented_config_file_is_a_valid_demo_config(tmp_path: Path) -> None:
+    page = (ROOT / "docs" / "cli.md").read_text()
+    example = page.split("<<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
+    path = tmp_path / "documented.yaml"
     path.write_text(example)
     config = resolve_config(str(path), {}, resume=False, output_dir=None)
     assert config.steps == 200
