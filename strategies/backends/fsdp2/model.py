@@ -20,10 +20,12 @@ sqrt(2 * num_layers)); norm weights 1; biases 0. Every full tensor is drawn on t
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from heads.base import OutputSpec
+from strategies.backends.fsdp2.attention import packed_sdpa
 from strategies.config import PartsConfig
 from strategies.hf.architecture import hf_config_for
 from strategies.hf.experts import CheckpointLayout
@@ -53,14 +55,20 @@ class CausalModel(torch.nn.Module):
         return list(self.model.layers)  # type: ignore[arg-type]
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        **attention: Any,
     ) -> torch.Tensor:
-        """The raw output ``[b, s, features]`` of right-padded ``input_ids``."""
+        """The raw output ``[b, s, features]`` of ``input_ids``: right-padded rows, or a packed
+        row with its ``attention`` keywords (``strategies.backends.fsdp2.attention``)."""
         hidden = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
+            **attention,
         ).last_hidden_state
         output: torch.Tensor = self.get_submodule(self.output_name)(hidden)
         return output
@@ -75,7 +83,11 @@ def build_causal_model(
     model_config = config.model
     hf_config = hf_config_for(model_config)
     with torch.device(device):
-        body = AutoModel.from_config(hf_config, attn_implementation=attention, dtype=torch.float32)
+        # sdpa: transformers' own for right-padded rows, and packed rows too
+        implementation = packed_sdpa() if attention == "sdpa" else attention
+        body = AutoModel.from_config(
+            hf_config, attn_implementation=implementation, dtype=torch.float32
+        )
         hidden = model_config.hidden_size
         if spec.kind == "vocab":
             output = torch.nn.Linear(hidden, model_config.vocab_size, bias=False)

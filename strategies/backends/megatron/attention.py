@@ -3,7 +3,7 @@
 Megatron's local ``DotProductAttention`` refuses ``PackedSeqParams`` (only TransformerEngine's
 attention takes the ``thd`` layout). This subclass keeps the local path for right-padded input
 and, for packed input, attends within each sequence with ``scaled_dot_product_attention``
-(causal): attention never crosses a sequence boundary and the cost grows with the sum of the
+(causal, :mod:`strategies.packed_attention`): attention never crosses a sequence boundary and the cost grows with the sum of the
 squared sequence lengths, not the squared row length. It is device-neutral (the CPU, and GPU
 hosts without TransformerEngine); megatron's rotary embedding already restarts positions at
 each sequence in the ``thd`` layout (``cu_seqlens``).
@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from heads.errors import ConfigError
+from strategies.packed_attention import attend_per_sequence
 
 
 @functools.cache
@@ -79,31 +78,19 @@ def packed_dot_product_attention() -> type:
                 else contextlib.nullcontext()
             )
             bounds = params.cu_seqlens_q.tolist()
-            pieces = []
+            # [t, heads, dim] -> [1, heads, t, dim] and back
+            q, k, v = (x.transpose(0, 1)[None] for x in (query, key, value))
             with random:
-                for start, end in itertools.pairwise(bounds):
-                    # [s, heads, dim] -> [1, heads, s, dim]: 4-D input lets the CPU pick its
-                    # fused (flash) kernel, which also skips the causal half
-                    q, k, v = (x[start:end].transpose(0, 1)[None] for x in (query, key, value))
-                    out = F.scaled_dot_product_attention(
-                        q,
-                        k,
-                        v,
-                        attn_mask=None if window is None else _window(end - start, window, q),
-                        dropout_p=dropout,
-                        is_causal=window is None,
-                        scale=scale,
-                        enable_gqa=k.shape[1] != q.shape[1],
-                    )
-                    pieces.append(out[0].transpose(0, 1))
-            return torch.cat(pieces).reshape(query.shape[0], -1)
+                out = attend_per_sequence(
+                    q,
+                    k,
+                    v,
+                    bounds,
+                    scale=scale,
+                    window=window,
+                    dropout=dropout,
+                )
+            return out[0].transpose(0, 1).reshape(query.shape[0], -1)
 
     return PackedDotProductAttention
 
-
-def _window(length: int, window: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
-    """Which keys each query of a ``length``-token sequence sees under megatron's sliding window
-    ``(left, right)``: keys ``i - left`` to ``i + right`` (True: attended), as its local mask."""
-    offsets = torch.arange(length, device=like.device)
-    relative = offsets[None, :] - offsets[:, None]  # key - query
-    return (relative >= -window[0]) & (relative <= window[1])
