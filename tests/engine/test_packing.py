@@ -323,11 +323,14 @@ def test_packed_attention_refuses_a_mask_it_cannot_reproduce(megatron_state: Eng
 
 
 def test_a_backend_without_the_packing_ability_refuses_it_by_name() -> None:
-    with pytest.raises(ConfigError, match=r"the fsdp2 backend lacks the 'packing' ability"):
-        Engine.build(
-            head="lm",
-            backend="fsdp2",
-            device="cpu",
+    from engine.registry import DEVICES, HEADS
+    from tests.test_plugins import CoreOnlyBackend
+
+    with pytest.raises(ConfigError, match=r"the plugin-core-only backend lacks the 'packing'"):
+        Engine(
+            head=HEADS.create("lm"),
+            backend=CoreOnlyBackend(),
+            platform=DEVICES.create("cpu"),
             config={"model": tiny_model(), "packing": True},
         )
 
