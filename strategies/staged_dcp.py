@@ -119,18 +119,21 @@ def stage_dcp_save(
     plans: list[SavePlan] | None = None
     metadata: Metadata | None = None
     if coordinator:
-        plans, metadata = planner.create_global_plan([by_rank[key] for key in sorted(by_rank, key=int)])
+        ranks = sorted(by_rank, key=int)
+        plans, metadata = planner.create_global_plan([by_rank[key] for key in ranks])
         plans = writer.prepare_global_plan(plans)
     plans = from_rank_zero(plans)
     assert plans is not None
     plan = planner.finish_plan(plans[rank()])
-    used: dict[Any, torch.Tensor] = {}
     resolved = [(item, planner.resolve_data(item)) for item in plan.items]
     tensors = [(item, data) for item, data in resolved if isinstance(data, torch.Tensor)]
-    copies = dict(zip((id(item) for item, _ in tensors), copy_to_host(tensors, buffers, used)))
+    used: dict[Any, torch.Tensor] = {}
+    items: list[tuple[WriteItem, ItemData]] = [
+        (item, data) for item, data in resolved if not isinstance(data, torch.Tensor)
+    ]
+    items += copy_to_host(tensors, buffers, used)
     buffers.clear()
     buffers.update(used)
-    items = [copies.get(id(item), (item, data)) for item, data in resolved]
     file_name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
     return StagedDcpSave(
         writer=writer,

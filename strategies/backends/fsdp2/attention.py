@@ -55,7 +55,7 @@ def packed_sdpa_attention(
     if packed_bounds is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(  # type: ignore[no-any-return]
+        return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     # transformers' window of w: each query sees itself and the w - 1 keys before it

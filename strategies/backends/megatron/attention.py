@@ -3,10 +3,10 @@
 Megatron's local ``DotProductAttention`` refuses ``PackedSeqParams`` (only TransformerEngine's
 attention takes the ``thd`` layout). This subclass keeps the local path for right-padded input
 and, for packed input, attends within each sequence with ``scaled_dot_product_attention``
-(causal, :mod:`strategies.packed_attention`): attention never crosses a sequence boundary and the cost grows with the sum of the
-squared sequence lengths, not the squared row length. It is device-neutral (the CPU, and GPU
-hosts without TransformerEngine); megatron's rotary embedding already restarts positions at
-each sequence in the ``thd`` layout (``cu_seqlens``).
+(causal; ``strategies.packed_attention``): attention never crosses a sequence boundary and the
+cost grows with the sum of the squared sequence lengths, not the squared row length. It is
+device-neutral (the CPU, and GPU hosts without TransformerEngine); megatron's rotary embedding
+already restarts positions at each sequence in the ``thd`` layout (``cu_seqlens``).
 
 Inside a sequence it attends as the local path does: the same scale, the same sliding window
 (``window_size``, per layer as ``window_attn_skip_freq`` says) and attention dropout drawn from
@@ -93,4 +93,3 @@ def packed_dot_product_attention() -> type:
             return out[0].transpose(0, 1).reshape(query.shape[0], -1)
 
     return PackedDotProductAttention
-

@@ -120,7 +120,8 @@ def test_matrix_lists_every_cell_and_why_npu_cannot_run_here() -> None:
     }
     common = ["checkpoints", "async_checkpoints", "huggingface_export", "offload", "packing"]
     assert report["backend_abilities"]["fsdp2"] == common
-    assert report["backend_abilities"]["megatron"] == [*common, "router_replay", "router_statistics"]
+    megatron = [*common, "router_replay", "router_statistics"]
+    assert report["backend_abilities"]["megatron"] == megatron
     for backend in ("megatron", "fsdp2"):
         assert cells[("value", backend, "cpu")]["runs_here"]
     npu = cells[("value", "megatron", "npu")]

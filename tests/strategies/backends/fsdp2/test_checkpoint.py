@@ -193,16 +193,9 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_as_latest(
 def gated_async_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Asynchronous saves write their DCP files only once the returned event is set."""
     from strategies.staged_dcp import StagedDcpSave
+    from tests.engine.test_checkpoint import gated
 
-    gate = threading.Event()
-    write = StagedDcpSave.write
-
-    def gated(self: StagedDcpSave) -> Any:
-        assert gate.wait(timeout=60), "the test never opened the gate"
-        return write(self)
-
-    monkeypatch.setattr(StagedDcpSave, "write", gated)
-    return gate
+    return gated(monkeypatch, StagedDcpSave, "write")
 
 
 @pytest.mark.timeout(180)

@@ -7,6 +7,7 @@ packed row computes what each of its sequences computes alone. Two data-parallel
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,10 +17,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import Engine
-from engine.data.batching import to_padded
 from heads.errors import ConfigError
 from strategies.backends.fsdp2.attention import PACKED_BOUNDS, packed_sdpa
 from strategies.packed_attention import positions_in_sequences
+from tests.engine.test_packing import (
+    assert_loss_and_gradients_match_padded,
+    assert_outputs_match_padded,
+)
 from tests.factories import raise_outputs_loss, random_batch, tiny_model
 
 VOCAB = 64
@@ -41,33 +45,7 @@ def build(head: str, **layout: Any) -> Engine:
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[dict[tuple[str, str], Engine]]:
-    yield {(head, name): build(head, **layout) for head in HEADS for name, layout in LAYOUTS.items()}
-
-
-def flat(values: torch.Tensor) -> torch.Tensor:
-    return values.values() if values.is_nested else values
-
-
-def full_gradients(engine: Engine) -> dict[str, torch.Tensor]:
-    """Each parameter's whole gradient (gathered from its FSDP shards: collective)."""
-    from torch.distributed.tensor import DTensor
-
-    grads = {}
-    for module in engine.backend.modules():
-        for name, param in module.named_parameters():
-            grad = param.grad
-            assert grad is not None, name
-            grads[name] = grad.full_tensor() if isinstance(grad, DTensor) else grad.clone()
-    return grads
-
-
-def loss_and_gradients(engine: Engine, batch: Any) -> tuple[float, dict[str, torch.Tensor]]:
-    with engine.train_mode():
-        engine.optimizer_zero_grad()
-        result = engine.forward_backward_batch(batch, raise_outputs_loss, return_outputs=False)
-        grads = full_gradients(engine)
-        engine.optimizer_zero_grad()
-    return sum(result["loss"]), grads
+    yield {(head, name): build(head, **spec) for head in HEADS for name, spec in LAYOUTS.items()}
 
 
 lengths_mixes = st.lists(st.integers(1, 20), min_size=1, max_size=8)
@@ -84,16 +62,7 @@ def test_packed_outputs_equal_padded_ones_for_every_head(
     engines: dict[tuple[str, str], Engine], head: str, lengths: list[int], side: str, seed: int
 ) -> None:
     """Property: outputs do not depend on packing, micro-batch size, budget or padding side."""
-    batch = random_batch(lengths, VOCAB, seed=seed)
-    reference = engines[head, "padded"].infer_batch(batch)
-    for name in LAYOUTS:
-        for given_batch in (batch, to_padded(batch, side=side)):
-            outputs = engines[head, name].infer_batch(given_batch)
-            assert set(outputs.keys()) == set(reference.keys())
-            for key in reference.keys():
-                torch.testing.assert_close(
-                    flat(outputs[key]), flat(reference[key]), rtol=1e-5, atol=1e-5, msg=name
-                )
+    assert_outputs_match_padded(engines, head, random_batch(lengths, VOCAB, seed=seed), side)
 
 
 @pytest.mark.parametrize("head", list(HEADS))
@@ -101,14 +70,8 @@ def test_packed_loss_and_gradients_equal_padded_ones(
     engines: dict[tuple[str, str], Engine], head: str
 ) -> None:
     batch = random_batch([9, 2, 17, 5, 12, 1, 20], VOCAB, seed=7)
-    loss, grads = loss_and_gradients(engines[head, "padded"], batch)
-    assert any(bool(g.abs().sum() > 0) for g in grads.values())
-    for name in ("packed-3", "packed-budget-30"):
-        assert engines[head, name].plan_micro_batches(batch).packed
-        packed_loss, packed_grads = loss_and_gradients(engines[head, name], batch)
-        assert packed_loss == pytest.approx(loss, rel=1e-5, abs=1e-5)
-        for key, grad in grads.items():
-            torch.testing.assert_close(packed_grads[key], grad, rtol=1e-5, atol=1e-5, msg=key)
+    assert engines[head, "packed-budget-30"].plan_micro_batches(batch).packed
+    assert_loss_and_gradients_match_padded(engines, head, batch)
 
 
 def test_packed_training_steps_follow_padded_ones() -> None:
@@ -199,7 +162,7 @@ def test_a_packed_row_computes_what_each_sequence_computes_alone_in_every_family
             position_ids=torch.arange(longest)[None],
             use_cache=False,
         ).last_hidden_state
-    for index, (start, end) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
+    for index, (start, end) in enumerate(itertools.pairwise(bounds.tolist())):
         torch.testing.assert_close(
             packed[start:end], padded[index, : end - start], rtol=1e-5, atol=1e-5
         )

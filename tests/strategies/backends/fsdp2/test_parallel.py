@@ -91,8 +91,9 @@ def packed_and_padded_gradients() -> dict[str, Any]:
     """On every rank: for each head, the loss and the full (reduced) gradients of this rank's
     shard of one batch, padded and packed."""
     from engine.data.batching import take_rows
+    from tests.engine.test_packing import loss_and_gradients
     from tests.factories import random_batch
-    from tests.strategies.backends.fsdp2.test_packing import HEADS, build, loss_and_gradients
+    from tests.strategies.backends.fsdp2.test_packing import HEADS, build
 
     report: dict[str, Any] = {}
     for head in HEADS:
