@@ -85,6 +85,23 @@ def test_packed_training_steps_follow_padded_ones() -> None:
     assert runs["packed-budget-30"] == pytest.approx(runs["padded"], rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.parametrize("qk_layernorm", [False, True], ids=["mixtral", "qwen3_moe"])
+def test_a_mixture_of_experts_routes_packed_rows_as_padded_ones(qk_layernorm: bool) -> None:
+    """A packed row holds real tokens only, each routed as on the padded path: the loss and
+    every gradient (router and experts included) agree."""
+    model = tiny_model(num_experts=4, expert_ffn_hidden_size=16, qk_layernorm=qk_layernorm)
+    config = {"model": model, "seed": 5, "optimizer": {"lr": 1e-3}}
+    engines = {
+        ("value", name): Engine.build(
+            head="value", backend="fsdp2", device="cpu", config={**config, **layout}
+        ).initialize()
+        for name, layout in LAYOUTS.items()
+    }
+    assert_loss_and_gradients_match_padded(
+        engines, "value", random_batch([9, 2, 17, 5, 12], VOCAB, seed=2)
+    )
+
+
 def test_eager_attention_with_packing_is_refused_naming_the_option() -> None:
     with pytest.raises(ConfigError, match=r"Fsdp2Backend.attention='eager' cannot run packed"):
         Engine.build(
