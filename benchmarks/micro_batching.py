@@ -31,8 +31,11 @@ Ratios: dynamic / baseline (the first issue's target >= 2x tokens/s) and packed 
 (target >= 1.2x on ``small``; padding alone limits it to computed / real tokens of the dynamic
 plan). Never pass/fail.
 
-    python -m benchmarks.micro_batching [--model tiny|small] [--batch-size N] [--steps N]
-        [--micro-batch-size 4] [--seed 0]
+Either backend: megatron (default) or fsdp2 (``--backend fsdp2``: transformers models, whose
+packed rows attend sequence by sequence).
+
+    python -m benchmarks.micro_batching [--model tiny|small] [--backend megatron|fsdp2]
+        [--batch-size N] [--steps N] [--micro-batch-size 4] [--seed 0]
 """
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ def make_batches(
 
 
 def build_engine(
-    model: str, micro_batch_size: int, budget: int | None, packing: bool = False
+    model: str, backend: str, micro_batch_size: int, budget: int | None, packing: bool = False
 ) -> Engine:
     fields: dict[str, Any] = attrs.asdict(model_preset(model))
     config: dict[str, Any] = {
@@ -113,7 +116,7 @@ def build_engine(
     }
     if budget is not None:
         config["max_tokens_per_micro_batch"] = budget
-    return Engine.build(head="lm", device="cpu", config=config).initialize()
+    return Engine.build(head="lm", backend=backend, device="cpu", config=config).initialize()
 
 
 def timed_step(engine: Engine, batch: TensorDict) -> tuple[float, int, float]:
@@ -129,15 +132,17 @@ def timed_step(engine: Engine, batch: TensorDict) -> tuple[float, int, float]:
     return seen["elapsed"], peak, seen["loss"]
 
 
-def measure(model: str, batch_size: int, steps: int, micro_batch_size: int, seed: int) -> None:
+def measure(
+    model: str, backend: str, batch_size: int, steps: int, micro_batch_size: int, seed: int
+) -> None:
     vocab = model_preset(model).vocab_size
     pairs = sample_lengths(batch_size, seed)
     batch, padded, real_tokens, longest = make_batches(pairs, vocab, seed)
     budget = micro_batch_size * longest
     engines = {
-        "baseline": build_engine(model, micro_batch_size, None),
-        "dynamic": build_engine(model, micro_batch_size, budget),
-        "packed": build_engine(model, micro_batch_size, budget, packing=True),
+        "baseline": build_engine(model, backend, micro_batch_size, None),
+        "dynamic": build_engine(model, backend, micro_batch_size, budget),
+        "packed": build_engine(model, backend, micro_batch_size, budget, packing=True),
     }
     batches = {"baseline": padded, "dynamic": batch, "packed": batch}
     plans = {name: engines[name].plan_micro_batches(batches[name]) for name in engines}
@@ -165,7 +170,8 @@ def measure(model: str, batch_size: int, steps: int, micro_batch_size: int, seed
     )
     responses = sorted(response for _, response in pairs)
     print(
-        f"model={model:5s} seqs={batch_size} real_tokens={real_tokens} longest={longest} "
+        f"model={model:5s} backend={backend} seqs={batch_size} real_tokens={real_tokens} "
+        f"longest={longest} "
         f"median_response={responses[len(responses) // 2]} micro_batch_size={micro_batch_size} "
         f"budget={budget} steps={steps} |loss diff|<={loss_gap:.1e}"
     )
@@ -192,6 +198,7 @@ def main() -> None:
     parser.add_argument("--model", choices=["tiny", "small"], action="append")
     parser.add_argument("--batch-size", type=int, help="sequences (default: tiny 32, small 16)")
     parser.add_argument("--steps", type=int, help="measured steps (default: tiny 5, small 1)")
+    parser.add_argument("--backend", choices=["megatron", "fsdp2"], default="megatron")
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -200,7 +207,7 @@ def main() -> None:
         batch_size = args.batch_size or (32 if model == "tiny" else 16)
         # defaults sized so that the whole script runs in about 3 minutes on one CPU thread
         steps = args.steps or (5 if model == "tiny" else 1)
-        measure(model, batch_size, steps, args.micro_batch_size, args.seed)
+        measure(model, args.backend, batch_size, steps, args.micro_batch_size, args.seed)
 
 
 if __name__ == "__main__":

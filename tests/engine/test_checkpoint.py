@@ -487,20 +487,25 @@ def test_megatron_writes_one_model_file_per_rank_with_the_checksum_of_its_bytes(
                          "xxh3_128": file_checksum(saved / name)}, name  # fmt: skip
 
 
+def gated(monkeypatch: pytest.MonkeyPatch, owner: type, method: str) -> threading.Event:
+    """``owner.method`` runs only once the returned event is set."""
+    gate = threading.Event()
+    original = getattr(owner, method)
+
+    def waiting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        assert gate.wait(timeout=60), "the test never opened the gate"
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, method, waiting)
+    return gate
+
+
 @pytest.fixture
 def gated_async_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Asynchronous saves write their model files only once the returned event is set."""
     from strategies.backends.megatron.checkpoint_writer import ChecksummingSaveStrategy
 
-    gate = threading.Event()
-    write = ChecksummingSaveStrategy.write_staged
-
-    def gated(self: ChecksummingSaveStrategy) -> Any:
-        assert gate.wait(timeout=60), "the test never opened the gate"
-        return write(self)
-
-    monkeypatch.setattr(ChecksummingSaveStrategy, "write_staged", gated)
-    return gate
+    return gated(monkeypatch, ChecksummingSaveStrategy, "write_staged")
 
 
 @pytest.mark.timeout(180)

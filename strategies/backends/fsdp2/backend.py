@@ -5,6 +5,10 @@ Mixture-of-experts models run through transformers' own MoE modules (Qwen3-MoE, 
 every rank holds every expert's shard (no expert parallelism), routing is not replayed, and
 transformers' body model returns no load-balancing loss, so none enters the loss.
 
+Packed micro-batches (``EngineConfig.packing``) run as one row whose positions restart at each
+sequence and whose attention stays inside each sequence (``fsdp2.attention``); the row holds
+real tokens only, so a mixture of experts routes no padding.
+
 torch's FSDP, DCP and transformers are imported inside functions, so listing or constructing the
 backend is cheap.
 """
@@ -23,8 +27,9 @@ from typing_extensions import override
 from heads.base import Head, HeadContext
 from heads.errors import ConfigError, EngineStateError
 from heads.validation import bool_field, int_field, one_of
-from strategies.backends.base import MicroBatch, MicroBatchConsumer
+from strategies.backends.base import MicroBatch, MicroBatchConsumer, StagedSave
 from strategies.backends.fsdp2 import sharding
+from strategies.backends.fsdp2.attention import PACKED_BOUNDS
 from strategies.backends.fsdp2.model import CausalModel, build_causal_model
 from strategies.backends.fsdp2.optimizer import (
     LRSchedule,
@@ -37,6 +42,7 @@ from strategies.config import ParallelConfig, PartsConfig
 from strategies.hf.architecture import hf_config_for
 from strategies.lora import AdapterSwitch
 from strategies.offload import OffloadedParts
+from strategies.packed_attention import positions_in_sequences
 
 #: Parallel settings this backend has no use for, and the value it runs them at.
 _MODEL_PARALLEL_FIELDS = {
@@ -77,6 +83,8 @@ class Fsdp2Backend:
     _adapter_switch: AdapterSwitch = attrs.field(factory=AdapterSwitch, init=False)
     #: The head applies the output layer itself (``OutputSpec.fused``).
     _fused: bool = attrs.field(default=False, init=False)
+    #: Host copies of the state an asynchronous save writes, reused by the next one.
+    _staging_buffers: dict[Any, torch.Tensor] = attrs.field(factory=dict, init=False)
 
     # -- checks --------------------------------------------------------------------------------
     def required_capabilities(self, config: PartsConfig) -> frozenset[str]:
@@ -157,27 +165,56 @@ class Fsdp2Backend:
         try:
             for index, micro_batch in enumerate(micro_batches):
                 input_ids = micro_batch.input_ids.to(device=self._device, dtype=torch.long)
-                positions = torch.arange(input_ids.shape[1], device=self._device)[None]
+                inputs = self._layout(micro_batch, input_ids.shape[1])
                 if not forward_only:
                     model.set_requires_gradient_sync(index == last)  # type: ignore[operator]
-                # Rows are right-padded and attention is causal, so no real token sees the
-                # padding after it: no padding mask, which transformers would read on the host
-                # (a device sync) to find that SDPA's own causal mask suffices.
                 if self._fused:  # the head applies the output layer, inside the model's forward
                     loss, _ = model(
                         input_ids,
-                        None,
-                        positions,
-                        functools.partial(_consume_hidden, consume, index, head_context),
+                        **inputs,
+                        fused_head=functools.partial(_consume_hidden, consume, index, head_context),
                     )
                 else:
-                    loss, _ = consume(index, model(input_ids, None, positions), head_context)
+                    loss, _ = consume(index, model(input_ids, **inputs), head_context)
                 if not forward_only:
                     loss.backward()
         except BaseException:
             if not forward_only:  # a failed step leaves no gradients behind for the next
                 sharding.drop_unreduced_gradients(model)
             raise
+
+    def _layout(self, micro_batch: MicroBatch, width: int) -> dict[str, Any]:
+        """The model's attention mask, positions and attention keywords for ``micro_batch``:
+        right-padded rows (positions from 0, no padding mask), or one packed row (positions
+        restarting at each sequence; an all-ones mask, so transformers builds no ``[T, T]``
+        one, and the sequences' offsets, host ints, for the attention of ``packed_sdpa``)."""
+        device = self._device
+        if micro_batch.cu_seqlens is None:
+            # Rows are right-padded and attention is causal, so no real token sees the padding
+            # after it: no padding mask, which transformers would read on the host (a device
+            # sync) to find that SDPA's own causal mask suffices.
+            return {
+                "attention_mask": None,
+                "position_ids": torch.arange(width, device=device)[None],
+            }
+        bounds = micro_batch.cu_seqlens.cpu()
+        return {
+            "attention_mask": torch.ones(1, width, dtype=torch.bool, device=device),
+            "position_ids": positions_in_sequences(bounds).to(device)[None],
+            PACKED_BOUNDS: tuple(bounds.tolist()),
+        }
+
+    def check_packing(self, config: PartsConfig) -> None:
+        """Packed rows need the attention of ``packed_sdpa`` (``attention="sdpa"``)."""
+        if self.attention != "sdpa":
+            raise ConfigError(
+                f"Fsdp2Backend.attention={self.attention!r} cannot run packed micro-batches "
+                "(EngineConfig.packing): use attention='sdpa', or turn packing off"
+            )
+
+    def packed_micro_batch_multiple(self, config: PartsConfig) -> int:
+        """Any number of packed micro-batches (no pipeline schedule)."""
+        return 1
 
     def train(self) -> None:
         self._require_model().train()
@@ -272,6 +309,19 @@ class Fsdp2Backend:
         from strategies.backends.fsdp2.checkpoint import save_state
 
         save_state(self._require_model(), self._optimizer, self._schedule, directory)
+
+    def stage_state(self, directory: str) -> StagedSave:
+        """``save_state``'s collective part and a host copy of the state; the DCP files are left
+        to the returned save (for ``save_checkpoint(..., async_save=True)``)."""
+        from strategies.backends.fsdp2.checkpoint import stage_state
+
+        return stage_state(
+            self._require_model(),
+            self._optimizer,
+            self._schedule,
+            directory,
+            self._staging_buffers,
+        )
 
     def load_state(self, directory: str, *, same_layout: bool) -> None:
         """Restore ``save_state``'s directory, resharded to this layout (collective)."""

@@ -1,6 +1,8 @@
 """FSDP2 backend state in a checkpoint directory: model and optimizer through
 ``torch.distributed.checkpoint`` (each rank writes its shards; a load reshards to any
 data-parallel size), the LR schedule as JSON, this rank's RNG streams as a small tensor file.
+An asynchronous save stages the same DCP files (``strategies.staged_dcp``) and writes them in
+the background.
 
 Collective: every rank calls ``save_state`` / ``load_state`` with the same directory.
 """
@@ -9,13 +11,16 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from strategies.backends.fsdp2.optimizer import LRSchedule, materialize_optimizer_state
 from strategies.distributed import barrier, rank
 from strategies.rng import rng_states, set_rng_states
+
+if TYPE_CHECKING:
+    from strategies.backends.base import StagedSave
 
 STATE_DIR = "dcp"
 SCHEDULER_FILE = "scheduler.json"
@@ -32,10 +37,38 @@ def save_state(
     rank's RNG states under ``directory``."""
     import torch.distributed.checkpoint as dcp
 
+    _make_directories(directory)
+    dcp.save(_state(model, optimizer), checkpoint_id=os.path.join(directory, STATE_DIR))
+    _save_schedule_and_rng(schedule, directory)
+
+
+def stage_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    schedule: LRSchedule | None,
+    directory: str,
+    buffers: dict[Any, torch.Tensor],
+) -> StagedSave:
+    """``save_state`` up to the model and optimizer files: planned (collective), their tensors
+    copied into ``buffers`` (host memory kept between saves), the LR schedule and RNG states
+    written; the DCP files are left to the returned save (any thread, no collectives)."""
+    from strategies.staged_dcp import stage_dcp_save
+
+    _make_directories(directory)
+    staged = stage_dcp_save(
+        _state(model, optimizer), os.path.join(directory, STATE_DIR), STATE_DIR, buffers
+    )
+    _save_schedule_and_rng(schedule, directory)
+    return staged
+
+
+def _make_directories(directory: str) -> None:
     if rank() == 0:
         os.makedirs(os.path.join(directory, RNG_DIR), exist_ok=True)
     barrier()
-    dcp.save(_state(model, optimizer), checkpoint_id=os.path.join(directory, STATE_DIR))
+
+
+def _save_schedule_and_rng(schedule: LRSchedule | None, directory: str) -> None:
     if rank() == 0 and schedule is not None:
         with open(os.path.join(directory, SCHEDULER_FILE), "w") as handle:
             json.dump(schedule.state_dict(), handle)

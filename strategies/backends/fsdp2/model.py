@@ -26,6 +26,7 @@ from typing import Any, cast
 import torch
 
 from heads.base import OutputSpec
+from strategies.backends.fsdp2.attention import packed_sdpa
 from strategies.config import PartsConfig
 from strategies.hf.architecture import hf_config_for
 from strategies.hf.experts import CheckpointLayout
@@ -60,17 +61,20 @@ class CausalModel(torch.nn.Module):
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor,
         fused_head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+        **attention: Any,
     ) -> Any:
-        """The raw output ``[b, s, features]`` of right-padded ``input_ids`` (causal; a padding
-        ``attention_mask`` only changes what the padding positions see); with ``fused_head``,
-        what ``fused_head(final hidden states, output weight)`` returns instead, computed inside
-        this forward: there FSDP2 holds the (root's) output weight gathered, and its gradient
-        reaches the reduce-scatter as the output layer's would."""
+        """The raw output ``[b, s, features]`` of ``input_ids``: right-padded rows (causal; a
+        padding ``attention_mask`` only changes what the padding positions see), or a packed row
+        with its ``attention`` keywords (``strategies.backends.fsdp2.attention``); with
+        ``fused_head``, what ``fused_head(final hidden states, output weight)`` returns instead,
+        computed inside this forward: there FSDP2 holds the (root's) output weight gathered, and
+        its gradient reaches the reduce-scatter as the output layer's would."""
         hidden = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
+            **attention,
         ).last_hidden_state
         layer = self.get_submodule(self.output_name)
         if fused_head is not None:
@@ -88,7 +92,11 @@ def build_causal_model(
     model_config = config.model
     hf_config = hf_config_for(model_config)
     with torch.device(device):
-        body = AutoModel.from_config(hf_config, attn_implementation=attention, dtype=torch.float32)
+        # sdpa: transformers' own for right-padded rows, and packed rows too
+        implementation = packed_sdpa() if attention == "sdpa" else attention
+        body = AutoModel.from_config(
+            hf_config, attn_implementation=implementation, dtype=torch.float32
+        )
         hidden = model_config.hidden_size
         if spec.kind == "vocab":
             output = torch.nn.Linear(hidden, model_config.vocab_size, bias=False)

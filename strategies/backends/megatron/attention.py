@@ -4,11 +4,12 @@ for right-padded and for packed (``thd``) micro-batches.
 Megatron's local ``DotProductAttention`` materialises the ``[batch, heads, seq, seq]`` score
 matrix (and its softmax, kept for backward) and refuses ``PackedSeqParams`` (only
 TransformerEngine's attention takes the ``thd`` layout). This subclass computes the same causal
-attention with SDPA, whose fused kernels hold no score matrix and skip the masked half:
+attention with SDPA (``strategies.packed_attention``), whose fused kernels hold no score matrix
+and skip the masked half:
 
 * right-padded rows (the engine passes no attention mask, so the local path applies its causal
-  mask to the whole row): one causal SDPA call over the row. Every position, padding included,
-  gets what the local path gives it; real tokens never see the padding after them.
+  mask to the whole row): one causal SDPA call over the micro-batch. Every position, padding
+  included, gets what the local path gives it; real tokens never see the padding after them.
 * packed rows: sequence by sequence, causal inside each, so attention never crosses a sequence
   boundary and the cost grows with the sum of the squared sequence lengths, not the squared row
   length; megatron's rotary embedding already restarts positions at each sequence in the
@@ -25,13 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from heads.errors import ConfigError
+from strategies.packed_attention import attend_per_sequence
 
 
 @functools.cache
@@ -42,7 +43,8 @@ def packed_dot_product_attention() -> type:
     from megatron.core.transformer.enums import AttnMaskType
 
     class PackedDotProductAttention(DotProductAttention):  # type: ignore[misc, unused-ignore]
-        """Local core attention; packed ``thd`` input is attended sequence by sequence."""
+        """Local core attention through SDPA: padded rows in one call, packed ``thd`` input
+        sequence by sequence."""
 
         def forward(
             self,
@@ -60,75 +62,49 @@ def packed_dot_product_attention() -> type:
                         "packed micro-batches on megatron's local layer spec support causal "
                         "self-attention in the thd layout with vanilla softmax only"
                     )
-                return self._packed(query, key, value, packed_seq_params)
+                # [t, heads, dim] -> [1, heads, t, dim] and back
+                q, k, v = (x.transpose(0, 1)[None] for x in (query, key, value))
+                out = self._attend(q, k, v, packed_seq_params.cu_seqlens_q.tolist())
+                return out[0].transpose(0, 1).reshape(query.shape[0], -1)
             if attention_mask is None and attention_bias is None and self._sdpa_expresses_it():
-                return self._padded(query, key, value)
+                # right-padded rows: [s, b, heads, dim] -> [b, heads, s, dim] and back
+                q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+                out = self._attend(q, k, v, (0, query.shape[0]))
+                return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
             return super().forward(  # type: ignore[no-any-return, unused-ignore]
                 query, key, value, attention_mask, attn_mask_type, attention_bias
             )
 
         def _sdpa_expresses_it(self) -> bool:
-            """Causal self-attention with a vanilla softmax: what one SDPA call computes."""
+            """Causal self-attention with a vanilla softmax: what SDPA computes."""
             return self.softmax_offset is None and self.attn_mask_type == AttnMaskType.causal
 
-        def _padded(
-            self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+        def _attend(
+            self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: Sequence[int]
         ) -> torch.Tensor:
-            """Right-padded rows, ``query`` ``[s, b, heads, dim]``, ``key``/``value``
-            ``[s, b, groups, dim]`` -> ``[s, b, heads * dim]``: the local path's causal mask
-            over the whole row, so every position (padding too) gets what the local path gives
-            it, without the ``[b, heads, s, s]`` score matrix."""
-            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-            with self._dropout_rng():
-                out = self._attend(q, k, v)
-            return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
-
-        def _packed(
-            self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any
-        ) -> torch.Tensor:
-            """``query`` ``[t, heads, dim]``, ``key``/``value`` ``[t, groups, dim]`` ->
-            ``[t, heads * dim]``, causal inside each ``cu_seqlens_q`` segment."""
-            bounds = params.cu_seqlens_q.tolist()
-            pieces = []
-            with self._dropout_rng():
-                for start, end in itertools.pairwise(bounds):
-                    # [s, heads, dim] -> [1, heads, s, dim]: 4-D input lets the CPU pick its
-                    # fused (flash) kernel, which also skips the causal half
-                    q, k, v = (x[start:end].transpose(0, 1)[None] for x in (query, key, value))
-                    pieces.append(self._attend(q, k, v)[0].transpose(0, 1))
-            return torch.cat(pieces).reshape(query.shape[0], -1)
-
-        def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             """Causal attention of ``[n, heads, s, dim]`` queries over ``[n, groups, s, dim]``
-            keys and values with the local path's scale, sliding window and dropout."""
+            keys and values inside each segment of ``bounds``, with the local path's scale,
+            sliding window and dropout."""
             scale = self.softmax_scale
             if self.config.apply_query_key_layer_scaling:  # the softmax multiplies it back
                 scale *= self.layer_number
-            # the local path's own choice for this layer (window_size, window_attn_skip_freq)
-            window: tuple[int, int] | None = self.scale_mask_softmax.window_size
-            return F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=None if window is None else _window(q.shape[2], window, q),
-                dropout_p=self.attention_dropout.p if self.training else 0.0,
-                is_causal=window is None,
-                scale=scale,
-                enable_gqa=k.shape[1] != q.shape[1],
+            dropout = self.attention_dropout.p if self.training else 0.0
+            # as the local path: each tensor-parallel rank draws its own dropout (its heads)
+            random = (
+                tensor_parallel.get_cuda_rng_tracker().fork()
+                if dropout and not self.config.sequence_parallel
+                else contextlib.nullcontext()
             )
-
-        def _dropout_rng(self) -> contextlib.AbstractContextManager[Any]:
-            """As the local path: each tensor-parallel rank draws its own dropout (its heads)."""
-            if self.attention_dropout.p and self.training and not self.config.sequence_parallel:
-                return tensor_parallel.get_cuda_rng_tracker().fork()
-            return contextlib.nullcontext()
+            with random:
+                return attend_per_sequence(
+                    q,
+                    k,
+                    v,
+                    bounds,
+                    scale=scale,
+                    # the local path's own choice for this layer (window_attn_skip_freq)
+                    window=self.scale_mask_softmax.window_size,
+                    dropout=dropout,
+                )
 
     return PackedDotProductAttention
-
-
-def _window(length: int, window: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
-    """Which keys each query of a ``length``-token sequence sees under megatron's sliding window
-    ``(left, right)``: keys ``i - left`` to ``i + right`` (True: attended), as its local mask."""
-    offsets = torch.arange(length, device=like.device)
-    relative = offsets[None, :] - offsets[:, None]  # key - query
-    return (relative >= -window[0]) & (relative <= window[1])

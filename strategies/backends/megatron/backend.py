@@ -38,6 +38,7 @@ from strategies.distributed import all_reduce_values
 from strategies.lora import AdapterSwitch
 from strategies.megatron_version import check_megatron_version
 from strategies.offload import OffloadedParts
+from strategies.packed_attention import positions_in_sequences
 from strategies.publish import FileChecksums
 
 if TYPE_CHECKING:
@@ -624,10 +625,8 @@ def packed_layout(
     bounds = cu_seqlens.to(dtype=torch.int32)
     if width > int(bounds[-1]):
         bounds = torch.cat([bounds, bounds.new_tensor([width])])
-    lengths = bounds.diff()
-    longest = int(lengths.max())
-    starts = torch.repeat_interleave(bounds[:-1], lengths)
-    positions = (torch.arange(width, dtype=torch.int32) - starts).to(device, torch.long)[None]
+    longest = int(bounds.diff().max())
+    positions = positions_in_sequences(bounds).to(device)[None]
     bounds = bounds.to(device)
     packed = PackedSeqParams(
         qkv_format="thd",

@@ -9,7 +9,6 @@ load strategy reads the result.
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -19,18 +18,11 @@ from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_conf
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-from torch.distributed.checkpoint.filesystem import _write_item
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
-from strategies.publish import ChecksummedFile, FileChecksums
-
-#: Each item as ``torch.save`` bytes, what megatron's loader expects (torch >= 2.7 asks).
-_ITEM_FORMAT: dict[str, Any] = {}
-if "serialization_format" in inspect.signature(_write_item).parameters:
-    from torch.distributed.checkpoint.filesystem import SerializationFormat
-
-    _ITEM_FORMAT["serialization_format"] = SerializationFormat.TORCH_SAVE
+from strategies.publish import FileChecksums
+from strategies.staged_dcp import copy_to_host, write_checksummed
 
 
 class ChecksummingSaveStrategy(TorchDistSaveShardedStrategy):
@@ -82,13 +74,10 @@ class ChecksummingSaveStrategy(TorchDistSaveShardedStrategy):
         """Write each bucket's file, checksumming it (into ``checksums``)."""
         results: dict[int, list[WriteResult]] = {}
         for index, (path, key, (bytes_data, tensor_data)) in enumerate(writer.write_buckets):
-            with ChecksummedFile(path) as stream:
-                results[index] = [
-                    _write_item(writer.transforms, stream, data, item, key, **_ITEM_FORMAT)
-                    for item, data in [*bytes_data, *[(i, _on_cpu(t)) for i, t in tensor_data]]
-                ]
-                stream.sync()
-            self.checksums[os.path.basename(path)] = stream.entry()
+            results[index], entry = write_checksummed(
+                path, key, writer.transforms, [*bytes_data, *tensor_data]
+            )
+            self.checksums[os.path.basename(path)] = entry
         return results
 
     def write_staged(self) -> list[WriteResult]:
@@ -108,24 +97,13 @@ class ChecksummingSaveStrategy(TorchDistSaveShardedStrategy):
 
 
 def _staged(buckets: list[Any], buffers: dict[Any, torch.Tensor]) -> list[Any]:
-    """``buckets`` with every tensor copied into its buffer (made or remade where missing or of
-    another shape); ``buffers`` keeps only those used."""
+    """``buckets`` with every tensor copied into its host buffer; ``buffers`` keeps only those
+    used."""
     used: dict[Any, torch.Tensor] = {}
-    staged = []
-    for path, key, (bytes_data, tensor_data) in buckets:
-        copies = []
-        for item, tensor in tensor_data:
-            name = (item.index.fqn, tuple(item.index.offset or ()))
-            buffer = buffers.get(name)
-            if buffer is None or (buffer.shape, buffer.dtype) != (tensor.shape, tensor.dtype):
-                buffer = torch.empty_like(tensor, device="cpu")
-            used[name] = buffer.copy_(tensor.detach())
-            copies.append((item, used[name]))
-        staged.append((path, key, (bytes_data, copies)))
+    staged = [
+        (path, key, (bytes_data, copy_to_host(tensor_data, buffers, used)))
+        for path, key, (bytes_data, tensor_data) in buckets
+    ]
     buffers.clear()
     buffers.update(used)
     return staged
-
-
-def _on_cpu(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if tensor.device.type == "cpu" else tensor.to("cpu")

@@ -44,16 +44,14 @@ def test_train_prints_one_metrics_line_per_step_and_learns(head: str, backend: s
     assert "is_fx_tracing" not in result.stderr  # torch's notice users cannot act on
 
 
-def test_train_with_packing_learns_and_a_backend_without_it_refuses_by_name() -> None:
+@pytest.mark.parametrize("backend", ["megatron", "fsdp2"])
+def test_train_with_packing_learns(backend: str) -> None:
     packed = ("train", "--head", "value", "--steps", "10", "--seed", "3", "--packing")
-    result = run(*packed, "--max-tokens-per-micro-batch", "128")
+    result = run(*packed, "--max-tokens-per-micro-batch", "128", "--backend", backend)
     assert result.returncode == 0, result.stderr[-2000:]
     losses = [float(m.group(3)) for m in map(STEP_LINE.match, result.stdout.splitlines()) if m]
     assert len(losses) == 10
     assert sum(losses[-3:]) < sum(losses[:3])
-    refused = run(*packed, "--backend", "fsdp2")
-    assert refused.returncode == 2
-    assert "the fsdp2 backend lacks the 'packing' ability" in refused.stderr
 
 
 @pytest.mark.parametrize(
@@ -120,17 +118,10 @@ def test_matrix_lists_every_cell_and_why_npu_cannot_run_here() -> None:
         for backend in ("megatron", "fsdp2")
         for device in ("cpu", "cuda", "npu")
     }
-    common = ["checkpoints", "huggingface_export", "offload"]
+    common = ["checkpoints", "async_checkpoints", "huggingface_export", "offload", "packing"]
     assert report["backend_abilities"]["fsdp2"] == [*common, "lora"]
-    assert report["backend_abilities"]["megatron"] == [
-        "checkpoints",
-        "async_checkpoints",
-        *common[1:],
-        "packing",
-        "router_replay",
-        "router_statistics",
-        "lora",
-    ]
+    megatron = [*common, "router_replay", "router_statistics", "lora"]
+    assert report["backend_abilities"]["megatron"] == megatron
     for backend in ("megatron", "fsdp2"):
         assert cells[("value", backend, "cpu")]["runs_here"]
     npu = cells[("value", "megatron", "npu")]

@@ -1,11 +1,13 @@
 """FSDP2 checkpoints inside the engine's publish scheme: exact resume, resharding between
-data-parallel sizes, a killed save leaves the previous checkpoint latest, damaged checkpoints
-are refused with the engine unchanged, and a checkpoint of the other backend is refused naming
-both backends."""
+data-parallel sizes, a killed save (synchronous or asynchronous) leaves the previous checkpoint
+latest, training goes on during an asynchronous save, damaged checkpoints are refused with the
+engine unchanged, and a checkpoint of the other backend is refused naming both backends."""
 
 from __future__ import annotations
 
+import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 from engine import Engine
-from engine.checkpointing import KILL_AT_ENV, complete_checkpoints
+from engine.checkpointing import KILL_AT_ENV, MANIFEST, complete_checkpoints
 from engine.data.batching import take_rows
 from engine.losses import sft_loss, value_regression_loss
 from heads.errors import CheckpointError
@@ -155,39 +157,109 @@ def test_a_checkpoint_of_the_other_backend_is_refused_naming_both(
         _engine(backend="megatron").load_checkpoint(from_fsdp2)
 
 
-def save_then_die(root: str, stage: str) -> None:
-    """Save step 1 normally, train, then die at ``stage`` while saving step 2."""
+def save_then_die(root: str, stage: str, async_save: bool = False) -> None:
+    """Save step 1 normally, train, then die at ``stage`` while saving step 2 (with
+    ``async_save``: in the background, while training goes on)."""
     engine = _engine()
     _train(engine, "lm", range(1))
     engine.save_checkpoint(root)
     _train(engine, "lm", range(1, 2))
     os.environ[KILL_AT_ENV] = stage
-    engine.save_checkpoint(root)
+    engine.save_checkpoint(root, async_save=async_save)
+    if async_save:
+        _train(engine, "lm", range(2, 40))
+        engine.wait_for_checkpoint()
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("stage", ["after_state", "before_rename"])
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("stage", ["after_state", "before_manifest", "before_rename"])
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_as_latest(
-    tmp_path: Path, stage: str
+    tmp_path: Path, stage: str, async_save: bool
 ) -> None:
     with pytest.raises(RankFailure, match="exited -9"):
-        run_ranks(save_then_die, 1, str(tmp_path), stage, timeout=180)
+        run_ranks(save_then_die, 1, str(tmp_path), stage, async_save, timeout=180)
     assert [step for step, _ in complete_checkpoints(str(tmp_path))] == [1]
-    assert any(name.startswith(".tmp-global_step_2-") for name in os.listdir(tmp_path))
+    leftovers = [name for name in os.listdir(tmp_path) if name.startswith(".tmp-global_step_2-")]
+    assert leftovers
     engine = _engine()
     assert engine.load_checkpoint(tmp_path) == str(tmp_path / "global_step_1")
     assert engine.global_step == 1
+    engine.save_checkpoint(tmp_path)  # the next save removes what the killed one left
+    assert not any(name in os.listdir(tmp_path) for name in leftovers)
 
 
-def train_save_and_infer(root: str) -> dict[str, Any]:
-    """Train 2 steps and save (or, where there is a checkpoint, load it); infer; train 2 more."""
+@pytest.fixture
+def gated_async_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Asynchronous saves write their DCP files only once the returned event is set."""
+    from strategies.staged_dcp import StagedDcpSave
+    from tests.engine.test_checkpoint import gated
+
+    return gated(monkeypatch, StagedDcpSave, "write")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("head", ["lm", "value"])
+def test_training_goes_on_during_an_async_save_and_resuming_from_it_is_bit_exact(
+    tmp_path: Path, gated_async_writes: threading.Event, head: str
+) -> None:
+    original = _engine(head)
+    _train(original, head, range(2))
+    saved = original.save_checkpoint(tmp_path, async_save=True)
+    assert saved == str(tmp_path / "global_step_2")
+    expected = _train(original, head, range(2, 4))  # while the save is in flight
+    assert complete_checkpoints(str(tmp_path)) == []  # nothing published before it is written
+    gated_async_writes.set()
+    assert original.wait_for_checkpoint() == saved
+    assert os.listdir(tmp_path) == ["global_step_2"]
+    files = json.loads((tmp_path / "global_step_2" / MANIFEST).read_text())["files"]
+    assert sorted(files) == [
+        "dcp/.metadata", "dcp/__0_0.distcp", "rng/rank_0.pt", "scheduler.json"
+    ]  # fmt: skip
+
+    resumed = _engine(head)
+    assert resumed.load_checkpoint(tmp_path) == saved
+    assert resumed.global_step == 2
+    assert _train(resumed, head, range(2, 4)) == expected
+    _assert_same_weights(_weights(resumed), _weights(original))
+
+
+@pytest.mark.timeout(180)
+def test_a_failed_background_write_raises_checkpoint_error_and_leaves_only_the_latest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from strategies.staged_dcp import StagedDcpSave
+
+    engine = _engine()
+    _train(engine, "lm", range(1))
+    engine.save_checkpoint(tmp_path)
+
+    def fail(self: StagedDcpSave) -> Any:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(StagedDcpSave, "write", fail)
+    engine.save_checkpoint(tmp_path, global_step=2, async_save=True)
+    _train(engine, "lm", range(1, 2))
+    with pytest.raises(CheckpointError, match=r"rank 0 could not write its files: .*No space left"):
+        engine.wait_for_checkpoint()
+    assert os.listdir(tmp_path) == ["global_step_1"]  # the failed save's directory is gone
+    assert engine.wait_for_checkpoint() is None  # raised once
+    monkeypatch.undo()
+    assert engine.save_checkpoint(tmp_path, async_save=True) == str(tmp_path / "global_step_2")
+    assert engine.load_checkpoint(tmp_path) == str(tmp_path / "global_step_2")
+
+
+def train_save_and_infer(root: str, async_save: bool = False) -> dict[str, Any]:
+    """Train 2 steps and save (with ``async_save``: in the background while inferring), or,
+    where there is a checkpoint, load it; infer; train 2 more."""
     engine = _engine()
     if os.listdir(root):
         engine.load_checkpoint(root)
     else:
         _train(engine, "lm", range(2))
-        engine.save_checkpoint(root)
+        engine.save_checkpoint(root, async_save=async_save)
     outputs = engine.infer_batch(random_batch(LENGTHS, 64, seed=9))
+    engine.wait_for_checkpoint()
     return {
         "log_probs": outputs["log_probs"].values().clone(),
         "losses": _train(engine, "lm", range(2, 4)),
@@ -197,12 +269,21 @@ def train_save_and_infer(root: str) -> dict[str, Any]:
 
 @pytest.mark.timeout(400)
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("saved_by", "loaded_by"), [(2, 1), (1, 2)], ids=["dp2-to-1", "1-to-dp2"])
+@pytest.mark.parametrize(
+    ("saved_by", "loaded_by", "async_save"),
+    [(2, 1, False), (1, 2, False), (2, 1, True)],
+    ids=["dp2-to-1", "1-to-dp2", "async-dp2-to-1"],
+)
 def test_a_checkpoint_reshards_between_data_parallel_sizes(
-    tmp_path: Path, saved_by: int, loaded_by: int
+    tmp_path: Path, saved_by: int, loaded_by: int, async_save: bool
 ) -> None:
     root = str(tmp_path)
-    saved = run_ranks(train_save_and_infer, saved_by, root, timeout=240)
+    saved = run_ranks(train_save_and_infer, saved_by, root, async_save, timeout=240)
+    if async_save:  # every rank's file, under rank 0's metadata, published whole
+        files = json.loads(next(tmp_path.glob("global_step_*/manifest.json")).read_text())
+        assert sorted(name for name in files["files"] if name.startswith("dcp/")) == [
+            "dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"
+        ]  # fmt: skip
     loaded = run_ranks(train_save_and_infer, loaded_by, root, timeout=240)
     for report in loaded:
         # weights, Adam moments and the LR schedule resharded: training continues alike

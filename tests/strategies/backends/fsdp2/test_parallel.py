@@ -85,3 +85,47 @@ def test_two_data_parallel_ranks_match_one_process(
         print(f"{backend or 'fsdp'} {head}: max |2 ranks - 1 process| weight = {diff:.1e}")
         first, second = (report[head]["weights"] for report in reports)
         assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+def packed_and_padded_gradients() -> dict[str, Any]:
+    """On every rank: for each head, the loss and the full (reduced) gradients of this rank's
+    shard of one batch, padded and packed."""
+    from engine.data.batching import take_rows
+    from tests.engine.test_packing import loss_and_gradients
+    from tests.factories import random_batch
+    from tests.strategies.backends.fsdp2.test_packing import HEADS, build
+
+    report: dict[str, Any] = {}
+    for head in HEADS:
+        for name, layout in (
+            ("padded", {"micro_batch_size": 2}),
+            ("packed", {"packing": True, "max_tokens_per_micro_batch": 24}),
+        ):
+            engine = build(head, **layout)
+            rank, size = engine.get_data_parallel_rank(), engine.get_data_parallel_size()
+            shard = len(LENGTHS) // size
+            batch = take_rows(
+                random_batch(LENGTHS, 64, seed=3), slice(rank * shard, (rank + 1) * shard)
+            )
+            report[head, name] = loss_and_gradients(engine, batch)
+    return report
+
+
+@pytest.mark.timeout(300)
+def test_packed_micro_batches_equal_padded_ones_on_two_data_parallel_ranks() -> None:
+    """lm (with entropy), value and reward at DP=2: each rank's loss and the reduced gradients
+    of packed micro-batches equal the padded ones within 1e-5."""
+    reports = run_ranks(packed_and_padded_gradients, 2, timeout=240)
+    for report in reports:
+        for head in ("lm", "value", "reward"):
+            loss, grads = report[head, "padded"]
+            packed_loss, packed_grads = report[head, "packed"]
+            assert packed_loss == pytest.approx(loss, rel=1e-5, abs=1e-5)
+            assert any(bool(grad.abs().sum() > 0) for grad in grads.values())
+            for name, grad in grads.items():
+                torch.testing.assert_close(
+                    packed_grads[name], grad, rtol=1e-5, atol=1e-5, msg=f"{head} {name}"
+                )
+    for head in ("lm", "value", "reward"):  # the gradients are reduced over both ranks
+        first, second = (report[head, "packed"][1] for report in reports)
+        assert all(torch.equal(first[name], second[name]) for name in first)
