@@ -308,15 +308,20 @@ class Engine:
             index: int, raw: torch.Tensor, head_ctx: HeadContext
         ) -> tuple[torch.Tensor, dict[str, Any]]:
             micro_batch: MicroBatch = micro_batches[index]
-            data = micro_batch.data.to(device)
+            # host-to-device copies that do not wait for the device's queue
+            data = micro_batch.data.to(device, non_blocking=True)
             packed = micro_batch.cu_seqlens
             head_ctx = attrs.evolve(
                 head_ctx,
                 sequence_lengths=micro_batch.lengths,
-                cu_seqlens=None if packed is None else packed.to(device),
+                cu_seqlens=None if packed is None else packed.to(device, non_blocking=True),
             )
             # the ids the model ran on: the padded ones are already on the device with ``data``
-            model_ids = data[INPUT_IDS] if packed is None else micro_batch.input_ids.to(device)
+            model_ids = (
+                data[INPUT_IDS]
+                if packed is None
+                else micro_batch.input_ids.to(device, non_blocking=True)
+            )
             outputs = apply_head(self.head, raw, model_ids, head_ctx)
             check_results(self.head, outputs, model_ids, head_ctx, deferred=step.checks)
             if packed is not None:  # loss functions see right-padded rows

@@ -215,7 +215,9 @@ def shift_to_scored_token(
     shifted = torch.zeros_like(per_position)
     shifted[:, 1:] = per_position[:, :-1]
     if ctx is not None and ctx.cu_seqlens is not None:
-        starts = ctx.cu_seqlens[:-1].to(device=per_position.device, dtype=torch.long)
+        starts = ctx.cu_seqlens[:-1].to(
+            device=per_position.device, dtype=torch.long, non_blocking=True
+        )
         shifted = shifted.index_fill(1, starts, 0)
     return shifted
 
@@ -224,12 +226,12 @@ def at_last_token(per_position: torch.Tensor, ctx: HeadContext) -> torch.Tensor:
     """Each sequence's value at its own last token, ``[num_sequences, *features]``: from a
     packed row (``ctx.cu_seqlens``) or from right-padded rows ``[batch, seq, *features]``."""
     if ctx.cu_seqlens is not None:
-        ends = ctx.cu_seqlens[1:].to(device=per_position.device, dtype=torch.long) - 1
+        ends = ctx.cu_seqlens[1:].to(per_position.device, torch.long, non_blocking=True) - 1
         return per_position[0, ends]
     rows = torch.arange(per_position.shape[0], device=per_position.device)
     if ctx.sequence_lengths is None:
         return per_position[:, -1]
-    last = ctx.sequence_lengths.to(device=per_position.device, dtype=torch.long) - 1
+    last = ctx.sequence_lengths.to(per_position.device, torch.long, non_blocking=True) - 1
     return per_position[rows, last]
 
 
@@ -279,7 +281,9 @@ def check_results(
             )
         if granularity != PER_TOKEN:
             continue
-        firsts = value[:, 0] if starts is None else value[0, starts.to(value.device)]
+        firsts = (
+            value[:, 0] if starts is None else value[0, starts.to(value.device, non_blocking=True)]
+        )
         place = "position 0" if starts is None else "a sequence's first position"
         message = (
             f"{where}: per-token output {key!r} has a value at {place}; entry t must score "

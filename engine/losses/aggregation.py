@@ -58,7 +58,8 @@ def zero_masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``values`` with the masked-out positions set to 0 by ``torch.where``: NaN/inf there reach
     neither the result nor (as NaN) the gradient. Apply it to the inputs of a per-token
     computation *before* any nonlinearity (``0 * exp(nan)`` is NaN in backward)."""
-    return torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype))
+    # a zero made on the values' device: a host-made one would be copied over at every call
+    return torch.where(mask.bool(), values, values.new_zeros(()))
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -69,9 +70,13 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return total / torch.where(count > 0, count, torch.ones_like(count))
 
 
-def token_mean(values: torch.Tensor, mask: torch.Tensor, count: float) -> torch.Tensor:
+def token_mean(
+    values: torch.Tensor, mask: torch.Tensor, count: float | torch.Tensor
+) -> torch.Tensor:
     """This micro-batch's share of the global token mean; masked-out NaN/inf never leak in."""
     masked = torch.where(mask.bool(), values, torch.zeros_like(values))
+    if isinstance(count, torch.Tensor):
+        return (masked * mask).sum() / count.clamp(min=1.0)
     return (masked * mask).sum() / max(count, 1.0)
 
 
@@ -139,8 +144,12 @@ def aggregate(
 
 
 def local_context(ctx: LossContext, mask: torch.Tensor, mask_key: str) -> LossContext:
-    """A context whose global counts are this micro-batch's own (for local metrics)."""
-    counts = {SEQUENCES: float(mask.shape[0]), mask_key: float(mask.float().sum())}
+    """A context whose global counts are this micro-batch's own (for local metrics); the mask's
+    sum stays on the device (reading it would wait for the device)."""
+    counts: dict[str, float | torch.Tensor] = {
+        SEQUENCES: float(mask.shape[0]),
+        mask_key: mask.float().sum(),
+    }
     return attrs.evolve(ctx, global_counts=counts)
 
 
@@ -149,5 +158,7 @@ def _compute_dtype(values: torch.Tensor) -> torch.dtype:
     return torch.promote_types(values.dtype, torch.float32)
 
 
-def _denominator(count: float) -> float:
+def _denominator(count: float | torch.Tensor) -> float | torch.Tensor:
+    if isinstance(count, torch.Tensor):
+        return torch.where(count > 0, count, torch.ones_like(count))
     return count if count > 0 else 1.0

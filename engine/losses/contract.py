@@ -40,10 +40,11 @@ class LossContext:
     num_micro_batches: int
     data_parallel_size: int
     #: Global (all data-parallel ranks) sums: ``scored_tokens``, ``sequences`` and every
-    #: per-token field whose name ends in ``mask``.
-    global_counts: Mapping[str, float]
+    #: per-token field whose name ends in ``mask``. Numbers; a one-element tensor where a count
+    #: is left on the device (``aggregation.local_context``, for this micro-batch's metrics).
+    global_counts: Mapping[str, float | torch.Tensor]
 
-    def global_count(self, key: str) -> float:
+    def global_count(self, key: str) -> float | torch.Tensor:
         try:
             return self.global_counts[key]
         except KeyError:

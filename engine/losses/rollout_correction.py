@@ -108,7 +108,7 @@ def rollout_weights(
         dtype = torch.promote_types(dtype, given)
     old = old_log_probs.detach().to(dtype)
     rollout = rollout_log_probs.detach().to(dtype)
-    log_ratio = torch.where(active, old - rollout, torch.zeros((), dtype=dtype))
+    log_ratio = torch.where(active, old - rollout, old.new_zeros((), dtype=dtype))
     if correction.level == "token":
         log_weight = log_ratio
     else:
@@ -122,9 +122,9 @@ def rollout_weights(
         dropped = torch.zeros_like(active)
     else:
         kept = (raw >= correction.lower_bound) & (raw <= correction.upper)
-        weights = torch.where(kept, raw, torch.zeros((), dtype=dtype))
+        weights = torch.where(kept, raw, raw.new_zeros(()))
         dropped = active & ~kept
-    zero = torch.zeros((), dtype=dtype)
+    zero = weights.new_zeros((), dtype=dtype)
     return RolloutWeights(
         weights=torch.where(active, weights, zero), dropped=dropped, log_ratio=log_ratio
     )
@@ -146,7 +146,7 @@ def rollout_metrics(weights: RolloutWeights, mask: torch.Tensor) -> dict[str, to
     return {
         "rollout_is_mean": masked_mean(applied, mask),
         # the weights are >= 0, so a masked-out 0 never wins and no masked-in token gives 0
-        "rollout_is_max": torch.where(active, applied, torch.zeros((), dtype=applied.dtype)).max(),
+        "rollout_is_max": torch.where(active, applied, applied.new_zeros(())).max(),
         "rollout_is_dropped": masked_mean(weights.dropped.to(applied.dtype), mask),
         "rollout_is_seq_dropped": dropped_sequences / sequences.clamp(min=1),
         "rollout_old_kl": masked_mean(-log_ratio, mask),

@@ -33,8 +33,16 @@ def packed_sdpa() -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    def causal_mask(*args: Any, **kwargs: Any) -> Any:
+        """transformers' SDPA mask, told there is no padding: the engine's rows are
+        right-padded and causal, so no real token sees the padding after it, and a packed row
+        is attended per sequence whatever the mask. Reading the 2-D mask (to find it all ones)
+        would wait for the device once per micro-batch."""
+        kwargs["attention_mask"] = None
+        return sdpa_mask(*args, **kwargs)
+
     AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
-    AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
+    AttentionMaskInterface.register(PACKED_SDPA, causal_mask)
     return PACKED_SDPA
 
 

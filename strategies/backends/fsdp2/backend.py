@@ -164,7 +164,9 @@ class Fsdp2Backend:
         head_context = HeadContext()
         try:
             for index, micro_batch in enumerate(micro_batches):
-                input_ids = micro_batch.input_ids.to(device=self._device, dtype=torch.long)
+                input_ids = micro_batch.input_ids.to(
+                    device=self._device, dtype=torch.long, non_blocking=True
+                )
                 inputs = self._layout(micro_batch, input_ids.shape[1])
                 if not forward_only:
                     model.set_requires_gradient_sync(index == last)  # type: ignore[operator]
@@ -185,22 +187,23 @@ class Fsdp2Backend:
 
     def _layout(self, micro_batch: MicroBatch, width: int) -> dict[str, Any]:
         """The model's attention mask, positions and attention keywords for ``micro_batch``:
-        right-padded rows (positions from 0, no padding mask), or one packed row (positions
+        right-padded rows (positions from 0, no padding read), or one packed row (positions
         restarting at each sequence; an all-ones mask, so transformers builds no ``[T, T]``
         one, and the sequences' offsets, host ints, for the attention of ``packed_sdpa``)."""
         device = self._device
+        rows = micro_batch.input_ids.shape[0]
         if micro_batch.cu_seqlens is None:
             # Rows are right-padded and attention is causal, so no real token sees the padding
-            # after it: no padding mask, which transformers would read on the host (a device
-            # sync) to find that SDPA's own causal mask suffices.
+            # after it: an all-ones mask (with none, transformers would look for packing in the
+            # positions, reading them on the host), which the mask of ``packed_sdpa`` ignores.
             return {
-                "attention_mask": None,
+                "attention_mask": torch.ones(rows, width, dtype=torch.bool, device=device),
                 "position_ids": torch.arange(width, device=device)[None],
             }
         bounds = micro_batch.cu_seqlens.cpu()
         return {
             "attention_mask": torch.ones(1, width, dtype=torch.bool, device=device),
-            "position_ids": positions_in_sequences(bounds).to(device)[None],
+            "position_ids": positions_in_sequences(bounds).to(device, non_blocking=True)[None],
             PACKED_BOUNDS: tuple(bounds.tolist()),
         }
 

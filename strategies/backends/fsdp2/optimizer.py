@@ -135,10 +135,11 @@ def clip_gradients(
     params = [param for param in parameters if param.grad is not None]
     if max_norm <= 0 or not params:
         return
+    # clip_grads_with_norm_'s factor, worked out on the host in the gradients' dtype (as it does
+    # on the device) from the norm already read: no host-to-device copy of the norm
     grad = cast(torch.Tensor, params[0].grad)
-    # The dtype get_total_norm gives the norm (the gradients'), so the factor is the same.
-    total = torch.tensor(grad_norm, dtype=grad.dtype, device=grad.device)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    factor = (max_norm / (torch.tensor(grad_norm, dtype=grad.dtype) + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_([cast(torch.Tensor, p.grad) for p in params], float(factor))
 
 
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

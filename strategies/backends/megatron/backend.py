@@ -243,7 +243,7 @@ class MegatronBackend:
 
         def forward_step(iterator: Iterator[tuple[int, MicroBatch]], model: Any) -> Any:
             index, micro_batch = next(iterator)
-            input_ids = micro_batch.input_ids.to(device=device, dtype=torch.long)
+            input_ids = micro_batch.input_ids.to(device=device, dtype=torch.long, non_blocking=True)
             length, width = input_ids.shape[1], widths[index]
             extra: dict[str, Any] = {}
             if routing.is_moe:  # routers leave the padding out of their losses and counts
@@ -626,8 +626,8 @@ def packed_layout(
     if width > int(bounds[-1]):
         bounds = torch.cat([bounds, bounds.new_tensor([width])])
     longest = int(bounds.diff().max())
-    positions = positions_in_sequences(bounds).to(device)[None]
-    bounds = bounds.to(device)
+    positions = positions_in_sequences(bounds).to(device, non_blocking=True)[None]
+    bounds = bounds.to(device, non_blocking=True)
     packed = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=bounds,
