@@ -51,13 +51,13 @@ def count_syncs(backend: str, head: str, device: str) -> tuple[int, collections.
     with engine.train_mode():
         engine.train_batch(lm_batch(0) if head == "lm" else batch, loss)
         torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:  # the step's alone
+                warnings.simplefilter("always")
                 engine.train_batch(batch, loss)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     for warning in caught:
         if "synchroniz" in str(warning.message):
             sites[f"{warning.filename}:{warning.lineno}"] += 1
