@@ -49,6 +49,7 @@ from heads.vocab_parallel import (
     chunk_gradient,
     chunk_statistics,
     finish_statistics,
+    save_and_shape,
     target_columns,
     work_view,
 )
@@ -234,17 +235,10 @@ class _FusedLogProbsAndEntropy(torch.autograd.Function):
             all_reduce_over(stats, dist.ReduceOp.SUM, group)
         log_probs, log_sum, entropy = finish_statistics(stats, row_max, temp)
 
-        saved = [hidden, weight, local_targets, row_max, log_sum]
-        if entropy is not None:
-            saved.append(entropy)
-        ctx.save_for_backward(*saved)
         ctx.temp = temp
         ctx.tile = tile
-        ctx.set_materialize_grads(False)
-        shape = hidden.shape[:-1]
-        if entropy is None:
-            return log_probs.view(shape)
-        return log_probs.view(shape), entropy.view(shape)
+        saved = [hidden, weight, local_targets, row_max]
+        return save_and_shape(ctx, saved, log_probs, log_sum, entropy, hidden.shape[:-1])
 
     @staticmethod
     @once_differentiable

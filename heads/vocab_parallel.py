@@ -194,6 +194,26 @@ def finish_statistics(
     return log_probs, log_sum, entropy
 
 
+def save_and_shape(
+    ctx: Any,
+    saved: list[torch.Tensor],
+    log_probs: torch.Tensor,
+    log_sum: torch.Tensor,
+    entropy: torch.Tensor | None,
+    shape: torch.Size,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The end of both forwards: save ``saved`` + the row maxima's ``log_sum`` (+ entropy) for
+    backward and return the per-token results in the input's leading ``shape``."""
+    saved = [*saved, log_sum]
+    if entropy is not None:
+        saved.append(entropy)
+    ctx.save_for_backward(*saved)
+    ctx.set_materialize_grads(False)
+    if entropy is None:
+        return log_probs.view(shape)
+    return log_probs.view(shape), entropy.view(shape)
+
+
 class UpstreamGradients:
     """The per-token coefficients of the logits' gradient for upstream gradients ``g_lp``
     (log-probs) and ``g_h`` (entropy): ``dx = p * (base + slope * log p) + onehot(t) * g_lp / T``
@@ -315,17 +335,10 @@ class _LogProbsAndEntropy(torch.autograd.Function):
         all_reduce_over(stats, dist.ReduceOp.SUM, group)
         log_probs, log_sum, entropy = finish_statistics(stats, row_max, temp)
 
-        saved = [logits, idx, elsewhere, row_max, log_sum]
-        if entropy is not None:
-            saved.append(entropy)
-        ctx.save_for_backward(*saved)
         ctx.temp = temp
         ctx.chunk = chunk
-        ctx.set_materialize_grads(False)
-        shape = logits.shape[:-1]
-        if entropy is None:
-            return log_probs.view(shape)
-        return log_probs.view(shape), entropy.view(shape)
+        saved = [logits, idx, elsewhere, row_max]
+        return save_and_shape(ctx, saved, log_probs, log_sum, entropy, logits.shape[:-1])
 
     @staticmethod
     @once_differentiable
