@@ -7,7 +7,7 @@ per backend, for a PPO actor step and a critic step, with the code location of e
 aims at one (the fetch of the step's numbers); the test suite checks the same on the CPU by
 recording reads of device values (tests/engine/test_host_syncs.py).
 
-    python -m benchmarks.host_syncs [--device cuda] [--backend megatron fsdp2]
+    python -m benchmarks.host_syncs [--device cuda] [--backend megatron fsdp2] [--packing]
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from typing import Any
 import torch
 
 
-def count_syncs(backend: str, head: str, device: str) -> tuple[int, collections.Counter[str]]:
+def count_syncs(
+    backend: str, head: str, device: str, packing: bool = False
+) -> tuple[int, collections.Counter[str]]:
     from engine import Engine
     from engine.losses import ActorLoss, CriticLoss
     from strategies.backends.megatron.mesh import destroy_mesh
@@ -37,6 +39,7 @@ def count_syncs(backend: str, head: str, device: str) -> tuple[int, collections.
             "model": tiny_model(),
             "micro_batch_size": 2,
             "optimizer": {"clip_grad": 1.0},
+            "packing": packing,
             **({"head": {"compute_entropy": True}} if head == "lm" else {}),
         },
     ).initialize()
@@ -69,17 +72,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--backend", nargs="+", default=["megatron", "fsdp2"])
+    parser.add_argument("--packing", action="store_true", help="packed micro-batches")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("host_syncs needs a CUDA device (torch.cuda.is_available() is False)")
     for backend in args.backend:
         for head in ("lm", "value"):
             try:
-                total, sites = count_syncs(backend, head, args.device)
+                total, sites = count_syncs(backend, head, args.device, args.packing)
             except Exception:  # report and go on to the next cell
                 print(f"{backend} {head}: failed\n{traceback.format_exc(limit=4)}")
                 continue
-            print(f"{backend} {head}: {total} host sync(s) in one train_batch")
+            layout = "packed" if args.packing else "padded"
+            print(f"{backend} {head} ({layout}): {total} host sync(s) in one train_batch")
             for site, count in sites.most_common():
                 print(f"    {count} x {site}")
 
