@@ -193,9 +193,9 @@ class MicroBatch:
             raise BatchError("unpack() needs a packed micro-batch")
         # worked out on the host, where cu_seqlens lives: no device sync
         index, padding = _gather_index(self.cu_seqlens, int(self.attention_mask.shape[1]), "right")
-        gathered = row[0, index.to(row.device)]
+        gathered = row[0, index.to(row.device, non_blocking=True)]
         padding = padding.reshape(*padding.shape, *[1] * (gathered.dim() - 2))
-        return gathered.masked_fill(padding.to(row.device), 0)
+        return gathered.masked_fill(padding.to(row.device, non_blocking=True), 0)
 
 
 def validate_batch(

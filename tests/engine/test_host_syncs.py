@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from tensordict import TensorDict
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
@@ -33,7 +34,8 @@ class DeviceReads(TorchFunctionMode):
     """Records every host read of a value that lives on the engine's device.
 
     On the CPU the device is the host, so "on the device" is tracked: the model's parameters and
-    whatever is moved with ``.to(device)`` are device values, and so is every result of an
+    whatever is moved with ``.to(device)`` (a copy here too, as it is on an accelerator) are
+    device values, and so is every result of an
     operation on one, and every tensor (and the base of every view) an operation writes one
     into. Reads of the host-side batch (lengths, planning) are host work on an
     accelerator too, and are not counted."""
@@ -65,6 +67,8 @@ class DeviceReads(TorchFunctionMode):
         moved = name == "to" and any(
             isinstance(x, torch.device | str) for x in (*args[1:], *kwargs.values())
         )
+        if moved and result is args[0]:  # a copy, as on an accelerator: the host's stays apart
+            result = result.clone()
         if on_device or moved:
             written = [result, kwargs.get("out")]
             if name.endswith("_") and not name.startswith("__") and args:
@@ -79,8 +83,26 @@ class DeviceReads(TorchFunctionMode):
 
 def device_reads_during(engine: Engine, step: Callable[[], Any]) -> list[str]:
     roots = [p for module in engine.backend.modules() for p in module.parameters()]
-    with DeviceReads(roots) as mode:
-        step()
+    mode = DeviceReads(roots)
+    move = TensorDict.to
+
+    def to_device(self: TensorDict, *args: Any, **kwargs: Any) -> Any:
+        """A micro-batch's fields moved to the device: copies, each a device value (a
+        TensorDict already on the CPU is returned as it is, without a tensor's ``.to``)."""
+        moved = move(self, *args, **kwargs)
+        if not isinstance(moved, TensorDict):
+            return moved
+        moved = moved.apply(torch.clone)
+        for leaf in moved.values(include_nested=True, leaves_only=True):
+            mode.add(leaf)
+        return moved
+
+    TensorDict.to = to_device  # type: ignore[method-assign]
+    try:
+        with mode:
+            step()
+    finally:
+        TensorDict.to = move  # type: ignore[method-assign]
     return mode.reads
 
 
@@ -170,3 +192,20 @@ def test_a_head_contract_violation_is_still_refused(monkeypatch: pytest.MonkeyPa
     with engine.train_mode(), pytest.raises(ConfigError, match="has a value at position 0"):
         engine.train_batch(random_batch([4, 6], 64), raise_outputs_loss)
     destroy_mesh()
+
+
+def test_a_packed_fsdp2_step_reads_the_device_once() -> None:
+    """Packed rows too: their offsets are split and unpacked on the host. (Megatron's own
+    rotary embedding for packed rows reads its offsets on the device, twice a layer.)"""
+    engine = Engine.build(
+        head="lm",
+        backend="fsdp2",
+        device="cpu",
+        config={"model": tiny_model(), "micro_batch_size": 3, "packing": True},
+    ).initialize()
+    loss = ActorLoss(kl_coeff=0.1)
+    batch = lm_batch(4)
+    with engine.train_mode():
+        engine.train_batch(lm_batch(5), loss)
+        reads = device_reads_during(engine, lambda: engine.train_batch(batch, loss))
+    assert len(reads) <= 1, reads

@@ -18,6 +18,7 @@ from heads.errors import BatchError, ConfigError, EngineStateError
 from heads.validation import bool_field, of_type, one_of
 from strategies.backends.base import MicroBatch, MicroBatchConsumer, StagedSave
 from strategies.backends.megatron import mesh, offload
+from strategies.backends.megatron.attention import HOST_BOUNDS
 from strategies.backends.megatron.model import (
     build_gpt_model,
     check_transformer_overrides,
@@ -627,6 +628,7 @@ def packed_layout(
         bounds = torch.cat([bounds, bounds.new_tensor([width])])
     longest = int(bounds.diff().max())
     positions = positions_in_sequences(bounds).to(device, non_blocking=True)[None]
+    host_bounds = tuple(bounds.tolist())  # still on the host: no device read
     bounds = bounds.to(device, non_blocking=True)
     packed = PackedSeqParams(
         qkv_format="thd",
@@ -635,6 +637,8 @@ def packed_layout(
         max_seqlen_q=longest,
         max_seqlen_kv=longest,
     )
+    # the local core attention splits the row on the host (attention.HOST_BOUNDS)
+    setattr(packed, HOST_BOUNDS, host_bounds)
     return packed, positions
 
 
