@@ -396,13 +396,12 @@ class MegatronBackend:
         self._optimizer.zero_grad()
 
     def grad_norm(self) -> float:
-        self._require_optimizer()
-        self._optimizer.prepare_grads()  # gradients where the norm reads them (no loss scaler)
-        return float(self._optimizer.get_grad_norm())
+        squares, finish = self.grad_norm_parts()
+        return finish([float(square) for square in squares])
 
     def grad_norm_parts(self) -> tuple[list[torch.Tensor], Callable[[list[float]], float]]:
         self._require_optimizer()
-        self._optimizer.prepare_grads()
+        self._optimizer.prepare_grads()  # gradients where the norm reads them (no loss scaler)
         return grad_norm_parts(self._optimizer, self._device)
 
     def optimizer_step(self, grad_norm: float) -> None:
