@@ -143,20 +143,11 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         ffn_hidden_size=1408,
         max_sequence_length=1024,
     ),
-    # A tiny mixture of experts: 4 experts of FFN 64, 2 per token (about the active size of tiny).
-    "moe": ModelConfig(
-        vocab_size=128,
-        hidden_size=64,
-        num_layers=2,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=128,
-        max_sequence_length=256,
-        num_experts=4,
-        experts_per_token=2,
-        expert_ffn_hidden_size=64,
-    ),
 }
+# A tiny mixture of experts: 4 experts of FFN 64, 2 per token (about the active size of tiny).
+MODEL_PRESETS["moe"] = attrs.evolve(
+    MODEL_PRESETS["tiny"], num_experts=4, experts_per_token=2, expert_ffn_hidden_size=64
+)
 
 
 def model_preset(name: str) -> ModelConfig:
