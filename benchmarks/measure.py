@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, MutableMapping
 from typing import Any
@@ -35,3 +36,15 @@ def time_calls(owner: Any, name: str, key: str, into: MutableMapping[str, float]
             into[key] = into.get(key, 0.0) + time.perf_counter() - start
 
     setattr(owner, name, wrapper)
+
+
+def median_step_seconds(step: Callable[[], Any], steps: int, warmup: int = 2) -> float:
+    """Median wall time of ``step`` over ``steps`` calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

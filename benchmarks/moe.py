@@ -22,6 +22,7 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from benchmarks.measure import median_step_seconds
 from tests.multiprocess import run_ranks
 
 SEQUENCES, LENGTH = 16, 64
@@ -76,14 +77,9 @@ def expert_parallel_step(steps: int) -> tuple[float, int]:
     lengths = _lengths()
     rows = slice(rank * SEQUENCES // size, (rank + 1) * SEQUENCES // size)
     shard = take_rows(random_batch(lengths, 128), rows)
-    times = []
     with engine.train_mode():
-        for step in range(steps + 2):
-            start = time.perf_counter()
-            engine.train_batch(shard, sft_loss)
-            if step >= 2:
-                times.append(time.perf_counter() - start)
-    return statistics.median(times), sum(lengths)
+        seconds = median_step_seconds(lambda: engine.train_batch(shard, sft_loss), steps)
+    return seconds, sum(lengths)
 
 
 def main() -> None:

@@ -11,10 +11,9 @@ On a 2-core machine the point is the shape and the overhead, not absolute speed.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Any
 
+from benchmarks.measure import median_step_seconds
 from tests.multiprocess import run_ranks
 
 LAYOUTS = {
@@ -43,14 +42,9 @@ def step_times(
     lengths = [length - (i * 13) % (length // 2) for i in range(sequences)]
     batch = random_batch(lengths, vocab)
     shard = take_rows(batch, slice(rank * sequences // size, (rank + 1) * sequences // size))
-    times = []
     with engine.train_mode():
-        for step in range(steps + 2):
-            start = time.perf_counter()
-            engine.train_batch(shard, sft_loss)
-            if step >= 2:
-                times.append(time.perf_counter() - start)
-    return statistics.median(times), sum(lengths)
+        seconds = median_step_seconds(lambda: engine.train_batch(shard, sft_loss), steps)
+    return seconds, sum(lengths)
 
 
 def main() -> None:
