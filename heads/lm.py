@@ -11,8 +11,11 @@ import torch
 
 from heads.base import PER_TOKEN, Granularity, HeadContext, OutputSpec, shift_to_scored_token
 from heads.fused_output import fused_log_probs_and_entropy
-from heads.validation import bool_field, float_field, positive
+from heads.validation import bool_field, float_field, int_field, non_negative, positive
 from heads.vocab_parallel import log_probs_and_entropy
+
+FUSED_MIN_LOGITS = 1 << 21
+"""``LMHead.fused_min_logits``'s default: micro-batches with fewer logits compute them whole."""
 
 
 @attrs.frozen(kw_only=True)
@@ -24,7 +27,11 @@ class LMHead:
     vocabulary is never gathered. ``fused`` (the default): the backend hands over the final hidden
     states and the output weight, and the output layer runs fused with the head's math in token
     chunks (``heads.fused_output``), so the ``[tokens, vocab]`` logits never exist; the results
-    equal the unfused path's up to float rounding.
+    equal the unfused path's up to float rounding. A micro-batch with fewer than
+    ``fused_min_logits`` logits (tokens x this rank's vocabulary rows; default ``2**21``, 8 MiB
+    in float32) computes them whole from the same hidden states and weight instead: logits that
+    small are no larger than one of the fused path's work tiles, and one matmul and the tile
+    loop's many small operations cheaper (0 always fuses).
     """
 
     name: ClassVar[str] = "lm"
@@ -32,6 +39,7 @@ class LMHead:
     temperature: float = float_field(1.0, positive)
     compute_entropy: bool = bool_field(False)
     fused: bool = bool_field(True)
+    fused_min_logits: int = int_field(FUSED_MIN_LOGITS, non_negative)
 
     @property
     def outputs(self) -> dict[str, Granularity]:
@@ -49,6 +57,10 @@ class LMHead:
     def postprocess_hidden(
         self, hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor, ctx: HeadContext
     ) -> dict[str, torch.Tensor]:
+        if hidden.shape[:-1].numel() * weight.shape[0] < self.fused_min_logits:
+            return self.postprocess(
+                torch.matmul(hidden.to(weight.dtype), weight.t()), input_ids, ctx
+            )
         return self._scored(
             functools.partial(fused_log_probs_and_entropy, weight=weight), hidden, input_ids, ctx
         )

@@ -21,10 +21,11 @@ from hypothesis import strategies as st
 
 from engine import Engine
 from engine.registry import BACKENDS
+from heads import lm as lm_module
 from heads.base import PER_TOKEN, HeadContext, OutputSpec, shift_to_scored_token
 from heads.errors import ConfigError
 from heads.fused_output import fused_log_probs_and_entropy
-from heads.lm import LMHead
+from heads.lm import FUSED_MIN_LOGITS, LMHead
 from heads.vocab_parallel import log_probs_and_entropy
 from strategies.backends.base import Packing
 from strategies.backends.megatron.mesh import destroy_mesh
@@ -245,12 +246,16 @@ CASES = [
 ]
 
 
-def build(backend: str, fused: bool, tie: bool, packed: bool, **config: Any) -> Engine:
+def build(
+    backend: str, fused: bool, tie: bool, packed: bool, min_logits: int = 0, **config: Any
+) -> Engine:
+    """``fused``: the tile loop whatever the size (``fused_min_logits`` 0), unless
+    ``min_logits`` says otherwise."""
     settings_: dict[str, Any] = {
         "model": tiny_model(tie_embeddings=tie),
         "seed": 3,
         "optimizer": {"lr": 1e-2},
-        "head": {**HEAD_OPTIONS, "fused": fused},
+        "head": {**HEAD_OPTIONS, "fused": fused, "fused_min_logits": min_logits},
         "micro_batch_size": 2,
         **config,
     }
@@ -353,6 +358,43 @@ def test_the_backends_hand_a_fused_head_hidden_states_and_the_output_weight(
         assert not seen, backend
 
 
+@pytest.mark.parametrize("backend", ["megatron", "fsdp2"])
+def test_below_fused_min_logits_the_head_computes_the_logits_whole(
+    monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """tiny's micro-batches have far fewer than 2**21 logits: the default head takes them whole
+    from the hidden states and weight (no tile loop) and equals the unfused engine; at or above
+    the threshold the tile loop runs."""
+    calls: list[int] = []
+    original = lm_module.fused_log_probs_and_entropy
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(lm_module, "fused_log_probs_and_entropy", counting)
+    whole = build(backend, True, False, False, FUSED_MIN_LOGITS)
+    gaps = largest_differences(whole, build(backend, False, False, False), seed=7)
+    assert not calls
+    assert -gaps.pop("grad_size") > 0
+    assert all(gap <= TOLERANCE for gap in gaps.values()), gaps
+    batch = random_batch([5, 9, 3], 64)  # 2 rows x 9 tokens x 64 vocabulary in the first
+    just_enough = build(backend, True, False, False, 2 * 9 * 64).infer_batch(batch)
+    assert len(calls) == 1  # the first micro-batch fused, the second (1 row x 3) whole
+    torch.testing.assert_close(
+        flat(just_enough["log_probs"]),
+        flat(build(backend, False, False, False).infer_batch(batch)["log_probs"]),
+        atol=TOLERANCE,
+        rtol=0,
+    )
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "big"])
+def test_a_bad_fused_min_logits_is_refused_naming_it(value: Any) -> None:
+    with pytest.raises(ConfigError, match="fused_min_logits"):
+        LMHead(fused_min_logits=value)
+
+
 # -- across processes -------------------------------------------------------------------------
 def compare_fused_with_unfused(parallel: dict[str, Any]) -> dict[str, float]:
     """One rank: vocab-parallel fused function vs full-vocabulary unfused (TP only), and fused
@@ -367,6 +409,11 @@ def compare_fused_with_unfused(parallel: dict[str, Any]) -> dict[str, float]:
         }
         found = largest_differences(engines[True], engines[False], seed=4)
         gaps.update({f"{name}.tie={tie}.packed={packed}": gap for name, gap in found.items()})
+        if not packed:  # below fused_min_logits: this rank's vocabulary shard's logits, whole
+            whole = build("megatron", True, tie, packed, FUSED_MIN_LOGITS, parallel=parallel)
+            unfused = build("megatron", False, tie, packed, parallel=parallel)
+            found = largest_differences(whole, unfused, seed=5)
+            gaps.update({f"{name}.whole": gap for name, gap in found.items()})
     if parallel.get("tensor_parallel_size", 1) > 1:
         rank, world = dist.get_rank(), dist.get_world_size()
         h, w, targets, upstream = case(9, 40, 6, 30, scale=3.0)
