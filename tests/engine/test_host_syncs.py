@@ -194,12 +194,14 @@ def test_a_head_contract_violation_is_still_refused(monkeypatch: pytest.MonkeyPa
     destroy_mesh()
 
 
-def test_a_packed_fsdp2_step_reads_the_device_once() -> None:
-    """Packed rows too: their offsets are split and unpacked on the host. (Megatron's own
-    rotary embedding for packed rows reads its offsets on the device, twice a layer.)"""
+@pytest.mark.parametrize("backend", ["megatron", "fsdp2"])
+def test_a_packed_step_reads_the_device_once(backend: str) -> None:
+    """Packed rows too: their offsets are split and unpacked on the host, and megatron's local
+    layer spec keeps them there for its rotary embedding, which reads them twice a layer."""
+    destroy_mesh()
     engine = Engine.build(
         head="lm",
-        backend="fsdp2",
+        backend=backend,
         device="cpu",
         config={"model": tiny_model(), "micro_batch_size": 3, "packing": True},
     ).initialize()

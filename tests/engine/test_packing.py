@@ -458,3 +458,18 @@ def test_row_padding_is_a_segment_of_its_own_and_positions_restart_per_sequence(
     assert positions.tolist() == [[0, 1, 2, 0, 0, 1, 0, 1, 2]]
     unpadded, _ = packed_layout(torch.tensor([0, 2, 7]), 7, torch.device("cpu"))
     assert unpadded.cu_seqlens_q.tolist() == [0, 2, 7] and unpadded.max_seqlen_q == 5
+
+
+def test_packed_offsets_stay_on_the_host_for_the_local_spec_only() -> None:
+    """(An accelerator stands in as the meta device.) Megatron's rotary embedding reads the
+    offsets as host numbers; TransformerEngine's attention takes them on the device."""
+    from strategies.backends.megatron.backend import packed_layout
+
+    device = torch.device("meta")
+    for host_offsets, where in ((True, "cpu"), (False, "meta")):
+        params, positions = packed_layout(
+            torch.tensor([0, 3, 4]), 6, device, host_offsets=host_offsets
+        )
+        assert params.cu_seqlens_q.device.type == params.cu_seqlens_kv.device.type == where
+        assert positions.device == device
+    assert params.cu_seqlens_q.shape == (4,)

@@ -72,6 +72,8 @@ class MegatronBackend:
     _head_context: HeadContext = attrs.field(factory=HeadContext, init=False)
     #: The head applies the output layer itself (``OutputSpec.fused``).
     _fused: bool = attrs.field(default=False, init=False)
+    #: Packed rows' offsets stay on the host (the local layer spec: see ``packed_layout``).
+    _host_offsets: bool = attrs.field(default=False, init=False)
     #: Host copies of the state an asynchronous save writes, reused by the next one.
     _staging_buffers: dict[Any, torch.Tensor] = attrs.field(factory=dict, init=False)
     _model: ModelConfig | None = attrs.field(default=None, init=False)
@@ -140,6 +142,7 @@ class MegatronBackend:
         tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
         spec = head.output_spec()
         self._fused = spec.fused
+        self._host_offsets = not uses_transformer_engine(self.layer_spec, config.parallel)
         virtual_stages = config.parallel.virtual_pipeline_parallel_size
         self._chunks = []
         for vp_stage in range(virtual_stages or 1):
@@ -236,6 +239,7 @@ class MegatronBackend:
             iter(enumerate(micro_batches)) for _ in self._wrapped
         ]
         device, head_context, fused = self._device, self._head_context, self._fused
+        host_offsets = self._host_offsets
         widths = row_widths(micro_batches, config)
         routing, chunk_of = self._routing, {id(module): i for i, module in enumerate(self._wrapped)}
         self._last_run = (micro_batches, widths)
@@ -259,7 +263,7 @@ class MegatronBackend:
                 positions = torch.arange(width, device=device).expand_as(input_ids)
             else:
                 extra["packed_seq_params"], positions = packed_layout(
-                    micro_batch.cu_seqlens, width, device
+                    micro_batch.cu_seqlens, width, device, host_offsets=host_offsets
                 )
             output = model(input_ids, positions, attention_mask=None, **extra)
 
@@ -615,11 +619,16 @@ def row_widths(micro_batches: Sequence[MicroBatch], model_config: Any) -> list[i
 
 
 def packed_layout(
-    cu_seqlens: torch.Tensor, width: int, device: torch.device
+    cu_seqlens: torch.Tensor, width: int, device: torch.device, *, host_offsets: bool = False
 ) -> tuple[Any, torch.Tensor]:
     """Megatron's ``PackedSeqParams`` (thd) and the position ids ``[1, width]`` of a packed row
     of ``width`` tokens whose sequences start at ``cu_seqlens``; row padding past the last
-    sequence is one more segment, so no sequence attends to it."""
+    sequence is one more segment, so no sequence attends to it.
+
+    ``host_offsets``: ``cu_seqlens_q`` / ``_kv`` stay on the host. On the local layer spec
+    nothing needs them on the device, and megatron's rotary embedding for thd reads them as
+    host numbers (``tolist()``, ``item()``, twice per layer and micro-batch): on the device
+    each read would wait for it. TransformerEngine's attention takes them on the device."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     bounds = cu_seqlens.to(dtype=torch.int32)
@@ -628,7 +637,8 @@ def packed_layout(
     longest = int(bounds.diff().max())
     positions = positions_in_sequences(bounds).to(device, non_blocking=True)[None]
     host_bounds = tuple(bounds.tolist())  # still on the host: no device read
-    bounds = bounds.to(device, non_blocking=True)
+    if not host_offsets:
+        bounds = bounds.to(device, non_blocking=True)
     packed = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=bounds,
