@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import sys
-import warnings
 from collections.abc import Sequence
 from typing import Any
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import attrs
 
+from engine.cli.loggers import LOGGERS
 from engine.config import EngineConfig, read_yaml_mapping, structure
 from engine.losses import ADVANTAGE_ESTIMATORS, KL_TYPES, AdvantageEstimator, RolloutCorrection
 from engine.losses.kl_control import AdaptiveKLController
@@ -49,6 +50,18 @@ RUN_FILE, METRICS_FILE, PLOT_FILE, CHECKPOINTS = (
     "metrics.png",
     "checkpoints",
 )
+
+
+def _logger_names(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """None (the default sinks) or a non-empty tuple of known logger names."""
+    if value is None:
+        return
+    unknown = [name for name in value if name not in LOGGERS]
+    if not value or unknown:
+        raise ConfigError(
+            f"DemoConfig.{attribute.name} must name one or more of {', '.join(LOGGERS)}; "
+            f"got {list(value)!r}"
+        )
 
 
 def _optional_int() -> Any:
@@ -126,6 +139,10 @@ class DemoConfig:
     device: str = attrs.field(default="auto", validator=of_type(str))
     backend: str = attrs.field(default="megatron", validator=of_type(str))
     output_dir: str = attrs.field(default="demo-output", validator=of_type(str))
+    #: Where metrics go (``--logger``); None: the default sinks. Saved in ``run.json`` like the
+    #: rest, so a resumed run keeps writing where the original did unless ``--logger`` says
+    #: otherwise.
+    loggers: tuple[str, ...] | None = attrs.field(default=None, validator=_logger_names)
     save_every: int = int_field(25)
     keep_checkpoints: int = int_field(2)
     task: TaskConfig = attrs.field(factory=TaskConfig)
@@ -210,7 +227,10 @@ class DemoConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DemoConfig:
-        config: DemoConfig = structure(dict(data), cls)
+        data = dict(data)
+        if isinstance(data.get("loggers"), str):  # as --logger spells it: console,tensorboard
+            data["loggers"] = [name.strip() for name in data["loggers"].split(",")]
+        config: DemoConfig = structure(data, cls)
         return config
 
     def to_dict(self) -> dict[str, Any]:

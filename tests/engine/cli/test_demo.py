@@ -250,6 +250,8 @@ def test_demo_runs_under_torchrun(tmp_path: Path, layout: tuple[str, ...]) -> No
         ((), "stepz: 3\n", "stepz"),
         ((), "task:\n  prompt_length: 200\n  response_length: 100\n", "max_sequence_length"),
         ((), "- a list\n", "must hold a mapping"),
+        ((), "loggers: console,nope\n", "DemoConfig.loggers must name one or more of"),
+        ((), "loggers: []\n", "DemoConfig.loggers must name one or more of"),
     ],
 )
 def test_bad_arguments_and_config_files_exit_non_zero_naming_the_problem(

@@ -59,6 +59,30 @@ def test_a_demo_run_writes_tensorboard_scalars_equal_to_its_jsonl_records(tmp_pa
     assert "TensorBoard events in" in result.stdout
 
 
+def test_a_resumed_demo_keeps_the_original_loggers_unless_given_new_ones(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    common = ("demo", "--output-dir", str(out))
+    first = run(
+        *common, "--config", short_config(tmp_path), "--steps", "1",
+        "--logger", "jsonl,tensorboard",
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    # No --logger: the saved choice (no console, TensorBoard on) holds.
+    second = run(*common, "--resume", "--steps", "2")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed after iteration" not in second.stdout  # the console logger stays off
+    records = jsonl_records(out / "metrics.jsonl")
+    assert [record["iteration"] for record in records] == [1, 2]
+    assert tensorboard_scalars(out / "tensorboard") == numeric_metrics(records, "iteration")
+    # A new --logger wins, and is what the next resume remembers.
+    third = run(*common, "--resume", "--steps", "3", "--logger", "console,jsonl")
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "resumed after iteration 2" in third.stdout
+    assert json.loads((out / "run.json").read_text())["loggers"] == ["console", "jsonl"]
+    assert [record["iteration"] for record in jsonl_records(out / "metrics.jsonl")] == [1, 2, 3]
+    assert max(tensorboard_scalars(out / "tensorboard")["reward"]) == 2
+
+
 def test_train_writes_only_the_chosen_loggers(tmp_path: Path) -> None:
     result = run(
         "train", "--device", "cpu", "--steps", "3", "--output-dir", str(tmp_path),
