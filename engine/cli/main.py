@@ -165,8 +165,10 @@ def demo(args: argparse.Namespace) -> int:
         actor["lora"] = lora
     if actor:
         overrides["actor"] = actor
+    if args.logger is not None:
+        overrides["loggers"] = args.logger
     config = ppo_demo.resolve_config(args.config, overrides, args.resume, args.output_dir)
-    loggers = resolve_loggers(args.logger, config.output_dir)
+    loggers = resolve_loggers(config.loggers, config.output_dir)
     try:
         summary = ppo_demo.run(config, resume=args.resume, loggers=loggers)
     except ppo_demo.Interrupted as stopped:
@@ -213,8 +215,6 @@ def show_matrix(as_json: bool) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # megatron-core warns about GPU-only libraries (Apex, TransformerEngine) it falls back from.
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     try:
         if args.command == "train":
             return train(args)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -14,6 +13,7 @@ from typing import Any, Protocol, TypeVar, cast
 import torch
 from torch.overrides import TorchFunctionMode
 
+from strategies.megatron_imports import import_megatron
 from strategies.megatron_version import check_megatron_version
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -278,7 +278,7 @@ def enable_megatron_cpu_compat() -> None:
         "transformer.moe.moe_utils", "transformer.moe.router", "transformer.moe.experts",
         "transformer.moe.token_dispatcher", "transformer.moe.moe_layer",
     )  # fmt: skip
-    mod: dict[str, Any] = {n: importlib.import_module(f"megatron.core.{n}") for n in names}
+    mod: dict[str, Any] = import_megatron(*names)
     _install_torch_view()
 
     rnd = mod["tensor_parallel.random"]

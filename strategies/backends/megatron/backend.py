@@ -37,6 +37,7 @@ from strategies.backends.megatron.routing import Routing
 from strategies.config import ModelConfig, ParallelConfig, PartsConfig
 from strategies.distributed import all_reduce_values
 from strategies.lora import AdapterSwitch
+from strategies.megatron_imports import import_megatron
 from strategies.megatron_version import check_megatron_version
 from strategies.offload import OffloadedParts
 from strategies.packed_attention import positions_in_sequences
@@ -44,6 +45,15 @@ from strategies.publish import FileChecksums
 
 if TYPE_CHECKING:
     import torch.distributed as dist
+
+
+#: The megatron-core modules (with what they import) that announce, on first import, a GPU
+#: library they fall back from; ``validate`` imports them without the notices
+#: (:mod:`strategies.megatron_imports`), so the methods' later imports find them loaded.
+MEGATRON_MODULES = (
+    "transformer.transformer_config", "models.gpt.gpt_layer_specs", "models.gpt.gpt_model",
+    "optimizer", "distributed", "pipeline_parallel",
+)  # fmt: skip
 
 
 @attrs.define(kw_only=True)
@@ -96,6 +106,7 @@ class MegatronBackend:
 
     def validate(self, config: PartsConfig, world_size: int) -> None:
         check_megatron_version()
+        import_megatron(*MEGATRON_MODULES)  # before any other import of megatron's
         parallel, model = config.parallel, config.model
         tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         mesh.check_world_size(parallel, world_size)

@@ -70,6 +70,9 @@ def transformer_config(
         # still initialises them first, on the host: that is where it marks the tensor-parallel
         # attributes (``tensor_model_parallel``, ``partition_dim``) that grad norms rely on.
         "use_cpu_initialization": True,
+        # megatron-core 0.16's default ("full") is deprecated for this one, the same scope, and
+        # warns on every config built with it.
+        "cuda_graph_scope": [],
     }
     settings.update(moe_settings(config, use_te))
     settings.update(overrides or {})
