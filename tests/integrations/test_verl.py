@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import types
 
 import pytest
 import torch
@@ -29,8 +30,13 @@ from verl.workers.utils.losses import ppo_loss, value_loss  # noqa: E402
 from engine import Engine  # noqa: E402
 from engine.data.batching import jagged  # noqa: E402
 from engine.integrations.verl import registered_cells  # noqa: E402
-from engine.integrations.verl.adapter import ComposableEngine  # noqa: E402
+from engine.integrations.verl.adapter import (  # noqa: E402
+    ComposableEngine,
+    jagged_to_verl_layout,
+    to_verl_layout,
+)
 from engine.losses import ActorLoss, CriticLoss  # noqa: E402
+from heads.base import per_sequence, per_token  # noqa: E402
 from heads.errors import ConfigError  # noqa: E402
 
 VOCAB = 96
@@ -115,6 +121,64 @@ def test_cpu_platform() -> None:
     assert get_device_name() == "cpu"
     assert get_nccl_backend() == "gloo"
     assert get_torch_device().max_memory_allocated() == 0
+
+
+# -- layout conversion ---------------------------------------------------------------------------
+def test_per_token_outputs_keep_their_feature_dims_in_verls_layout() -> None:
+    lengths = torch.tensor([4, 2])
+    values = torch.arange(2 * 5 * 3, dtype=torch.float32).reshape(2, 5, 3).requires_grad_()
+    converted = to_verl_layout(values, lengths, per_token(3), "scores")
+    rows = converted.unbind()
+    assert [tuple(row.shape) for row in rows] == [(4, 3), (2, 3)]
+    # each row shifted left by one (entry t is the token t + 1's), its last entry 0
+    expected = [values[0, 1:4], values[1, 1:2]]
+    for row, shifted in zip(rows, expected, strict=True):
+        torch.testing.assert_close(row[:-1], shifted)
+        assert torch.equal(row[-1], torch.zeros(3))
+    converted.values().sum().backward()  # differentiable
+    assert values.grad is not None and values.grad[0, 1:4].eq(1).all()
+    assert values.grad[0, 0].eq(0).all() and values.grad[1, 2:].eq(0).all()
+    # the engine's returned (jagged) outputs convert the same way
+    ours = jagged([values[0, :4].detach(), values[1, :2].detach()])
+    returned = jagged_to_verl_layout(ours, per_token(3), "scores").unbind()
+    for row, other in zip(returned, rows, strict=True):
+        torch.testing.assert_close(row, other.detach())
+
+
+def test_per_sequence_outputs_pass_through_with_their_feature_dims() -> None:
+    values = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    assert to_verl_layout(values, torch.tensor([4, 2]), per_sequence(2), "score") is values
+    assert jagged_to_verl_layout(values, per_sequence(2), "score") is values
+
+
+@pytest.mark.parametrize(
+    ("values", "spec"),
+    [
+        (torch.zeros(2, 5), per_token(3)),  # no feature dim where 3 are declared
+        (torch.zeros(2, 5, 4), per_token(3)),
+        (torch.zeros(2, 3), per_sequence(2)),
+        (torch.zeros(2, 5), per_sequence()),  # a per-token shape for a per-sequence result
+    ],
+)
+def test_an_output_not_of_its_declared_shape_is_refused_by_name(
+    values: torch.Tensor, spec: object
+) -> None:
+    with pytest.raises(ConfigError, match="output 'odd' has shape"):
+        to_verl_layout(values, torch.tensor([4, 2]), spec, "odd")  # type: ignore[arg-type]
+
+
+def test_a_dense_per_token_output_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="output 'odd' is declared per-token"):
+        jagged_to_verl_layout(torch.zeros(2, 5, 3), per_token(3), "odd")
+
+
+def test_an_output_the_head_does_not_declare_is_refused_by_name() -> None:
+    head = types.SimpleNamespace(name="scorer", outputs={"scores": per_token(3)})
+    adapter = types.SimpleNamespace(engine=types.SimpleNamespace(head=head))
+    declared = ComposableEngine._declared(adapter)  # type: ignore[arg-type]
+    assert declared("scores") == per_token(3)
+    with pytest.raises(ConfigError, match="output 'extra' is not declared by head 'scorer'"):
+        declared("extra")
 
 
 # -- TrainingWorker ------------------------------------------------------------------------------

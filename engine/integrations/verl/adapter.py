@@ -36,6 +36,7 @@ from engine.data.batching import jagged_offsets, jagged_values
 from engine.engine import Engine
 from engine.integrations.verl.config import engine_config_from_verl
 from engine.losses.contract import LossContext
+from heads.base import PER_SEQUENCE, ResultSpec, declared_results
 from heads.errors import BatchError, ConfigError
 from strategies.backends.base import OFFLOAD_PARTS, Offloading
 
@@ -56,24 +57,62 @@ def _flag(data: TensorDict, key: str, default: Any) -> Any:
     return tu.get_non_tensor_data(data=data, key=key, default=default)
 
 
-def to_verl_layout(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Right-padded ``[b, s]`` per-token outputs aligned with the scored token -> jagged ones
-    aligned with the next token (each row shifted left by one, its last entry 0); differentiable."""
+def to_verl_layout(
+    values: torch.Tensor, lengths: torch.Tensor, spec: ResultSpec, key: str
+) -> torch.Tensor:
+    """The head's output ``key`` (declared ``spec``) in verl's layout; differentiable.
+
+    Per-token: right-padded ``[b, s, *features]`` aligned with the scored token -> jagged
+    ``[b, j, *features]`` aligned with the next token (each row shifted left by one, its last
+    entry 0). Per-sequence ``[b, *features]``: as it is (no token to align). ConfigError naming
+    the key for a shape that is not the declared one, rather than a silently mis-shaped result.
+    """
+    rows = lengths.shape[0]
+    if spec.granularity == PER_SEQUENCE:
+        _check_shape(key, values, (rows, *spec.features), "[b, *features]")
+        return values
+    _check_shape(key, values, (rows, None, *spec.features), "[b, s, *features]")
     positions = torch.arange(values.shape[1], device=values.device)
-    shifted = torch.roll(values, shifts=-1, dims=1) * (positions < (lengths[:, None] - 1))
+    keep = (positions < (lengths[:, None] - 1)).reshape(rows, -1, *[1] * len(spec.features))
+    shifted = torch.roll(values, shifts=-1, dims=1) * keep
     offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
     return torch.nested.nested_tensor_from_jagged(shifted[positions < lengths[:, None]], offsets)
 
 
-def jagged_to_verl_layout(values: torch.Tensor) -> torch.Tensor:
-    """Jagged outputs aligned with the scored token -> verl's layout (see ``to_verl_layout``)."""
+def jagged_to_verl_layout(values: torch.Tensor, spec: ResultSpec, key: str) -> torch.Tensor:
+    """The engine's returned output ``key``: per-token jagged ``[b, j, *features]`` aligned with
+    the scored token -> verl's layout (see ``to_verl_layout``); per-sequence as it is."""
+    if spec.granularity == PER_SEQUENCE:
+        _check_shape(key, values, (values.shape[0], *spec.features), "[b, *features]")
+        return values
+    if not values.is_nested:
+        raise ConfigError(
+            f"output {key!r} is declared per-token but came back as a dense tensor of shape "
+            f"{tuple(values.shape)}; cannot convert it to verl's layout"
+        )
     offsets = jagged_offsets(values)
     flat = jagged_values(values)
+    _check_shape(key, flat, (None, *spec.features), "[tokens, *features]")
     shifted = torch.roll(flat, shifts=-1, dims=0)
-    last = torch.zeros_like(flat, dtype=torch.bool)
+    last = torch.zeros(flat.shape[0], dtype=torch.bool, device=flat.device)
     last[offsets[1:] - 1] = True
-    shifted = shifted.masked_fill(last, 0.0)
+    shifted = shifted.masked_fill(last.reshape(-1, *[1] * len(spec.features)), 0.0)
     return torch.nested.nested_tensor_from_jagged(shifted, offsets)
+
+
+def _check_shape(
+    key: str, values: torch.Tensor, expected: tuple[int | None, ...], layout: str
+) -> None:
+    """``values`` has ``expected`` dims (None: any size), else ConfigError naming ``key``."""
+    shape = tuple(values.shape)
+    if len(shape) != len(expected) or any(
+        want is not None and got != want for got, want in zip(shape, expected, strict=True)
+    ):
+        wanted = ", ".join("*" if want is None else str(want) for want in expected)
+        raise ConfigError(
+            f"output {key!r} has shape {shape}, not the declared {layout} ({wanted}); cannot "
+            "convert it to verl's layout"
+        )
 
 
 class ComposableEngine(BaseEngine):
@@ -233,12 +272,13 @@ class ComposableEngine(BaseEngine):
             result = engine.forward_backward_batch(
                 batch, wrapped, forward_only=forward_only, return_outputs=keep
             )
+            declared = self._declared()  # the head of this call (entropy on or off)
         if not engine.holds_outputs():
             return {"model_output": {}, "loss": [], "metrics": {}}
         output: dict[str, Any] = {}
         if keep and result["model_output"] is not None:
             output = {
-                key: jagged_to_verl_layout(value)
+                key: jagged_to_verl_layout(value, declared(key), key)
                 for key, value in result["model_output"].items()
                 if key != ROW
             }
@@ -251,6 +291,21 @@ class ComposableEngine(BaseEngine):
             "loss": [losses[index] for index in sorted(losses)],
             "metrics": merged,
         }
+
+    def _declared(self) -> Callable[[str], ResultSpec]:
+        """The head's declaration of an output key; ConfigError naming an undeclared one."""
+        head = self.engine.head
+        results = declared_results(head)
+
+        def spec(key: str) -> ResultSpec:
+            if key not in results:
+                raise ConfigError(
+                    f"output {key!r} is not declared by head {head.name!r} (its outputs: "
+                    f"{', '.join(results)}); cannot convert it to verl's layout"
+                )
+            return results[key]
+
+        return spec
 
     def _check_flags(self, data: TensorDict) -> None:
         pad_mode = _flag(data, "pad_mode", NO_PADDING)
@@ -296,8 +351,12 @@ class ComposableEngine(BaseEngine):
             outputs: Any, micro: Any, ctx: LossContext
         ) -> tuple[torch.Tensor, dict[str, float]]:
             rows = micro[ROW].to("cpu")
+            declared = self._declared()  # the head of this call (entropy on or off)
             lengths = micro["attention_mask"].sum(-1)
-            model_output = {key: to_verl_layout(value, lengths) for key, value in outputs.items()}
+            model_output = {
+                key: to_verl_layout(value, lengths, declared(key), key)
+                for key, value in outputs.items()
+            }
             selected = tu.index_select_tensor_dict(data, rows)
             device = lengths.device
             if device.type != "cpu":
