@@ -30,8 +30,8 @@ class LMHead:
     equal the unfused path's up to float rounding. A micro-batch with fewer than
     ``fused_min_logits`` logits (tokens x this rank's vocabulary rows; default ``2**21``, 8 MiB
     in float32) computes them whole from the same hidden states and weight instead: logits that
-    small are no larger than one of the fused path's work tiles, and one matmul and the tile
-    loop's many small operations cheaper (0 always fuses).
+    small take no more memory than one of the fused path's work tiles, and computing them whole
+    saves the loop's fourth matmul and its many small operations (0 always fuses).
     """
 
     name: ClassVar[str] = "lm"
