@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import socket
 import types
 
@@ -250,16 +251,23 @@ def _engine_batch(rows: dict[str, list[torch.Tensor]]) -> TensorDict:
 
 
 def _worker(  # type: ignore[no-untyped-def]
-    model_type: str, path: str, strategy: str = "fsdp2", *, host_offload: bool = False, **engine
+    model_type: str,
+    path: str,
+    strategy: str = "fsdp2",
+    *,
+    host_offload: bool = False,
+    model_settings: dict[str, object] | None = None,
+    **engine,
 ):
     """verl's TrainingWorker on the adapter, initialised, with verl's loss for the model type.
-    ``engine``: more verl engine settings (``param_offload``, ...); ``host_offload``: offload
-    to host memory as on an accelerator (on CPU the adapter's ``to("cpu")`` loads, see
+    ``engine``: more verl engine settings (``param_offload``, ...); ``model_settings``: more
+    ``HFModelConfig`` settings (``lora_rank``, ...); ``host_offload``: offload to host memory
+    as on an accelerator (on CPU the adapter's ``to("cpu")`` loads, see
     ``ComposableEngine.offload_to_host``)."""
     from verl.workers.config.engine import EngineConfig as VerlEngineConfig
     from verl.workers.engine_workers import TrainingWorker
 
-    model = HFModelConfig(path=path, load_tokenizer=False)
+    model = HFModelConfig(path=path, load_tokenizer=False, **(model_settings or {}))
     sizes = {
         "use_dynamic_bsz": False,
         "micro_batch_size_per_gpu": 2,
@@ -557,9 +565,120 @@ def test_two_data_parallel_ranks_match_one_process(qwen3: str, reference: dict) 
 
 
 def test_refuses_what_it_cannot_honour(qwen3: str, distributed: None) -> None:
-    model = HFModelConfig(path=qwen3, load_tokenizer=False, lora_rank=8)
+    model = HFModelConfig(path=qwen3, load_tokenizer=False, use_liger=True)
     engine = FSDPEngineConfig(strategy="fsdp2", mixed_precision={"param_dtype": "fp32"})
-    with pytest.raises(ConfigError, match="lora_rank"):
+    with pytest.raises(ConfigError, match="use_liger"):
+        ComposableEngine(model, engine, FSDPOptimizerConfig(), CheckpointConfig())
+
+
+# -- LoRA ----------------------------------------------------------------------------------------
+#: verl's two spellings of LoRA settings (its FSDP engine's flat fields, its megatron engine's
+#: ``lora`` block), each with the strategy whose verl engine reads it, and the engine's LoRA.
+LORA_SETTINGS = [
+    (
+        "fsdp2",
+        {"lora_rank": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]},
+        {
+            "rank": 4,
+            "alpha": 8,
+            "dropout": 0.0,
+            "target_modules": ("q_proj", "v_proj", "down_proj"),
+        },
+    ),
+    (
+        "composable_megatron",
+        {
+            "lora": {
+                "type": "canonical_lora",
+                "rank": 4,
+                "alpha": 16,
+                "dropout": 0.0,
+                "target_modules": ["linear_q", "linear_k", "linear_proj", "linear_fc1_up"],
+                "lora_A_init_method": "kaiming",
+                "lora_B_init_method": "zero",
+                "dropout_position": "pre",
+                "merge": True,
+            }
+        },
+        {
+            "rank": 4,
+            "alpha": 16,
+            "dropout": 0.0,
+            "target_modules": ("q_proj", "k_proj", "o_proj", "up_proj"),
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize(("strategy", "settings", "expected"), LORA_SETTINGS)
+def test_verl_lora_settings_train_adapters_and_the_reference_is_the_base_model(
+    qwen3: str, reference: dict, strategy: str, settings: dict, expected: dict
+) -> None:
+    """verl's LoRA settings reach ``EngineConfig.lora``; a step trains only the adapters; a batch
+    flagged ``no_lora_adapter`` (verl's reference pass with ``ref_in_actor``) gives the base
+    model's log-probs, the actor's own differ."""
+    from safetensors.torch import load_file
+
+    worker = _worker("language_model", qwen3, strategy, model_settings=settings)
+    lora = worker.engine.engine.config.lora
+    assert lora is not None
+    assert {field: getattr(lora, field) for field in expected} == expected
+    rows = _rollout()
+    worker.train_batch(_verl_batch(rows))
+
+    base = reference["language_model", strategy]["before"]
+    as_reference = worker.infer_batch(_verl_batch(rows, compute_loss=False, no_lora_adapter=True))
+    _assert_outputs(as_reference["log_probs"], base)
+    actor = worker.infer_batch(_verl_batch(rows, compute_loss=False))["log_probs"]
+    gaps = [
+        float((theirs - ours).abs().max())
+        for theirs, ours in zip(_response_values(actor), base, strict=True)
+    ]
+    assert max(gaps) > 1e-4  # the adapters trained
+
+    # Only the adapters trained: every weight without one exports as it was saved.
+    saved = load_file(os.path.join(qwen3, "model.safetensors"))
+    exported = dict(worker.engine.get_per_tensor_param()[0])
+    targets = lora.target_modules
+    for name, tensor in saved.items():
+        adapted = any(f"{target}.weight" in name for target in targets)
+        assert torch.equal(exported[name].float(), tensor.float()) != adapted, name
+    adapters = dict(worker.engine.engine.get_per_tensor_param(adapter_only=True))
+    assert {name.split(".")[-3] for name in adapters} == set(targets)
+
+
+def test_no_lora_adapter_without_lora_is_refused(qwen3: str, distributed: None) -> None:
+    """Rather than the actor's own log-probs passed off as the reference's."""
+    worker = _worker("language_model", qwen3)
+    with pytest.raises(ConfigError, match="disable_adapter"):
+        worker.infer_batch(_verl_batch(_rollout(), compute_loss=False, no_lora_adapter=True))
+
+
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [
+        ({"lora_rank": 4, "lora_adapter_path": "/adapter"}, "lora_adapter_path"),
+        ({"lora_rank": 4, "target_modules": ".*proj"}, "target_modules"),
+        ({"lora_rank": 4, "target_modules": ["lm_head"]}, "target_modules"),
+        ({"lora_rank": 4, "lora_alpha": -1}, "lora_alpha"),
+        ({"lora_rank": 4, "exclude_modules": ["q_proj"]}, "exclude_modules"),
+        ({"lora_rank": 4, "target_parameters": ["mlp.experts"]}, "target_parameters"),
+        ({"lora_rank": 4, "lora": {"rank": 4}}, "lora.rank"),
+        ({"lora": {"rank": 4, "type": "dora"}}, "lora.type"),
+        ({"lora": {"rank": 4, "target_modules": ["linear_qkv"]}}, "lora.target_modules"),
+        ({"lora": {"rank": 4, "target_modules": ["router"]}}, "lora.target_modules"),
+        ({"lora": {"rank": 4, "dropout_position": "post"}}, "lora.dropout_position"),
+        ({"lora": {"rank": 4, "lora_A_init_method": "xavier"}}, "lora.lora_A_init_method"),
+        ({"lora": {"rank": 4, "dropout": 1.0}}, "lora.dropout"),
+        ({"lora": {"rank": 4, "adapter_path": "/adapter"}}, "lora.adapter_path"),
+    ],
+)
+def test_lora_settings_it_cannot_honour_are_refused_by_name(
+    qwen3: str, distributed: None, settings: dict, field: str
+) -> None:
+    model = HFModelConfig(path=qwen3, load_tokenizer=False, **settings)
+    engine = FSDPEngineConfig(strategy="fsdp2", mixed_precision={"param_dtype": "fp32"})
+    with pytest.raises(ConfigError, match=f"verl model settings? .*{re.escape(field)}"):
         ComposableEngine(model, engine, FSDPOptimizerConfig(), CheckpointConfig())
 
 

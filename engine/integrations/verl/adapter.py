@@ -399,6 +399,12 @@ class ComposableEngine(BaseEngine):
         finally:
             engine.head, engine.config = head, config
 
+    def disable_adapter(self) -> contextlib.AbstractContextManager[Any]:
+        """The LoRA adapters off (``Engine.disable_adapter``): verl's ``TrainingWorker`` enters
+        it for a batch flagged ``no_lora_adapter``, its reference log-probs from the LoRA actor
+        (``ref_in_actor``). ConfigError without LoRA, rather than silently the actor's own."""
+        return self._initialized().disable_adapter()
+
     def optimizer_zero_grad(self) -> None:
         self._initialized().optimizer_zero_grad()
 
@@ -427,7 +433,10 @@ class ComposableEngine(BaseEngine):
     ) -> tuple[Generator[tuple[str, torch.Tensor], None, None], dict[Any, Any] | None]:
         """(Hugging Face name, full tensor) one at a time, and no PEFT config. An offloaded model
         is loaded for the export and offloaded again once the generator is exhausted (or
-        closed); verl's LoRA arguments (``layered_summon``, ``base_sync_done``) do not apply."""
+        closed). With LoRA the adapters come merged into their linears, as verl's
+        ``lora.merge: true`` hands them over, whatever ``lora.merge`` says (a rollout engine
+        given no PEFT config loads them as plain weights); verl's LoRA arguments
+        (``layered_summon``, ``base_sync_done``) do not apply."""
         with contextlib.ExitStack() as stack:
             engine = stack.enter_context(self._resident(("model",)))
             weights = engine.get_per_tensor_param()
