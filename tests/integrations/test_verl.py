@@ -571,6 +571,32 @@ def test_refuses_what_it_cannot_honour(qwen3: str, distributed: None) -> None:
         ComposableEngine(model, engine, FSDPOptimizerConfig(), CheckpointConfig())
 
 
+@pytest.mark.parametrize(("strategy", "backend"), STRATEGIES)
+def test_use_fused_kernels_builds_and_gives_the_same_log_probs(
+    qwen3: str, distributed: None, strategy: str, backend: str
+) -> None:
+    """verl's use_fused_kernels (model, engine, and the batch flag its worker sets from them)
+    is accepted, true or false: the engine's LM head computes the same numbers either way."""
+    rows = _rollout()
+    results = {}
+    for fused in (False, True):
+        worker = _worker(
+            "language_model",
+            qwen3,
+            strategy,
+            model_settings={"use_fused_kernels": fused},
+            use_fused_kernels=fused,
+        )
+        inferred = worker.infer_batch(_verl_batch(rows, compute_loss=False, calculate_entropy=True))
+        trained = _metrics(worker.train_batch(_verl_batch(rows, use_fused_kernels=fused)))
+        results[fused] = inferred, trained
+    (plain, plain_step), (fused_out, fused_step) = results[False], results[True]
+    for key in ("log_probs", "entropy"):
+        assert torch.equal(plain[key].values(), fused_out[key].values()), key
+    assert plain_step["loss"] == fused_step["loss"]
+    assert plain_step["grad_norm"] == fused_step["grad_norm"]
+
+
 # -- LoRA ----------------------------------------------------------------------------------------
 #: verl's two spellings of LoRA settings (its FSDP engine's flat fields, its megatron engine's
 #: ``lora`` block), each with the strategy whose verl engine reads it, and the engine's LoRA.

@@ -45,7 +45,6 @@ ROW = "verl_row"
 NO_PADDING = "no_padding"
 #: Non-tensor flags verl's engines understand that this one cannot honour, and why.
 REFUSED_FLAGS = {
-    "use_fused_kernels": "fused LM-head kernels are verl's own engines'",
     "calculate_sum_pi_squared": "no sum of squared probabilities output",
     "distillation_use_topk": "no top-k distillation outputs",
     "distillation_only": "no distillation outputs",

@@ -2,7 +2,10 @@
 
 Every verl setting is either translated, or harmless to ignore because it only chooses how
 verl's own engines compute (kernels, compilation, wrapping), or refused by name with
-``ConfigError`` when this engine cannot honour it.
+``ConfigError`` when this engine cannot honour it. ``use_fused_kernels`` (model, engine and the
+batch flag) is one to ignore: it picks verl's fused LM-head kernels; this engine's LM head
+computes log-probs and entropy from the hidden states and output weight either way (its
+``fused`` option, on by default), the same numbers whatever verl asks.
 """
 
 from __future__ import annotations
@@ -40,13 +43,11 @@ REFUSED: list[tuple[str, str, Callable[[Any], bool], str]] = [
         "an existing PEFT adapter is not loaded (give a model with it merged as model.path)",
     ),
     ("model", "use_liger", _off, "Liger kernels are verl's FSDP engine's"),
-    ("model", "use_fused_kernels", _off, "fused LM-head kernels are verl's own engines'"),
     ("model", "external_lib", lambda v: v is None, "external model code is not loaded"),
     ("model", "override_config", _no_mapping_entries, "config.json is read as it is"),
     ("model", "enable_activation_offload", _off, "activation offload is not supported"),
     ("model", "tiled_mlp", lambda v: not _get(v or {}, "enabled", False), "no tiled MLP"),
     ("model", "mtp", lambda v: not _get(v, "enable", False), "no multi-token prediction"),
-    ("engine", "use_fused_kernels", _off, "fused LM-head kernels are verl's own engines'"),
     ("engine", "full_determinism", _off, "not configurable here (runs are seeded)"),
     ("engine", "router_replay", lambda v: _get(v, "mode", "disabled") == "disabled", "no replay"),
     ("engine", "qat", lambda v: not _get(v, "enable", False), "no quantization-aware training"),
