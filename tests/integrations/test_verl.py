@@ -4,6 +4,7 @@ verl (``pip install -e '.[verl]'``)."""
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 import socket
@@ -595,6 +596,151 @@ def test_use_fused_kernels_builds_and_gives_the_same_log_probs(
         assert torch.equal(plain[key].values(), fused_out[key].values()), key
     assert plain_step["loss"] == fused_step["loss"]
     assert plain_step["grad_norm"] == fused_step["grad_norm"]
+
+
+# -- router replay -------------------------------------------------------------------------------
+EXPERTS, TOP_K = 4, 2
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny 2-layer Qwen3-MoE checkpoint (4 experts, 2 per token), random weights."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    directory = tmp_path_factory.mktemp("qwen3_moe")
+    Qwen3MoeForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    return str(directory)
+
+
+def _replay_worker(path: str, mode: str):  # type: ignore[no-untyped-def]
+    from verl.workers.config.engine import EngineConfig as VerlEngineConfig
+    from verl.workers.config.engine import EngineRouterReplayConfig
+    from verl.workers.engine_workers import TrainingWorker
+
+    config = VerlEngineConfig(
+        strategy="composable_megatron",
+        dtype="float32",
+        use_dynamic_bsz=False,
+        micro_batch_size_per_gpu=2,
+        infer_micro_batch_size_per_gpu=3,
+        seed=7,
+        router_replay=EngineRouterReplayConfig(mode=mode),
+    )
+    worker = TrainingWorker(
+        TrainingWorkerConfig(
+            model_type="language_model",
+            model_config=HFModelConfig(path=path, load_tokenizer=False),
+            engine_config=config,
+            optimizer_config=FSDPOptimizerConfig(lr=1e-3, total_training_steps=10),
+            checkpoint_config=CheckpointConfig(),
+        )
+    )
+    worker.reset()
+    actor = ActorConfig(strategy="megatron", rollout_n=1, ppo_micro_batch_size_per_gpu=2)
+    worker.set_loss_fn(functools.partial(ppo_loss, actor))
+    return worker
+
+
+def _log_probs(worker, rows, **flags):  # type: ignore[no-untyped-def]
+    output = worker.infer_batch(_verl_batch(rows, compute_loss=False, **flags))
+    return output, torch.cat(_response_values(output["log_probs"]))
+
+
+def test_router_replay_r2_records_and_replays_the_actors_routes(
+    qwen3_moe: str, distributed: None
+) -> None:
+    """R2: the actor's forward-only pass (``enable_routing_replay``) returns the routes, aligned
+    with ``input_ids``; a batch carrying routes is routed that way (other routes, other
+    log-probs), and without the flag (the reference's pass) the routes are not replayed."""
+    worker = _replay_worker(qwen3_moe, "R2")
+    assert worker.engine.engine.config.router_replay
+    rows = _rollout()
+    recorded, native = _log_probs(worker, rows, enable_routing_replay=True)
+    routes = recorded["routed_experts"]
+    lengths = [PROMPT + length for length in RESPONSES]
+    assert [row.shape for row in routes.unbind()] == [(n, 2, TOP_K) for n in lengths]
+    plain, without_flag = _log_probs(worker, rows)
+    assert "routed_experts" not in plain.keys()
+    torch.testing.assert_close(without_flag, native, atol=0, rtol=0)
+
+    replayed = _log_probs(worker, rows, enable_routing_replay=True, routed_experts=routes)[1]
+    torch.testing.assert_close(replayed, native, atol=0, rtol=0)
+    other = jagged([(row + 1) % EXPERTS for row in routes.unbind()])
+    forced = _log_probs(worker, rows, enable_routing_replay=True, routed_experts=other)[1]
+    assert float((forced - native).abs().max()) > 1e-4
+    ignored = _log_probs(worker, rows, routed_experts=other)[1]  # no flag: the reference's pass
+    torch.testing.assert_close(ignored, native, atol=0, rtol=0)
+
+    # The actor's update replays them: its own routes give the loss of an unforced step.
+    trained = _metrics(
+        worker.train_batch(_verl_batch(rows, enable_routing_replay=True, routed_experts=routes))
+    )
+    unforced = _metrics(_replay_worker(qwen3_moe, "R2").train_batch(_verl_batch(rows)))
+    assert abs(trained["loss"] - unforced["loss"]) < 1e-6
+    assert abs(trained["grad_norm"] - unforced["grad_norm"]) < 1e-5
+
+
+def test_router_replay_r3_takes_the_rollouts_routes_one_short(
+    qwen3_moe: str, distributed: None
+) -> None:
+    """R3: the rollout's routes, none for the last generated token, are replayed in every pass
+    of the actor; the log-probs verl reads are those of the full routes."""
+    worker = _replay_worker(qwen3_moe, "R3")
+    rows = _rollout()
+    with pytest.raises(ConfigError, match="no 'routed_experts' to replay"):
+        worker.infer_batch(_verl_batch(rows, compute_loss=False, enable_routing_replay=True))
+    routes = jagged(
+        [
+            torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(2 * (PROMPT + n))]).reshape(
+                PROMPT + n, 2, TOP_K
+            )
+            for n in RESPONSES
+        ]
+    )
+    full = _log_probs(worker, rows, enable_routing_replay=True, routed_experts=routes)[1]
+    short = jagged([row[:-1] for row in routes.unbind()])
+    one_short = _log_probs(worker, rows, enable_routing_replay=True, routed_experts=short)[1]
+    torch.testing.assert_close(one_short, full, atol=0, rtol=0)
+    native = _log_probs(worker, rows)[1]
+    assert float((full - native).abs().max()) > 1e-4
+    with pytest.raises(ConfigError, match="no 'routed_experts' to replay"):
+        worker.train_batch(_verl_batch(rows, enable_routing_replay=True))
+    metrics = _metrics(
+        worker.train_batch(_verl_batch(rows, enable_routing_replay=True, routed_experts=short))
+    )
+    assert math.isfinite(metrics["loss"])
+
+
+def test_router_replay_settings_it_cannot_honour_are_refused_by_name(
+    qwen3: str, qwen3_moe: str, distributed: None
+) -> None:
+    from verl.workers.config.engine import EngineRouterReplayConfig
+
+    model = HFModelConfig(path=qwen3_moe, load_tokenizer=False)
+    replay = EngineRouterReplayConfig(mode="R2", record_file="/routes.pt")
+    engine = FSDPEngineConfig(
+        strategy="fsdp2", mixed_precision={"param_dtype": "fp32"}, router_replay=replay
+    )
+    with pytest.raises(ConfigError, match=r"router_replay=.*record_file"):
+        ComposableEngine(model, engine, FSDPOptimizerConfig(), CheckpointConfig())
+    worker = _worker("language_model", qwen3)  # built without router replay
+    with pytest.raises(ConfigError, match="enable_routing_replay=True needs"):
+        worker.infer_batch(_verl_batch(_rollout(), compute_loss=False, enable_routing_replay=True))
 
 
 # -- LoRA ----------------------------------------------------------------------------------------

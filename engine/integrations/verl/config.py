@@ -49,7 +49,12 @@ REFUSED: list[tuple[str, str, Callable[[Any], bool], str]] = [
     ("model", "tiled_mlp", lambda v: not _get(v or {}, "enabled", False), "no tiled MLP"),
     ("model", "mtp", lambda v: not _get(v, "enable", False), "no multi-token prediction"),
     ("engine", "full_determinism", _off, "not configurable here (runs are seeded)"),
-    ("engine", "router_replay", lambda v: _get(v, "mode", "disabled") == "disabled", "no replay"),
+    (
+        "engine",
+        "router_replay",
+        lambda v: _get(v, "record_file") is None and _get(v, "replay_file") is None,
+        "routes travel in the batch's routed_experts, not in files (record_file / replay_file)",
+    ),
     ("engine", "qat", lambda v: not _get(v, "enable", False), "no quantization-aware training"),
     ("engine", "ulysses_sequence_parallel_size", lambda v: v == 1, "no Ulysses parallelism"),
     ("engine", "offload_policy", _off, "use param_offload / optimizer_offload"),
@@ -216,6 +221,18 @@ def _block_lora(block: Any, rank: int) -> dict[str, Any]:
     return lora
 
 
+def replay_mode(engine_config: Any) -> str:
+    """verl's ``router_replay.mode``: ``disabled``, ``R2`` (the actor's old-log-prob pass records
+    the routes its updates replay) or ``R3`` (the rollout's routes, replayed in every pass)."""
+    mode = str(_get(_get(engine_config, "router_replay", None) or {}, "mode", "disabled"))
+    if mode not in ("disabled", "R2", "R3"):
+        raise ConfigError(
+            f"verl engine setting router_replay.mode={mode!r} is not supported by the composable "
+            "engine: disabled, R2 or R3"
+        )
+    return mode
+
+
 def head_and_backend(model_type: str, strategy: str) -> tuple[str, str]:
     """This project's head and backend names for verl's model type and strategy."""
     if model_type not in HEADS:
@@ -369,6 +386,7 @@ def engine_config_from_verl(
             "total_steps": total_steps,
             "backend": _backend_options(backend, model_config, engine_config, world_size),
             "lora": lora_from_verl(model_config),
+            "router_replay": replay_mode(engine_config) != "disabled",
         }
     )
     return head, backend, config
