@@ -104,13 +104,15 @@ class JsonlLogger:
 
 
 class TensorBoardLogger:
-    """Every numeric metric as a scalar of its own name, at the step."""
+    """Every numeric metric as a scalar of its own name, at the step. ``first_step``: a resumed
+    run's first step; the events an earlier run logged from it on (after its last checkpoint,
+    which the resumed run repeats) are purged, as the JSONL file is cut back."""
 
-    def __init__(self, directory: Path, step_key: str) -> None:
+    def __init__(self, directory: Path, step_key: str, first_step: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.step_key = step_key
-        self.writer = SummaryWriter(log_dir=os.fspath(directory))
+        self.writer = SummaryWriter(log_dir=os.fspath(directory), purge_step=first_step)
         self.where: str | None = f"TensorBoard events in {directory}"
 
     def log(self, step: int, record: Mapping[str, Any]) -> None:
@@ -192,8 +194,10 @@ def open_loggers(
     output_dir: Path | None,
     run_name: str,
     settings: Mapping[str, Any],
+    first_step: int | None = None,
 ) -> Loggers:
-    """The sinks ``names`` (from :func:`resolve_loggers`) asks for."""
+    """The sinks ``names`` (from :func:`resolve_loggers`) asks for; ``first_step``: a resumed
+    run's first step (see :class:`TensorBoardLogger`)."""
     check_loggers(names, output_dir)
     sinks: list[MetricsLogger] = []
     for name in names:
@@ -205,7 +209,7 @@ def open_loggers(
             assert metrics is not None  # the run's metrics file, given with an output directory
             sinks.append(JsonlLogger(metrics))
         elif name == "tensorboard":
-            sinks.append(TensorBoardLogger(output_dir / TENSORBOARD_DIR, step_key))
+            sinks.append(TensorBoardLogger(output_dir / TENSORBOARD_DIR, step_key, first_step))
         elif name == "wandb":
             sinks.append(WandbLogger(output_dir, step_key, run_name, settings))
     return Loggers(sinks, step_key)

@@ -37,7 +37,7 @@ STEPS = 2
 TOLERANCE = 1e-5
 
 
-def build(backend: str, checkpoint: Path, **config: Any) -> Engine:
+def build(backend: str, checkpoint: Path, /, **config: Any) -> Engine:
     settings = {
         "model": str(checkpoint),
         "micro_batch_size": 2,
@@ -342,3 +342,30 @@ def test_disable_adapter_and_adapter_export_need_lora(fresh_mesh: None) -> None:
         pass
     with pytest.raises(ConfigError, match=r"adapter_only=True.*config\.lora is None"):
         engine.get_per_tensor_param(adapter_only=True)
+
+
+RECOMPUTE = {
+    "megatron": {
+        "transformer_overrides": {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+        }
+    },
+    "fsdp2": {"activation_checkpointing": True},
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_recomputed_layers_train_the_same_adapters(
+    runs: dict[str, Any], checkpoint: Path, backend: str
+) -> None:
+    """Recomputation (megatron's full recompute, a reentrant checkpoint whose output has a
+    gradient only if an input has one; fsdp2's activation checkpointing) with a frozen
+    embedding: the same losses and adapters as without."""
+    engine = build(backend, checkpoint, lora=LORA, backend=RECOMPUTE[backend])
+    losses = train(engine)
+    assert losses == pytest.approx(runs[backend]["losses"], abs=1e-6)
+    adapters = dict(engine.get_per_tensor_param(adapter_only=True))
+    for name, tensor in runs[backend]["adapters"].items():
+        torch.testing.assert_close(adapters[name], tensor, atol=1e-6, rtol=0)

@@ -4,7 +4,9 @@ verl (``pip install -e '.[verl]'``)."""
 from __future__ import annotations
 
 import functools
+import math
 import os
+import re
 import socket
 import types
 
@@ -250,16 +252,23 @@ def _engine_batch(rows: dict[str, list[torch.Tensor]]) -> TensorDict:
 
 
 def _worker(  # type: ignore[no-untyped-def]
-    model_type: str, path: str, strategy: str = "fsdp2", *, host_offload: bool = False, **engine
+    model_type: str,
+    path: str,
+    strategy: str = "fsdp2",
+    *,
+    host_offload: bool = False,
+    model_settings: dict[str, object] | None = None,
+    **engine,
 ):
     """verl's TrainingWorker on the adapter, initialised, with verl's loss for the model type.
-    ``engine``: more verl engine settings (``param_offload``, ...); ``host_offload``: offload
-    to host memory as on an accelerator (on CPU the adapter's ``to("cpu")`` loads, see
+    ``engine``: more verl engine settings (``param_offload``, ...); ``model_settings``: more
+    ``HFModelConfig`` settings (``lora_rank``, ...); ``host_offload``: offload to host memory
+    as on an accelerator (on CPU the adapter's ``to("cpu")`` loads, see
     ``ComposableEngine.offload_to_host``)."""
     from verl.workers.config.engine import EngineConfig as VerlEngineConfig
     from verl.workers.engine_workers import TrainingWorker
 
-    model = HFModelConfig(path=path, load_tokenizer=False)
+    model = HFModelConfig(path=path, load_tokenizer=False, **(model_settings or {}))
     sizes = {
         "use_dynamic_bsz": False,
         "micro_batch_size_per_gpu": 2,
@@ -557,9 +566,291 @@ def test_two_data_parallel_ranks_match_one_process(qwen3: str, reference: dict) 
 
 
 def test_refuses_what_it_cannot_honour(qwen3: str, distributed: None) -> None:
-    model = HFModelConfig(path=qwen3, load_tokenizer=False, lora_rank=8)
+    model = HFModelConfig(path=qwen3, load_tokenizer=False, use_liger=True)
     engine = FSDPEngineConfig(strategy="fsdp2", mixed_precision={"param_dtype": "fp32"})
-    with pytest.raises(ConfigError, match="lora_rank"):
+    with pytest.raises(ConfigError, match="use_liger"):
+        ComposableEngine(model, engine, FSDPOptimizerConfig(), CheckpointConfig())
+
+
+@pytest.mark.parametrize(("strategy", "backend"), STRATEGIES)
+def test_use_fused_kernels_builds_and_gives_the_same_log_probs(
+    qwen3: str, distributed: None, strategy: str, backend: str
+) -> None:
+    """verl's use_fused_kernels (model, engine, and the batch flag its worker sets from them)
+    is accepted, true or false: the engine's LM head computes the same numbers either way."""
+    rows = _rollout()
+    results = {}
+    for fused in (False, True):
+        worker = _worker(
+            "language_model",
+            qwen3,
+            strategy,
+            model_settings={"use_fused_kernels": fused},
+            use_fused_kernels=fused,
+        )
+        inferred = worker.infer_batch(_verl_batch(rows, compute_loss=False, calculate_entropy=True))
+        trained = _metrics(worker.train_batch(_verl_batch(rows, use_fused_kernels=fused)))
+        results[fused] = inferred, trained
+    (plain, plain_step), (fused_out, fused_step) = results[False], results[True]
+    for key in ("log_probs", "entropy"):
+        assert torch.equal(plain[key].values(), fused_out[key].values()), key
+    assert plain_step["loss"] == fused_step["loss"]
+    assert plain_step["grad_norm"] == fused_step["grad_norm"]
+
+
+# -- router replay -------------------------------------------------------------------------------
+EXPERTS, TOP_K = 4, 2
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny 2-layer Qwen3-MoE checkpoint (4 experts, 2 per token), random weights."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    directory = tmp_path_factory.mktemp("qwen3_moe")
+    Qwen3MoeForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    return str(directory)
+
+
+def _replay_worker(path: str, mode: str):  # type: ignore[no-untyped-def]
+    from verl.workers.config.engine import EngineConfig as VerlEngineConfig
+    from verl.workers.config.engine import EngineRouterReplayConfig
+    from verl.workers.engine_workers import TrainingWorker
+
+    config = VerlEngineConfig(
+        strategy="composable_megatron",
+        dtype="float32",
+        use_dynamic_bsz=False,
+        micro_batch_size_per_gpu=2,
+        infer_micro_batch_size_per_gpu=3,
+        seed=7,
+        router_replay=EngineRouterReplayConfig(mode=mode),
+    )
+    worker = TrainingWorker(
+        TrainingWorkerConfig(
+            model_type="language_model",
+            model_config=HFModelConfig(path=path, load_tokenizer=False),
+            engine_config=config,
+            optimizer_config=FSDPOptimizerConfig(lr=1e-3, total_training_steps=10),
+            checkpoint_config=CheckpointConfig(),
+        )
+    )
+    worker.reset()
+    actor = ActorConfig(strategy="megatron", rollout_n=1, ppo_micro_batch_size_per_gpu=2)
+    worker.set_loss_fn(functools.partial(ppo_loss, actor))
+    return worker
+
+
+def _log_probs(worker, rows, **flags):  # type: ignore[no-untyped-def]
+    output = worker.infer_batch(_verl_batch(rows, compute_loss=False, **flags))
+    return output, torch.cat(_response_values(output["log_probs"]))
+
+
+def test_router_replay_r2_records_and_replays_the_actors_routes(
+    qwen3_moe: str, distributed: None
+) -> None:
+    """R2: the actor's forward-only pass (``enable_routing_replay``) returns the routes, aligned
+    with ``input_ids``; a batch carrying routes is routed that way (other routes, other
+    log-probs), and without the flag (the reference's pass) the routes are not replayed."""
+    worker = _replay_worker(qwen3_moe, "R2")
+    assert worker.engine.engine.config.router_replay
+    rows = _rollout()
+    recorded, native = _log_probs(worker, rows, enable_routing_replay=True)
+    routes = recorded["routed_experts"]
+    lengths = [PROMPT + length for length in RESPONSES]
+    assert [row.shape for row in routes.unbind()] == [(n, 2, TOP_K) for n in lengths]
+    plain, without_flag = _log_probs(worker, rows)
+    assert "routed_experts" not in plain.keys()
+    torch.testing.assert_close(without_flag, native, atol=0, rtol=0)
+
+    replayed = _log_probs(worker, rows, enable_routing_replay=True, routed_experts=routes)[1]
+    torch.testing.assert_close(replayed, native, atol=0, rtol=0)
+    other = jagged([(row + 1) % EXPERTS for row in routes.unbind()])
+    forced = _log_probs(worker, rows, enable_routing_replay=True, routed_experts=other)[1]
+    assert float((forced - native).abs().max()) > 1e-4
+    ignored = _log_probs(worker, rows, routed_experts=other)[1]  # no flag: the reference's pass
+    torch.testing.assert_close(ignored, native, atol=0, rtol=0)
+
+    # The actor's update replays them: its own routes give the loss of an unforced step.
+    trained = _metrics(
+        worker.train_batch(_verl_batch(rows, enable_routing_replay=True, routed_experts=routes))
+    )
+    unforced = _metrics(_replay_worker(qwen3_moe, "R2").train_batch(_verl_batch(rows)))
+    assert abs(trained["loss"] - unforced["loss"]) < 1e-6
+    assert abs(trained["grad_norm"] - unforced["grad_norm"]) < 1e-5
+
+
+def test_router_replay_r3_takes_the_rollouts_routes_one_short(
+    qwen3_moe: str, distributed: None
+) -> None:
+    """R3: the rollout's routes, none for the last generated token, are replayed in every pass
+    of the actor; the log-probs verl reads are those of the full routes."""
+    worker = _replay_worker(qwen3_moe, "R3")
+    rows = _rollout()
+    with pytest.raises(ConfigError, match="no 'routed_experts' to replay"):
+        worker.infer_batch(_verl_batch(rows, compute_loss=False, enable_routing_replay=True))
+    routes = jagged(
+        [
+            torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(2 * (PROMPT + n))]).reshape(
+                PROMPT + n, 2, TOP_K
+            )
+            for n in RESPONSES
+        ]
+    )
+    full = _log_probs(worker, rows, enable_routing_replay=True, routed_experts=routes)[1]
+    short = jagged([row[:-1] for row in routes.unbind()])
+    one_short = _log_probs(worker, rows, enable_routing_replay=True, routed_experts=short)[1]
+    torch.testing.assert_close(one_short, full, atol=0, rtol=0)
+    native = _log_probs(worker, rows)[1]
+    assert float((full - native).abs().max()) > 1e-4
+    with pytest.raises(ConfigError, match="no 'routed_experts' to replay"):
+        worker.train_batch(_verl_batch(rows, enable_routing_replay=True))
+    metrics = _metrics(
+        worker.train_batch(_verl_batch(rows, enable_routing_replay=True, routed_experts=short))
+    )
+    assert math.isfinite(metrics["loss"])
+
+
+def test_router_replay_settings_it_cannot_honour_are_refused_by_name(
+    qwen3: str, qwen3_moe: str, distributed: None
+) -> None:
+    from verl.workers.config.engine import EngineRouterReplayConfig
+
+    model = HFModelConfig(path=qwen3_moe, load_tokenizer=False)
+    replay = EngineRouterReplayConfig(mode="R2", record_file="/routes.pt")
+    engine = FSDPEngineConfig(
+        strategy="fsdp2", mixed_precision={"param_dtype": "fp32"}, router_replay=replay
+    )
+    with pytest.raises(ConfigError, match=r"router_replay=.*record_file"):
+        ComposableEngine(model, engine, FSDPOptimizerConfig(), CheckpointConfig())
+    worker = _worker("language_model", qwen3)  # built without router replay
+    with pytest.raises(ConfigError, match="enable_routing_replay=True needs"):
+        worker.infer_batch(_verl_batch(_rollout(), compute_loss=False, enable_routing_replay=True))
+
+
+# -- LoRA ----------------------------------------------------------------------------------------
+#: verl's two spellings of LoRA settings (its FSDP engine's flat fields, its megatron engine's
+#: ``lora`` block), each with the strategy whose verl engine reads it, and the engine's LoRA.
+LORA_SETTINGS = [
+    (
+        "fsdp2",
+        {"lora_rank": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]},
+        {
+            "rank": 4,
+            "alpha": 8,
+            "dropout": 0.0,
+            "target_modules": ("q_proj", "v_proj", "down_proj"),
+        },
+    ),
+    (
+        "composable_megatron",
+        {
+            "lora": {
+                "type": "canonical_lora",
+                "rank": 4,
+                "alpha": 16,
+                "dropout": 0.0,
+                "target_modules": ["linear_q", "linear_k", "linear_proj", "linear_fc1_up"],
+                "lora_A_init_method": "kaiming",
+                "lora_B_init_method": "zero",
+                "dropout_position": "pre",
+                "merge": True,
+            }
+        },
+        {
+            "rank": 4,
+            "alpha": 16,
+            "dropout": 0.0,
+            "target_modules": ("q_proj", "k_proj", "o_proj", "up_proj"),
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize(("strategy", "settings", "expected"), LORA_SETTINGS)
+def test_verl_lora_settings_train_adapters_and_the_reference_is_the_base_model(
+    qwen3: str, reference: dict, strategy: str, settings: dict, expected: dict
+) -> None:
+    """verl's LoRA settings reach ``EngineConfig.lora``; a step trains only the adapters; a batch
+    flagged ``no_lora_adapter`` (verl's reference pass with ``ref_in_actor``) gives the base
+    model's log-probs, the actor's own differ."""
+    from safetensors.torch import load_file
+
+    worker = _worker("language_model", qwen3, strategy, model_settings=settings)
+    lora = worker.engine.engine.config.lora
+    assert lora is not None
+    assert {field: getattr(lora, field) for field in expected} == expected
+    rows = _rollout()
+    worker.train_batch(_verl_batch(rows))
+
+    base = reference["language_model", strategy]["before"]
+    as_reference = worker.infer_batch(_verl_batch(rows, compute_loss=False, no_lora_adapter=True))
+    _assert_outputs(as_reference["log_probs"], base)
+    actor = worker.infer_batch(_verl_batch(rows, compute_loss=False))["log_probs"]
+    gaps = [
+        float((theirs - ours).abs().max())
+        for theirs, ours in zip(_response_values(actor), base, strict=True)
+    ]
+    assert max(gaps) > 1e-4  # the adapters trained
+
+    # Only the adapters trained: every weight without one exports as it was saved.
+    saved = load_file(os.path.join(qwen3, "model.safetensors"))
+    exported = dict(worker.engine.get_per_tensor_param()[0])
+    targets = lora.target_modules
+    for name, tensor in saved.items():
+        adapted = any(f"{target}.weight" in name for target in targets)
+        assert torch.equal(exported[name].float(), tensor.float()) != adapted, name
+    adapters = dict(worker.engine.engine.get_per_tensor_param(adapter_only=True))
+    assert {name.split(".")[-3] for name in adapters} == set(targets)
+
+
+def test_no_lora_adapter_without_lora_is_refused(qwen3: str, distributed: None) -> None:
+    """Rather than the actor's own log-probs passed off as the reference's."""
+    worker = _worker("language_model", qwen3)
+    with pytest.raises(ConfigError, match="disable_adapter"):
+        worker.infer_batch(_verl_batch(_rollout(), compute_loss=False, no_lora_adapter=True))
+
+
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [
+        ({"lora_rank": 4, "lora_adapter_path": "/adapter"}, "lora_adapter_path"),
+        ({"lora_rank": 4, "target_modules": ".*proj"}, "target_modules"),
+        ({"lora_rank": 4, "target_modules": ["lm_head"]}, "target_modules"),
+        ({"lora_rank": 4, "lora_alpha": -1}, "lora_alpha"),
+        ({"lora_rank": 4, "exclude_modules": ["q_proj"]}, "exclude_modules"),
+        ({"lora_rank": 4, "target_parameters": ["mlp.experts"]}, "target_parameters"),
+        ({"lora_rank": 4, "lora": {"rank": 4}}, "lora.rank"),
+        ({"lora": {"rank": 4, "type": "dora"}}, "lora.type"),
+        ({"lora": {"rank": 4, "target_modules": ["linear_qkv"]}}, "lora.target_modules"),
+        ({"lora": {"rank": 4, "target_modules": ["router"]}}, "lora.target_modules"),
+        ({"lora": {"rank": 4, "dropout_position": "post"}}, "lora.dropout_position"),
+        ({"lora": {"rank": 4, "lora_A_init_method": "xavier"}}, "lora.lora_A_init_method"),
+        ({"lora": {"rank": 4, "dropout": 1.0}}, "lora.dropout"),
+        ({"lora": {"rank": 4, "adapter_path": "/adapter"}}, "lora.adapter_path"),
+    ],
+)
+def test_lora_settings_it_cannot_honour_are_refused_by_name(
+    qwen3: str, distributed: None, settings: dict, field: str
+) -> None:
+    model = HFModelConfig(path=qwen3, load_tokenizer=False, **settings)
+    engine = FSDPEngineConfig(strategy="fsdp2", mixed_precision={"param_dtype": "fp32"})
+    with pytest.raises(ConfigError, match=f"verl model settings? .*{re.escape(field)}"):
         ComposableEngine(model, engine, FSDPOptimizerConfig(), CheckpointConfig())
 
 

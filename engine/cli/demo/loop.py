@@ -207,6 +207,7 @@ def run(
         output_dir=out,
         run_name=f"demo-{config.algorithm}",
         settings=config.to_dict(),
+        first_step=done + 1 if done else None,
     )
     with progress, StopRequest() as stop:
         progress.message(header + (f"; resumed after iteration {done}" if done else ""))

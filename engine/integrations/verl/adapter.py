@@ -32,9 +32,9 @@ from verl.utils.device import get_device_name
 from verl.workers.engine.base import BaseEngine
 
 from engine import checkpointing
-from engine.data.batching import jagged_offsets, jagged_values
+from engine.data.batching import ROUTED_EXPERTS, jagged_offsets, jagged_values
 from engine.engine import Engine
-from engine.integrations.verl.config import engine_config_from_verl
+from engine.integrations.verl.config import engine_config_from_verl, replay_mode
 from engine.losses.contract import LossContext
 from heads.base import PER_SEQUENCE, ResultSpec, declared_results
 from heads.errors import BatchError, ConfigError
@@ -45,11 +45,9 @@ ROW = "verl_row"
 NO_PADDING = "no_padding"
 #: Non-tensor flags verl's engines understand that this one cannot honour, and why.
 REFUSED_FLAGS = {
-    "use_fused_kernels": "fused LM-head kernels are verl's own engines'",
     "calculate_sum_pi_squared": "no sum of squared probabilities output",
     "distillation_use_topk": "no top-k distillation outputs",
     "distillation_only": "no distillation outputs",
-    "enable_routing_replay": "no router replay through verl",
 }
 
 
@@ -262,6 +260,9 @@ class ComposableEngine(BaseEngine):
             raise BatchError("verl batches must hold jagged input_ids (pad_mode no_padding)")
         rows = data.batch_size[0]
         batch = TensorDict({"input_ids": ids, ROW: torch.arange(rows)}, batch_size=[rows])
+        routes, record = self._routes(data, ids, forward_only)
+        if routes is not None:
+            batch[ROUTED_EXPERTS] = routes
         losses: dict[int, float] = {}
         metrics: dict[int, Any] = {}
         wrapped = None
@@ -280,8 +281,10 @@ class ComposableEngine(BaseEngine):
             output = {
                 key: jagged_to_verl_layout(value, declared(key), key)
                 for key, value in result["model_output"].items()
-                if key != ROW
+                if key not in (ROW, ROUTED_EXPERTS)
             }
+            if record:  # aligned with input_ids, as verl's megatron engine returns them
+                output[ROUTED_EXPERTS] = result["model_output"][ROUTED_EXPERTS]
         merged: dict[str, list[Any]] = {}
         for index in sorted(metrics):
             for name, value in metrics[index].items():
@@ -291,6 +294,34 @@ class ComposableEngine(BaseEngine):
             "loss": [losses[index] for index in sorted(losses)],
             "metrics": merged,
         }
+
+    def _routes(
+        self, data: TensorDict, ids: torch.Tensor, forward_only: bool
+    ) -> tuple[torch.Tensor | None, bool]:
+        """verl's router replay for one call: ``(routes to replay, whether to return the
+        recorded ones)``. With the batch flag ``enable_routing_replay`` (verl sets it for the
+        actor's passes, not the reference's) the batch's ``routed_experts`` are replayed; R2's
+        forward-only pass without them records them (returned as ``routed_experts``, jagged
+        ``[b, tokens, layers, k]`` aligned with ``input_ids``). A rollout's routes (R3) one token
+        short (none for the last generated token) get a placeholder route for it: the last
+        token's output scores nothing verl reads."""
+        mode = replay_mode(self.engine_config)
+        if not _flag(data, "enable_routing_replay", False):
+            return None, False
+        if mode == "disabled":
+            raise ConfigError(
+                "verl batch setting enable_routing_replay=True needs engine setting "
+                "router_replay.mode R2 or R3 (this engine was built without router replay)"
+            )
+        if ROUTED_EXPERTS in data.keys():
+            return _aligned_routes(data[ROUTED_EXPERTS], ids), False
+        if mode == "R2" and forward_only:
+            return None, True
+        raise ConfigError(
+            f"verl router replay ({mode}) with enable_routing_replay: the batch has no "
+            f"{ROUTED_EXPERTS!r} to replay (R2 records them in the actor's forward-only pass, R3 "
+            "takes the rollout's)"
+        )
 
     def _declared(self) -> Callable[[str], ResultSpec]:
         """The head's declaration of an output key; ConfigError naming an undeclared one."""
@@ -399,6 +430,12 @@ class ComposableEngine(BaseEngine):
         finally:
             engine.head, engine.config = head, config
 
+    def disable_adapter(self) -> contextlib.AbstractContextManager[Any]:
+        """The LoRA adapters off (``Engine.disable_adapter``): verl's ``TrainingWorker`` enters
+        it for a batch flagged ``no_lora_adapter``, its reference log-probs from the LoRA actor
+        (``ref_in_actor``). ConfigError without LoRA, rather than silently the actor's own."""
+        return self._initialized().disable_adapter()
+
     def optimizer_zero_grad(self) -> None:
         self._initialized().optimizer_zero_grad()
 
@@ -427,7 +464,10 @@ class ComposableEngine(BaseEngine):
     ) -> tuple[Generator[tuple[str, torch.Tensor], None, None], dict[Any, Any] | None]:
         """(Hugging Face name, full tensor) one at a time, and no PEFT config. An offloaded model
         is loaded for the export and offloaded again once the generator is exhausted (or
-        closed); verl's LoRA arguments (``layered_summon``, ``base_sync_done``) do not apply."""
+        closed). With LoRA the adapters come merged into their linears, as verl's
+        ``lora.merge: true`` hands them over, whatever ``lora.merge`` says (a rollout engine
+        given no PEFT config loads them as plain weights); verl's LoRA arguments
+        (``layered_summon``, ``base_sync_done``) do not apply."""
         with contextlib.ExitStack() as stack:
             engine = stack.enter_context(self._resident(("model",)))
             weights = engine.get_per_tensor_param()
@@ -486,6 +526,38 @@ class ComposableEngine(BaseEngine):
         complete = checkpointing.complete_checkpoints(local_path)
         with self._resident() as engine:
             engine.load_checkpoint(complete[-1][1] if complete else local_path)
+
+
+def _aligned_routes(routes: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """verl's ``routed_experts`` (jagged ``[b, tokens, layers, k]``) one route per input token:
+    a row one short gets the placeholder route ``0..k-1`` for its last token (whose output
+    scores nothing verl reads). ConfigError naming the field for anything else."""
+    if not (isinstance(routes, torch.Tensor) and routes.is_nested):
+        raise ConfigError(f"verl's {ROUTED_EXPERTS!r} must be jagged [b, tokens, layers, k]")
+    route_rows = list(routes.unbind())
+    lengths = jagged_offsets(ids).diff().tolist()
+    if len(route_rows) != len(lengths):
+        raise ConfigError(
+            f"verl's {ROUTED_EXPERTS!r} has {len(route_rows)} rows for {len(lengths)} sequences"
+        )
+    aligned = []
+    for index, (row, length) in enumerate(zip(route_rows, lengths, strict=True)):
+        if row.dim() != 3:
+            raise ConfigError(
+                f"verl's {ROUTED_EXPERTS!r} must be [b, tokens, layers, k]; row {index} has "
+                f"shape {tuple(row.shape)}"
+            )
+        if row.shape[0] == length - 1:
+            k = row.shape[2]
+            placeholder = torch.arange(k, dtype=row.dtype, device=row.device)
+            row = torch.cat([row, placeholder.expand(1, row.shape[1], k)])
+        elif row.shape[0] != length:
+            raise ConfigError(
+                f"verl's {ROUTED_EXPERTS!r} row {index} has {row.shape[0]} routes for {length} "
+                "tokens (one per token, or one short: none for the last generated token)"
+            )
+        aligned.append(row.to(torch.int64))
+    return torch.nested.nested_tensor(aligned, layout=torch.jagged)
 
 
 def _temperature(data: TensorDict) -> float:

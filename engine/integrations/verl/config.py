@@ -2,7 +2,10 @@
 
 Every verl setting is either translated, or harmless to ignore because it only chooses how
 verl's own engines compute (kernels, compilation, wrapping), or refused by name with
-``ConfigError`` when this engine cannot honour it.
+``ConfigError`` when this engine cannot honour it. ``use_fused_kernels`` (model, engine and the
+batch flag) is one to ignore: it picks verl's fused LM-head kernels; this engine's LM head
+computes log-probs and entropy from the hidden states and output weight either way (its
+``fused`` option, on by default), the same numbers whatever verl asks.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.integrations.verl.cells import BACKENDS, HEADS
 from heads.errors import ConfigError
+from strategies.config import LoraConfig
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:
@@ -32,18 +36,25 @@ def _no_mapping_entries(value: Any) -> bool:
 
 #: (config kind, field, accepted?, what to do instead). A field absent from the object is fine.
 REFUSED: list[tuple[str, str, Callable[[Any], bool], str]] = [
-    ("model", "lora_rank", lambda v: not v, "LoRA adapters are not supported"),
-    ("model", "lora_adapter_path", lambda v: v is None, "LoRA adapters are not supported"),
+    (
+        "model",
+        "lora_adapter_path",
+        lambda v: v is None,
+        "an existing PEFT adapter is not loaded (give a model with it merged as model.path)",
+    ),
     ("model", "use_liger", _off, "Liger kernels are verl's FSDP engine's"),
-    ("model", "use_fused_kernels", _off, "fused LM-head kernels are verl's own engines'"),
     ("model", "external_lib", lambda v: v is None, "external model code is not loaded"),
     ("model", "override_config", _no_mapping_entries, "config.json is read as it is"),
     ("model", "enable_activation_offload", _off, "activation offload is not supported"),
     ("model", "tiled_mlp", lambda v: not _get(v or {}, "enabled", False), "no tiled MLP"),
     ("model", "mtp", lambda v: not _get(v, "enable", False), "no multi-token prediction"),
-    ("engine", "use_fused_kernels", _off, "fused LM-head kernels are verl's own engines'"),
     ("engine", "full_determinism", _off, "not configurable here (runs are seeded)"),
-    ("engine", "router_replay", lambda v: _get(v, "mode", "disabled") == "disabled", "no replay"),
+    (
+        "engine",
+        "router_replay",
+        lambda v: _get(v, "record_file") is None and _get(v, "replay_file") is None,
+        "routes travel in the batch's routed_experts, not in files (record_file / replay_file)",
+    ),
     ("engine", "qat", lambda v: not _get(v, "enable", False), "no quantization-aware training"),
     ("engine", "ulysses_sequence_parallel_size", lambda v: v == 1, "no Ulysses parallelism"),
     ("engine", "offload_policy", _off, "use param_offload / optimizer_offload"),
@@ -81,6 +92,145 @@ def refuse_unsupported(**configs: Any) -> None:
                 f"verl {kind} setting {name}={value!r} is not supported by the composable "
                 f"engine: {hint}"
             )
+
+
+#: verl's megatron LoRA module names (``model.lora.target_modules``) -> Hugging Face names: one
+#: adapter per projection (verl's ``type: canonical_lora``; ``type: lora`` for the unfused ones).
+MEGATRON_LORA_TARGETS = {
+    "linear_q": "q_proj",
+    "linear_k": "k_proj",
+    "linear_v": "v_proj",
+    "linear_proj": "o_proj",
+    "linear_fc1_gate": "gate_proj",
+    "linear_fc1_up": "up_proj",
+    "linear_fc2": "down_proj",
+}
+#: verl's megatron ``type: lora`` fuses these: one adapter (a shared ``A``) over q/k/v or gate/up.
+_FUSED_LORA_TARGETS = {
+    "linear_qkv": "linear_q, linear_k, linear_v",
+    "linear_fc1": "linear_fc1_gate, linear_fc1_up",
+}
+
+
+def _lora_refusal(setting: str, value: Any, hint: str) -> ConfigError:
+    return ConfigError(
+        f"verl model setting {setting}={value!r} is not supported by the composable engine: {hint}"
+    )
+
+
+def lora_from_verl(model_config: Any) -> dict[str, Any] | None:
+    """``EngineConfig.lora`` for verl's LoRA settings (None: no LoRA). verl has two spellings,
+    either is read whatever the strategy: the flat fields its FSDP engine reads (``lora_rank``,
+    ``lora_alpha``, ``target_modules``, ``exclude_modules``, ``target_parameters``) and the
+    ``lora`` block its megatron engine reads (``rank``, ``alpha``, ``dropout``,
+    ``target_modules``, ...). What cannot be honoured is refused naming verl's field."""
+    flat_rank = int(_get(model_config, "lora_rank", 0) or 0)
+    block = _get(model_config, "lora", None) or {}
+    block_rank = int(_get(block, "rank", 0) or 0)
+    if flat_rank > 0 and block_rank > 0:
+        raise ConfigError(
+            f"verl model settings lora_rank={flat_rank} and lora.rank={block_rank} are both set; "
+            "the composable engine takes one (either spelling works with every strategy)"
+        )
+    if flat_rank > 0:
+        lora = _flat_lora(model_config, flat_rank)
+        settings = {"target_modules": "target_modules", "alpha": "lora_alpha"}
+    elif block_rank > 0:
+        lora = _block_lora(block, block_rank)
+        settings = {field: f"lora.{field}" for field in ("target_modules", "alpha", "dropout")}
+    else:
+        return None
+    try:
+        LoraConfig(**lora)
+    except ConfigError as error:
+        field = next((field for field in settings if field in str(error)), "target_modules")
+        raise _lora_refusal(settings[field], lora.get(field), str(error)) from error
+    return lora
+
+
+def _flat_lora(model_config: Any, rank: int) -> dict[str, Any]:
+    """verl's FSDP spelling, which builds a peft ``LoraConfig`` (no dropout: peft's 0)."""
+    for name in ("exclude_modules", "target_parameters"):
+        value = _get(model_config, name, None)
+        if value:
+            raise _lora_refusal(name, value, "adapters go on whole target linears only")
+    lora: dict[str, Any] = {"rank": rank, "alpha": _get(model_config, "lora_alpha", 16)}
+    targets = _get(model_config, "target_modules", "all-linear")
+    if isinstance(targets, str):
+        if targets != "all-linear":
+            raise _lora_refusal(
+                "target_modules", targets, "'all-linear' or a list of module names (no regex)"
+            )
+    elif targets is not None:
+        lora["target_modules"] = [str(name) for name in targets]
+    return lora
+
+
+def _block_lora(block: Any, rank: int) -> dict[str, Any]:
+    """verl's megatron spelling (Megatron-Bridge's LoRA settings)."""
+    kind = _get(block, "type", "lora")
+    if kind not in ("lora", "canonical_lora"):
+        raise _lora_refusal("lora.type", kind, "plain LoRA only (lora or canonical_lora)")
+    checks = [
+        ("exclude_modules", lambda v: not v, "name the targets in lora.target_modules"),
+        ("dropout_position", lambda v: v == "pre", "dropout is on the adapter's input ('pre')"),
+        (
+            "lora_A_init_method",
+            lambda v: v != "xavier",
+            "A is drawn Kaiming-uniform as peft does (lora_A_init_method=kaiming)",
+        ),
+        ("lora_B_init_method", lambda v: v == "zero", "B starts at zero"),
+        ("a2a_experimental", lambda v: not v, "not supported"),
+        ("dtype", lambda v: v is None, "adapters are kept in the weights' dtype"),
+        (
+            "adapter_path",
+            lambda v: v is None,
+            "an existing adapter is not loaded (give a model with it merged as model.path)",
+        ),
+    ]
+    sentinel = object()
+    for name, accepted, hint in checks:
+        value = _get(block, name, sentinel)
+        if value is not sentinel and not accepted(value):
+            raise _lora_refusal(f"lora.{name}", value, hint)
+    lora: dict[str, Any] = {
+        "rank": rank,
+        "alpha": _get(block, "alpha", 32),
+        "dropout": float(_get(block, "dropout", 0.0) or 0.0),
+    }
+    targets = _get(block, "target_modules", None)
+    if targets:
+        names = []
+        for name in targets:
+            if kind == "lora" and name in _FUSED_LORA_TARGETS:
+                raise _lora_refusal(
+                    "lora.target_modules",
+                    list(targets),
+                    f"type lora puts one adapter on the fused {name} (an A shared by its "
+                    "projections), which is not built here; type canonical_lora with "
+                    f"{_FUSED_LORA_TARGETS[name]} gives one adapter per projection",
+                )
+            if name not in MEGATRON_LORA_TARGETS:
+                raise _lora_refusal(
+                    "lora.target_modules",
+                    list(targets),
+                    f"unknown module {name!r}; known: {', '.join(MEGATRON_LORA_TARGETS)}",
+                )
+            names.append(MEGATRON_LORA_TARGETS[name])
+        lora["target_modules"] = names
+    return lora
+
+
+def replay_mode(engine_config: Any) -> str:
+    """verl's ``router_replay.mode``: ``disabled``, ``R2`` (the actor's old-log-prob pass records
+    the routes its updates replay) or ``R3`` (the rollout's routes, replayed in every pass)."""
+    mode = str(_get(_get(engine_config, "router_replay", None) or {}, "mode", "disabled"))
+    if mode not in ("disabled", "R2", "R3"):
+        raise ConfigError(
+            f"verl engine setting router_replay.mode={mode!r} is not supported by the composable "
+            "engine: disabled, R2 or R3"
+        )
+    return mode
 
 
 def head_and_backend(model_type: str, strategy: str) -> tuple[str, str]:
@@ -235,6 +385,8 @@ def engine_config_from_verl(
             "dtype": compute_dtype(engine_config, backend),
             "total_steps": total_steps,
             "backend": _backend_options(backend, model_config, engine_config, world_size),
+            "lora": lora_from_verl(model_config),
+            "router_replay": replay_mode(engine_config) != "disabled",
         }
     )
     return head, backend, config

@@ -109,6 +109,12 @@ def attach_adapters(chunk: torch.nn.Module, config: PartsConfig, switch: Adapter
     assert lora is not None
     for param in chunk.parameters():
         param.requires_grad_(False)
+    embedding = getattr(chunk, "embedding", None)
+    if embedding is not None and getattr(chunk.config, "recompute_granularity", None):
+        # megatron's recompute is a reentrant checkpoint: its output has a gradient only if an
+        # input does, and the frozen embedding's output has none (peft's
+        # enable_input_require_grads, for the same reason).
+        embedding.register_forward_hook(_input_requires_grad)
     tp_rank, tp_size = (
         ps.get_tensor_model_parallel_rank(),
         ps.get_tensor_model_parallel_world_size(),
@@ -149,6 +155,12 @@ def attach_adapters(chunk: torch.nn.Module, config: PartsConfig, switch: Adapter
                 layer.get_submodule(path).register_forward_hook(
                     hook(adapters, targets, config, switch)
                 )
+
+
+def _input_requires_grad(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and not output.requires_grad:
+        output.requires_grad_(True)
+    return output
 
 
 def _mark(param: torch.Tensor, dim: int | None, tp_size: int) -> None:

@@ -83,6 +83,42 @@ def test_a_resumed_demo_keeps_the_original_loggers_unless_given_new_ones(tmp_pat
     assert max(tensorboard_scalars(out / "tensorboard")["reward"]) == 2
 
 
+def test_a_resumed_demo_replaces_the_tensorboard_steps_after_the_last_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """A crashed run logged an iteration its checkpoint does not hold; the resumed run logs it
+    again, and TensorBoard reads it once (the resumed run's), as metrics.jsonl has it."""
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.engine.cli.test_demo import checkpoint_steps
+
+    out = tmp_path / "run"
+    common = ("demo", "--output-dir", str(out))
+    first = run(
+        *common, "--config", short_config(tmp_path), "--steps", "3",
+        "--logger", "jsonl,tensorboard",
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert checkpoint_steps(out, "actor") == [2, 3]
+    for role in ("actor", "critic"):  # a crash before iteration 3's checkpoint
+        shutil.rmtree(out / "checkpoints" / role / "global_step_3")
+    second = run(*common, "--resume", "--steps", "3")
+    assert second.returncode == 0, second.stderr[-3000:]
+    records = jsonl_records(out / "metrics.jsonl")
+    assert [record["iteration"] for record in records] == [1, 2, 3]
+
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    expected = numeric_metrics(records, "iteration")
+    assert set(events.Tags()["scalars"]) == expected.keys()
+    for tag, values in expected.items():
+        scalars = events.Scalars(tag)
+        assert [event.step for event in scalars] == [1, 2, 3], tag
+        assert {event.step: event.value for event in scalars} == values, tag
+
+
 def test_train_writes_only_the_chosen_loggers(tmp_path: Path) -> None:
     result = run(
         "train", "--device", "cpu", "--steps", "3", "--output-dir", str(tmp_path),
