@@ -150,11 +150,6 @@ class Engine:
         if self.config.packing:
             require(self.backend, Packing).check_packing(self.config)
         if self.config.lora is not None:
-            if self.head.output_spec().kind != "vocab":
-                raise ConfigError(
-                    f"EngineConfig.lora with head {self.head.name!r}: its new output layer would "
-                    "stay frozen with the base model (only adapters train); LoRA needs an LM head"
-                )
             require(self.backend, LowRankAdapters).check_lora(self.config)
         if self.config.router_replay:
             if not self.config.model.is_moe:
@@ -210,7 +205,8 @@ class Engine:
     def disable_adapter(self) -> Iterator[Engine]:
         """Inside, the LoRA adapters (``config.lora``) are off: ``infer_batch`` gives the base
         model's outputs exactly (e.g. the reference of an RL actor, without a second engine),
-        and ``train_batch`` is refused. Not reentrant."""
+        and ``train_batch`` is refused. Not reentrant. A head whose output is not the vocabulary
+        (value, reward) keeps its trained output layer: the base model's body under it."""
         self._require_initialized("disable_adapter")
         if self.config.lora is None:
             raise ConfigError(
@@ -593,7 +589,9 @@ class Engine:
         comes out on every rank); under pipeline parallelism each stage yields its own
         layers. With LoRA the adapted linears come out merged (``W + (B @ A) * alpha / rank``);
         ``adapter_only=True`` yields the adapters alone, under peft's names
-        (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``)."""
+        (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), and a value or
+        reward head's output layer, which trains whole, as peft's ``modules_to_save`` has it
+        (``base_model.model.score.weight``, and a zero ``score.bias``)."""
         self._require_initialized("get_per_tensor_param")
         self._require_resident("get_per_tensor_param", ("model",))
         if adapter_only:
@@ -603,19 +601,20 @@ class Engine:
         return _WhileResident(weights, lambda: self._require_resident(WHILE_ITERATING, ("model",)))
 
     def _peft_adapter(self, what: str) -> Iterator[tuple[str, torch.Tensor]]:
-        from strategies.lora import PEFT_PREFIX
+        from strategies.lora import peft_tensors
 
         if self.config.lora is None:
             raise ConfigError(f"{what}(adapter_only=True) needs LoRA, but config.lora is None")
-        adapters = require(self.backend, LowRankAdapters).export_adapter(self.config)
-        return ((PEFT_PREFIX + name, tensor) for name, tensor in adapters)
+        return peft_tensors(require(self.backend, LowRankAdapters).export_adapter(self.config))
 
     def save_hf(self, directory: str | os.PathLike[str], *, adapter_only: bool = False) -> None:
         """Write a causal-LM Hugging Face checkpoint (safetensors + config.json) to
         ``directory``, atomically, LoRA adapters merged into their linears; with
         ``adapter_only=True`` a PEFT adapter directory instead (``adapter_config.json`` +
         ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained`` loads onto the
-        base model. Collective: every rank calls it."""
+        base model (a value or reward head's: onto ``AutoModelForTokenClassification`` of the
+        base checkpoint, ``num_labels`` the head's features, its ``score`` layer replaced).
+        Collective: every rank calls it."""
         self._require_initialized("save_hf")
         self._require_resident("save_hf", ("model",))
         if adapter_only:
@@ -624,7 +623,10 @@ class Engine:
             lora = self.config.lora
             tensors = self._peft_adapter("save_hf")
             assert lora is not None  # _peft_adapter refuses an engine without
-            save_peft_adapter(tensors, lora, self.config.model, os.fspath(directory))
+            head_layer = self.head.output_spec().kind != "vocab"
+            save_peft_adapter(
+                tensors, lora, self.config.model, os.fspath(directory), head_layer=head_layer
+            )
             return
         if self.head.output_spec().kind != "vocab":
             raise ConfigError(

@@ -6,6 +6,11 @@ An adapter is named after the Hugging Face linear it adapts, as peft names it
 name), so every backend and parallel layout starts from the same adapter. ``A`` is drawn as
 peft draws it (``kaiming_uniform_(a=sqrt(5))``: uniform in ``+-1/sqrt(in_features)``), ``B``
 is 0, so a new adapter leaves the model's outputs unchanged.
+
+A head whose output is not the vocabulary (value, reward) has a new output layer of its own:
+with LoRA it trains whole, beside the adapters (peft's ``modules_to_save``). Both backends
+export it as ``value_head.weight``; in a PEFT adapter it is transformers'
+``...ForTokenClassification`` ``score`` layer (``hidden -> features``, with a bias, written as 0).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -27,6 +32,11 @@ PEFT_PREFIX = "base_model.model."
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+#: The Hugging Face export name of a non-vocabulary head's output layer (both backends').
+HEAD_LAYER = "value_head"
+#: That layer's module in a PEFT adapter (``modules_to_save``): transformers'
+#: ``AutoModelForTokenClassification`` ``score``, as verl's critics and peft's examples have it.
+PEFT_HEAD_MODULE = "score"
 
 
 def hf_module(layer: int, target: str) -> str:
@@ -84,11 +94,29 @@ def adapter_delta(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tenso
     return (b.float() @ a.float()) * scale
 
 
-def peft_config(config: LoraConfig, model: ModelConfig) -> dict[str, object]:
-    """``adapter_config.json`` of a PEFT LoRA adapter for a causal LM."""
+def peft_tensors(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Exported (Hugging Face name, tensor) pairs of adapters and a head layer under peft's
+    names: ``base_model.model.`` + the adapter's name; the head layer (``value_head.weight``) as
+    ``base_model.model.score.weight`` and a zero ``score.bias`` (transformers' token
+    classification layer has one; the engine's has none)."""
+    for name, tensor in tensors:
+        module, _, leaf = name.rpartition(".")
+        if module != HEAD_LAYER:
+            yield PEFT_PREFIX + name, tensor
+            continue
+        yield f"{PEFT_PREFIX}{PEFT_HEAD_MODULE}.{leaf}", tensor
+        if leaf == "weight":
+            yield f"{PEFT_PREFIX}{PEFT_HEAD_MODULE}.bias", tensor.new_zeros(tensor.shape[0])
+
+
+def peft_config(config: LoraConfig, model: ModelConfig, head_layer: bool) -> dict[str, object]:
+    """``adapter_config.json`` of a PEFT LoRA adapter: for a causal LM, or (``head_layer``)
+    for a token-classification model whose ``score`` layer is saved whole."""
     return {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": "TOKEN_CLS" if head_layer else "CAUSAL_LM",
         "base_model_name_or_path": model.hf_path,
         "r": config.rank,
         "lora_alpha": config.rank if config.alpha is None else config.alpha,
@@ -99,7 +127,7 @@ def peft_config(config: LoraConfig, model: ModelConfig) -> dict[str, object]:
         "use_rslora": False,
         "init_lora_weights": True,
         "inference_mode": True,
-        "modules_to_save": None,
+        "modules_to_save": [PEFT_HEAD_MODULE] if head_layer else None,
     }
 
 
@@ -108,9 +136,11 @@ def save_peft_adapter(
     config: LoraConfig,
     model: ModelConfig,
     directory: str,
+    head_layer: bool = False,
 ) -> None:
     """Write a PEFT adapter directory (collective): every rank hands the adapter tensors it
-    yields under PEFT names (pipeline stages their own layers); rank 0 writes them all."""
+    yields under PEFT names (pipeline stages their own layers, the last one the head layer);
+    rank 0 writes them all. ``head_layer``: the adapter saves a head's output layer whole."""
     from safetensors.torch import save_file
 
     local = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors}
@@ -122,6 +152,6 @@ def save_peft_adapter(
         os.makedirs(staging)
         save_file(dict(sorted(every.items())), os.path.join(staging, PEFT_WEIGHTS))
         with open(os.path.join(staging, PEFT_CONFIG), "w") as handle:
-            json.dump(peft_config(config, model), handle, indent=2)
+            json.dump(peft_config(config, model, head_layer), handle, indent=2)
         publish_directory(staging, directory)
     barrier()

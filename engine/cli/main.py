@@ -52,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--lora-rank",
         type=positive_int,
-        help="train the actor as LoRA adapters of this rank; its reference is then the actor "
-        "with the adapters off (one engine for both)",
+        help="train the actor (and PPO's critic, with its value layer) as LoRA adapters of "
+        "this rank; the actor's reference is then the actor with the adapters off (one engine "
+        "for both)",
     )
     demo.add_argument(
         "--lora-alpha", type=float, help="LoRA alpha (scale alpha / rank; default the rank)"
@@ -163,6 +164,7 @@ def demo(args: argparse.Namespace) -> int:
         if args.lora_alpha is not None:
             lora["alpha"] = args.lora_alpha
         actor["lora"] = lora
+        overrides["critic"] = {"lora": lora}  # built only when the algorithm reads values
     if actor:
         overrides["actor"] = actor
     if args.logger is not None:

@@ -257,7 +257,9 @@ class DeferredGradNorm(Protocol):
 @runtime_checkable
 class LowRankAdapters(Protocol):
     """Ability: LoRA (``EngineConfig.lora``): adapters on the attention and MLP linears, the
-    only trained parameters; switched off, the model is the base model exactly."""
+    only trained parameters besides the output layer of a head whose output is not the
+    vocabulary (a value or reward head's new layer trains whole); switched off, the adapters
+    add nothing (the base model exactly, under that head layer)."""
 
     def check_lora(self, config: PartsConfig) -> None:
         """ConfigError when this configuration cannot have adapters (before any build)."""
@@ -268,7 +270,8 @@ class LowRankAdapters(Protocol):
     def export_adapter(self, config: PartsConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's adapter tensors as (Hugging Face name as peft names it, without its
         ``base_model.model.`` prefix, full tensor), one at a time (collective like
-        ``export_hf``)."""
+        ``export_hf``); then, where this rank holds a trained head layer (a non-vocabulary
+        head's), its tensors under their ``export_hf`` names (``value_head.weight``)."""
         ...
 
 

@@ -329,12 +329,6 @@ def test_megatron_lora_refuses_what_its_adapters_cannot_read(
         check_lora(EngineConfig.from_dict({**settings, "lora": {}}), uses_te)
 
 
-@pytest.mark.parametrize("head", ["value", "reward"])
-def test_lora_with_a_head_whose_new_layer_would_stay_frozen_is_refused(head: str) -> None:
-    with pytest.raises(ConfigError, match=f"lora with head '{head}'.*frozen"):
-        Engine.build(head=head, device="cpu", config={"model": tiny_model(), "lora": {}})
-
-
 def test_disable_adapter_and_adapter_export_need_lora(fresh_mesh: None) -> None:
     engine = Engine.build(head="lm", device="cpu", config={"model": tiny_model()}).initialize()
     refused = pytest.raises(ConfigError, match=r"disable_adapter.*config\.lora is None")

@@ -5,7 +5,9 @@ global batch, seed and adapter initialisation as a single-process run: after two
 losses, the gradient norms (replicated adapter tensors counted once) and every adapter tensor
 (gathered to full tensors by ``get_per_tensor_param(adapter_only=True)``) agree within 1e-5,
 and ``B`` is no longer zero. Launches: megatron TP=2 x PP=2 (4 ranks), megatron DP=2 with
-the distributed optimizer (2 ranks) and fsdp2 DP=2 (2 ranks), each against its backend's
+the distributed optimizer (2 ranks), fsdp2 DP=2 (2 ranks) and a LoRA critic (value head, whose
+value layer trains with the adapters) at megatron TP=2 and at DP=2 with the distributed
+optimizer (2 ranks each), each against its backend's
 single-process run; each saves a checkpoint that one process loads back to exactly the
 adapters the layout trained.
 """
@@ -46,17 +48,23 @@ def _config(parallel: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]
 
 
 def train_lora(
-    backend: str, parallel: dict[str, Any], options: dict[str, Any], checkpoint: str | None = None
+    backend: str,
+    parallel: dict[str, Any],
+    options: dict[str, Any],
+    checkpoint: str | None = None,
+    head: str = "lm",
 ) -> dict[str, Any]:
-    """On every rank: train a LoRA LM on this rank's data-parallel shard; report the losses and
-    the full adapter tensors this rank exports; save a checkpoint when given a directory."""
+    """On every rank: train a LoRA LM (or critic: ``head="value"``) on this rank's
+    data-parallel shard; report the losses and the full adapter tensors this rank exports (a
+    critic's value layer with them); save a checkpoint when given a directory."""
     from engine import Engine
     from engine.data.batching import take_rows
-    from engine.losses import sft_loss
+    from engine.losses import sft_loss, value_regression_loss
     from tests.factories import random_batch
 
     config = _config(parallel, options)
-    engine = Engine.build(head="lm", backend=backend, device="cpu", config=config).initialize()
+    loss = sft_loss if head == "lm" else value_regression_loss
+    engine = Engine.build(head=head, backend=backend, device="cpu", config=config).initialize()
     dp_rank, dp_size = engine.get_data_parallel_rank(), engine.get_data_parallel_size()
     shard = len(LENGTHS) // dp_size
     losses, norms = [], []
@@ -65,7 +73,7 @@ def train_lora(
             batch = take_rows(
                 random_batch(LENGTHS, 64, seed=step), slice(dp_rank * shard, (dp_rank + 1) * shard)
             )
-            result = engine.train_batch(batch, sft_loss)
+            result = engine.train_batch(batch, loss)
             losses.append(result.get("loss"))
             norms.append(result["grad_norm"])
     adapters = {name: t.clone() for name, t in engine.get_per_tensor_param(adapter_only=True)}
@@ -79,12 +87,14 @@ def train_lora(
     }
 
 
-def load_lora(backend: str, checkpoint: str, options: dict[str, Any]) -> dict[str, torch.Tensor]:
+def load_lora(
+    backend: str, checkpoint: str, options: dict[str, Any], head: str = "lm"
+) -> dict[str, torch.Tensor]:
     """In one process: the adapters of the checkpoint, as exported after loading it."""
     from engine import Engine
 
     config = _config({}, options)
-    engine = Engine.build(head="lm", backend=backend, device="cpu", config=config).initialize()
+    engine = Engine.build(head=head, backend=backend, device="cpu", config=config).initialize()
     engine.load_checkpoint(checkpoint)
     return dict(engine.get_per_tensor_param(adapter_only=True))
 
@@ -96,13 +106,21 @@ def single_processes() -> dict[str, dict[str, Any]]:
 
 
 @pytest.mark.parametrize(
-    ("backend", "world", "parallel", "options"),
+    ("backend", "world", "parallel", "options", "head"),
     [
-        ("megatron", 4, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, {}),
-        ("megatron", 2, {}, {"use_distributed_optimizer": True}),
-        ("fsdp2", 2, {}, {}),
+        ("megatron", 4, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, {}, "lm"),
+        ("megatron", 2, {}, {"use_distributed_optimizer": True}, "lm"),
+        ("fsdp2", 2, {}, {}, "lm"),
+        ("megatron", 2, {"tensor_parallel_size": 2}, {}, "value"),
+        ("megatron", 2, {}, {"use_distributed_optimizer": True}, "value"),
     ],
-    ids=["megatron-tp2xpp2", "megatron-dp2-distributed-optimizer", "fsdp2-dp2"],
+    ids=[
+        "megatron-tp2xpp2",
+        "megatron-dp2-distributed-optimizer",
+        "fsdp2-dp2",
+        "megatron-tp2-critic",
+        "megatron-dp2-distributed-optimizer-critic",
+    ],
 )
 def test_lora_at_every_parallel_layout_matches_one_process(
     single_processes: dict[str, dict[str, Any]],
@@ -111,14 +129,21 @@ def test_lora_at_every_parallel_layout_matches_one_process(
     world: int,
     parallel: dict[str, Any],
     options: dict[str, Any],
+    head: str,
 ) -> None:
-    if backend not in single_processes:
-        (single_processes[backend],) = run_ranks(train_lora, 1, backend, {}, {}, timeout=180)
-    single_process = single_processes[backend]
+    key = f"{backend}-{head}"
+    if key not in single_processes:
+        (single_processes[key],) = run_ranks(
+            train_lora, 1, backend, {}, {}, None, head, timeout=180
+        )
+    single_process = single_processes[key]
     expected = single_process["adapters"]
     assert all(float(t.abs().max()) > 1e-3 for n, t in expected.items() if "lora_B" in n)
+    assert (head != "lm") == any(name.endswith("score.weight") for name in expected)
     checkpoint = str(tmp_path / "checkpoints")
-    reports = run_ranks(train_lora, world, backend, parallel, options, checkpoint, timeout=400)
+    reports = run_ranks(
+        train_lora, world, backend, parallel, options, checkpoint, head, timeout=400
+    )
     for report in reports:  # replicated adapters count once in the norm, sharded ones whole
         assert report["grad_norms"] == pytest.approx(single_process["grad_norms"], rel=TOLERANCE)
         if report["output_rank"]:
@@ -135,6 +160,6 @@ def test_lora_at_every_parallel_layout_matches_one_process(
     for name, tensor in gathered.items():
         torch.testing.assert_close(tensor, expected[name], atol=TOLERANCE, rtol=TOLERANCE, msg=name)
     # the checkpoint holds each rank's shard where it belongs: one process reads it back whole
-    (loaded,) = run_ranks(load_lora, 1, backend, checkpoint, options, timeout=180)
+    (loaded,) = run_ranks(load_lora, 1, backend, checkpoint, options, head, timeout=180)
     assert loaded.keys() == gathered.keys()
     assert all(torch.equal(loaded[name], gathered[name]) for name in gathered)

@@ -130,7 +130,9 @@ class DemoConfig:
     ``reference`` override them per role (``reference`` is always forward-only; ``critic`` is
     built only for an algorithm whose advantage estimator reads values). An actor with LoRA
     (``actor: {lora: ...}``) is its own reference: the reference log-probs are the actor's with
-    its adapters off (``Engine.disable_adapter``), and no reference engine is built.
+    its adapters off (``Engine.disable_adapter``), and no reference engine is built. A critic
+    with LoRA (``critic: {lora: ...}``; ``--lora-rank`` sets both) trains its adapters and its
+    value layer.
     """
 
     algorithm: str = attrs.field(default="ppo", validator=one_of(*ALGORITHMS))

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
-from strategies.backends.fsdp2.lora import is_adapter_parameter
+from strategies.backends.fsdp2.lora import is_adapter_parameter, is_head_layer_parameter
 from strategies.config import LoraConfig, ModelConfig
 from strategies.distributed import barrier, rank
 from strategies.hf.architecture import hf_config_for
@@ -51,9 +51,13 @@ def export_hf(
 
 
 def export_adapter(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name as peft has it, full tensor) of every LoRA adapter tensor."""
+    """(Hugging Face name as peft has it, full tensor) of every LoRA adapter tensor, then of a
+    non-vocabulary head's output layer, which trains with them (``value_head.weight``)."""
     for name, param in model.named_parameters():
         if is_adapter_parameter(name):
+            yield name, _full(param)
+    for name, param in model.named_parameters():
+        if is_head_layer_parameter(name):
             yield name, _full(param)
 
 

@@ -3,6 +3,8 @@
 ``model.layers.0.self_attn.q_proj.lora_A.weight``) and a forward hook that adds
 ``B A dropout(x) * alpha / rank`` to its output; every other parameter is frozen. ``A`` is drawn
 from (seed, that name) as the megatron backend draws it, so both backends start equal.
+A non-vocabulary head's output layer (``value_head``, value and reward heads) is new, so it
+trains whole beside the adapters (peft's ``modules_to_save``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from heads.errors import ConfigError
 from strategies.config import LoraConfig, PartsConfig
 from strategies.lora import (
+    HEAD_LAYER,
     AdapterSwitch,
     LoraPair,
     adapter_names,
@@ -33,11 +36,15 @@ def check_lora(config: PartsConfig) -> None:
 
 
 def attach_adapters(model: torch.nn.Module, config: PartsConfig, switch: AdapterSwitch) -> None:
-    """Freeze ``model`` and add the adapters of ``config.lora`` to its decoder layers."""
+    """Freeze ``model`` but a non-vocabulary head's output layer, and add the adapters of
+    ``config.lora`` to its decoder layers."""
     lora = config.lora
     assert lora is not None
     for param in model.parameters():
         param.requires_grad_(False)
+    for name, param in model.named_parameters():
+        if is_head_layer_parameter(name):
+            param.requires_grad_(True)
     layers = model.get_submodule("model.layers")
     assert isinstance(layers, torch.nn.ModuleList)
     for layer in range(len(layers)):
@@ -70,3 +77,8 @@ def _hook(lora: LoraConfig, switch: AdapterSwitch) -> Callable[..., Any]:
 
 def is_adapter_parameter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
+
+
+def is_head_layer_parameter(name: str) -> bool:
+    """A parameter of a non-vocabulary head's own output layer (it trains with LoRA)."""
+    return name.startswith(f"{HEAD_LAYER}.")

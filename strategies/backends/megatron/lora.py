@@ -17,7 +17,10 @@ adds the adapters' output to the linear's, in the linear's own layout:
 Replicated adapter tensors get the same gradient on every tensor-parallel rank, so megatron's
 DDP (data-parallel reduction) and grad norm (which counts replicated tensors once) treat them
 as they treat norm weights. Sharded ones carry megatron's tensor-parallel attributes, which
-grad norms and ``sharded_state_dict`` read. Every other parameter is frozen.
+grad norms and ``sharded_state_dict`` read. Every other parameter is frozen, except a
+non-vocabulary head's output layer (``ReplicatedOutputLayer``, value and reward heads): that new
+layer trains whole, so megatron's DDP and optimizer (the distributed one too, which take the
+parameters that require gradients) hold it beside the adapters.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 
 from heads.errors import ConfigError
 from strategies.backends.megatron.hf.adapters import fuse_qkv
+from strategies.backends.megatron.model import ReplicatedOutputLayer
 from strategies.config import PartsConfig
 from strategies.lora import (
     AdapterSwitch,
@@ -101,8 +105,9 @@ class LayerAdapters(torch.nn.Module):
 
 
 def attach_adapters(chunk: torch.nn.Module, config: PartsConfig, switch: AdapterSwitch) -> None:
-    """Freeze ``chunk`` and give each of its layers its adapters (drawn from (seed, Hugging
-    Face name), this rank's shard kept) and the hooks that apply them."""
+    """Freeze ``chunk`` but a non-vocabulary head's output layer, and give each of its layers
+    its adapters (drawn from (seed, Hugging Face name), this rank's shard kept) and the hooks
+    that apply them."""
     from megatron.core import parallel_state as ps
 
     lora = config.lora
@@ -115,6 +120,9 @@ def attach_adapters(chunk: torch.nn.Module, config: PartsConfig, switch: Adapter
         # input does, and the frozen embedding's output has none (peft's
         # enable_input_require_grads, for the same reason).
         embedding.register_forward_hook(_input_requires_grad)
+    head_layer = head_output_layer(chunk)
+    if head_layer is not None:
+        head_layer.requires_grad_(True)
     tp_rank, tp_size = (
         ps.get_tensor_model_parallel_rank(),
         ps.get_tensor_model_parallel_world_size(),
@@ -249,6 +257,13 @@ def _row_hook(
 def _fuse_last(pieces: list[torch.Tensor], groups: int) -> torch.Tensor:
     """q, k, v outputs (last dimension) in megatron's fused per-query-group layout."""
     return torch.cat([piece.unflatten(-1, (groups, -1)) for piece in pieces], dim=-1).flatten(-2)
+
+
+def head_output_layer(chunk: torch.nn.Module) -> ReplicatedOutputLayer | None:
+    """The chunk's output layer when it is a head's own (not the vocabulary's): it trains
+    with LoRA; None on other pipeline stages and for LM heads."""
+    layer = getattr(chunk, "output_layer", None)
+    return layer if isinstance(layer, ReplicatedOutputLayer) else None
 
 
 def layer_adapters(chunk: torch.nn.Module) -> dict[int, LayerAdapters]:

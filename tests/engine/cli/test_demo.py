@@ -511,6 +511,33 @@ def test_a_lora_actor_is_its_own_reference_with_the_adapters_off(
     assert math.isfinite(second["kl"]) and second["kl"] > 0  # the actor left its reference
 
 
+def test_lora_rank_gives_ppo_a_lora_critic_too(
+    tmp_path: Path, fresh_mesh: None, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """``--lora-rank`` with PPO: the critic is a LoRA engine too (adapters and its value layer
+    train); two engines, no reference engine."""
+    from engine import Engine
+
+    built: list[Engine] = []
+    original_init = Engine.__init__
+
+    def counting_init(self: Engine, **kwargs: Any) -> None:
+        original_init(self, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(Engine, "__init__", counting_init)
+    out = tmp_path / "run"
+    code = main([
+        "demo", "--config", short_config(tmp_path), "--steps", "1", "--device", "cpu",
+        "--output-dir", str(out), "--lora-rank", "4",
+    ])  # fmt: skip
+    assert code == 0, capsys.readouterr().err[-3000:]
+    assert sorted(engine.head.name for engine in built) == ["lm", "value"]
+    assert all(engine.config.lora is not None for engine in built)
+    assert all(engine.config.lora.rank == 4 for engine in built)  # type: ignore[union-attr]
+    assert math.isfinite(records(out)[0]["vf_loss"])
+
+
 def test_lora_alpha_without_rank_and_a_reference_section_with_a_lora_actor_are_refused(
     tmp_path: Path,
 ) -> None:

@@ -29,6 +29,7 @@ from strategies.backends.megatron.init import (
 from strategies.backends.megatron.lora import (
     LINEARS,
     adapter_tensors,
+    head_output_layer,
     is_adapter_parameter,
     layer_adapters,
     merged_delta,
@@ -52,8 +53,12 @@ def export_hf(
 
 
 def export_adapter(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, full tensor) of the chunk's LoRA adapters (peft's names)."""
+    """(Hugging Face name, full tensor) of the chunk's LoRA adapters (peft's names), then of a
+    non-vocabulary head's output layer, which trains with them (``value_head.weight``)."""
     yield from adapter_tensors(chunk, _tensor_parallel_full)
+    head_layer = head_output_layer(chunk)
+    if head_layer is not None:  # replicated over tensor-parallel ranks
+        yield VALUE_HEAD, head_layer.weight.detach().clone()
 
 
 def _full_tensors(
