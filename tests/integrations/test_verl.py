@@ -819,6 +819,31 @@ def test_verl_lora_settings_train_adapters_and_the_reference_is_the_base_model(
     assert {name.split(".")[-3] for name in adapters} == set(targets)
 
 
+def test_a_verl_critic_with_lora_trains_its_adapters_and_value_layer(
+    qwen3: str, reference: dict
+) -> None:
+    """``critic.model.lora_rank``: the critic trains its adapters and its value layer (peft's
+    ``modules_to_save``), the base model stays as it was; its values start as the base
+    critic's."""
+    settings = {"lora_rank": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    worker = _worker("value_model", qwen3, "fsdp2", model_settings=settings)
+    engine = worker.engine.engine
+    assert engine.config.lora is not None and engine.config.lora.rank == 4
+    (module,) = engine.backend.modules()
+    before = {name: p.detach().clone() for name, p in module.named_parameters()}
+    rows = _rollout()
+    _assert_outputs(
+        worker.infer_batch(_verl_batch(rows, compute_loss=False))["values"],
+        reference["value_model", "fsdp2"]["before"],
+    )
+    worker.train_batch(_verl_batch(rows))
+    changed = {
+        name for name, p in module.named_parameters() if not torch.equal(p.detach(), before[name])
+    }
+    assert changed and all("lora_" in name or "value_head" in name for name in changed), changed
+    assert any("value_head" in name for name in changed)
+
+
 def test_no_lora_adapter_without_lora_is_refused(qwen3: str, distributed: None) -> None:
     """Rather than the actor's own log-probs passed off as the reference's."""
     worker = _worker("language_model", qwen3)
