@@ -187,7 +187,8 @@ def run(
         f"{config.algorithm.upper()} demo: task parity, model {_describe_model(config)}, "
         f"{config.prompts} prompts x {config.group_size} "
         f"response{'s' if config.group_size > 1 else ''} x "
-        f"{config.task.response_length} tokens per iteration, engines {', '.join(built)}"
+        f"{config.task.response_length} tokens per iteration, engines "
+        f"{', '.join(_describe_engine(role, engines[role]) for role in built)}"
         f"{' (reference: the LoRA actor, adapters off)' if config.reference_is_actor else ''}, "
         f"device {actor.platform.name}, backend {actor.backend.name}, "
         f"{dist.get_world_size() if dist.is_initialized() else 1} process(es)"
@@ -488,6 +489,12 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     staging = path.with_name(path.name + ".tmp")
     staging.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(staging, path)
+
+
+def _describe_engine(role: str, engine: Any) -> str:
+    """The role, and its adapters' rank where it has LoRA."""
+    lora = engine.config.lora
+    return role if lora is None else f"{role} (LoRA rank {lora.rank})"
 
 
 def _describe_model(config: DemoConfig) -> str:

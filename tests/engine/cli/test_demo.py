@@ -536,6 +536,9 @@ def test_lora_rank_gives_ppo_a_lora_critic_too(
     assert all(engine.config.lora is not None for engine in built)
     assert all(engine.config.lora.rank == 4 for engine in built)  # type: ignore[union-attr]
     assert math.isfinite(records(out)[0]["vf_loss"])
+    assert (
+        "engines actor (LoRA rank 4), critic (LoRA rank 4) (reference:" in capsys.readouterr().out
+    )
 
 
 def test_lora_alpha_without_rank_and_a_reference_section_with_a_lora_actor_are_refused(
