@@ -37,15 +37,18 @@ STEPS = 2
 TOLERANCE = 1e-5
 
 
-def build(backend: str, checkpoint: Path, /, **config: Any) -> Engine:
+def build(
+    backend: str, checkpoint: Path | dict[str, Any], /, head: str = "lm", **config: Any
+) -> Engine:
+    """``checkpoint``: a Hugging Face directory, or a model description."""
     settings = {
-        "model": str(checkpoint),
+        "model": checkpoint if isinstance(checkpoint, dict) else str(checkpoint),
         "micro_batch_size": 2,
         "seed": 3,
         "optimizer": {"lr": 1e-2, "clip_grad": 1.0},
         **config,
     }
-    return Engine.build(head="lm", backend=backend, device="cpu", config=settings).initialize()
+    return Engine.build(head=head, backend=backend, device="cpu", config=settings).initialize()
 
 
 def log_probs(engine: Engine, batch: Any) -> torch.Tensor:
@@ -67,11 +70,13 @@ def base_parameters(engine: Engine) -> dict[str, torch.Tensor]:
     }
 
 
-def train(engine: Engine, batch_seed: int = 2, steps: int = STEPS) -> list[float]:
+def train(
+    engine: Engine, batch_seed: int = 2, steps: int = STEPS, loss: Any = sft_loss
+) -> list[float]:
     with engine.train_mode():
         return [
             float(
-                engine.train_batch(random_batch(LENGTHS, VOCAB, seed=batch_seed + step), sft_loss)[
+                engine.train_batch(random_batch(LENGTHS, VOCAB, seed=batch_seed + step), loss)[
                     "loss"
                 ]
             )

@@ -26,6 +26,8 @@ from engine.losses import value_regression_loss
 from strategies.backends.megatron.mesh import destroy_mesh
 from strategies.lora import PEFT_PREFIX
 from tests.engine.test_lora import LORA, local
+from tests.engine.test_lora import build as lora_build
+from tests.engine.test_lora import train as lora_train
 from tests.factories import random_batch, tiny_model
 from tests.strategies.backends.megatron.test_hf import VOCAB, save_checkpoint
 
@@ -38,17 +40,9 @@ HEAD = "value_head.weight"
 SCORE = f"{PEFT_PREFIX}score.weight"
 
 
-def build(
-    backend: str, checkpoint: Path | dict[str, Any], head: str = "value", **config: Any
-) -> Engine:
-    settings = {
-        "model": checkpoint if isinstance(checkpoint, dict) else str(checkpoint),
-        "micro_batch_size": 2,
-        "seed": 3,
-        "optimizer": {"lr": 1e-2, "clip_grad": 1.0},
-        **config,
-    }
-    return Engine.build(head=head, backend=backend, device="cpu", config=settings).initialize()
+def build(backend: str, checkpoint: Path | dict[str, Any], **config: Any) -> Engine:
+    """``test_lora``'s engine, with a value head unless ``head`` says otherwise."""
+    return lora_build(backend, checkpoint, **{"head": "value", **config})
 
 
 def values(engine: Engine, batch: Any) -> torch.Tensor:
@@ -74,15 +68,7 @@ def frozen_parameters(engine: Engine) -> dict[str, torch.Tensor]:
 
 
 def train(engine: Engine, batch_seed: int = 2, steps: int = STEPS) -> list[float]:
-    with engine.train_mode():
-        return [
-            float(
-                engine.train_batch(
-                    random_batch(LENGTHS, VOCAB, seed=batch_seed + step), value_regression_loss
-                )["loss"]
-            )
-            for step in range(steps)
-        ]
+    return lora_train(engine, batch_seed, steps, loss=value_regression_loss)
 
 
 def trainable_and_held(engine: Engine) -> tuple[set[str], set[str]]:
