@@ -23,6 +23,7 @@ from heads.validation import (
 )
 from strategies.backends.base import OFFLOAD_PARTS
 from strategies.config import (
+    MODEL_PRESETS,
     LoraConfig,
     ModelConfig,
     OptimizerConfig,
@@ -33,11 +34,21 @@ from strategies.config import (
 
 
 def _named_model(name: str) -> ModelConfig:
-    """A preset name, or a local Hugging Face checkpoint directory (config and weights)."""
+    """A preset name, or a local Hugging Face checkpoint directory (config and weights).
+
+    A preset's name is the preset even where a directory of that name (an output directory,
+    say) is in the way; a Hugging Face checkpoint of that name is ambiguous and refused, naming
+    both (``./NAME`` is the directory)."""
     if os.path.isdir(name):
         from strategies.hf.config import model_config_from_hf
 
-        return model_config_from_hf(name)
+        if name not in MODEL_PRESETS:
+            return model_config_from_hf(name)
+        if os.path.isfile(os.path.join(name, "config.json")):
+            raise ConfigError(
+                f"model {name!r} is both a preset and a Hugging Face checkpoint directory here; "
+                f"write ./{name} for the directory, or run where there is none for the preset"
+            )
     return model_preset(name)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 import pytest
 
-from heads.errors import ConfigError
+from heads.errors import CheckpointError, ConfigError
 from strategies.config import MODEL_PRESETS, ModelConfig
 from strategies.hf.architecture import hf_config_for
 from strategies.hf.config import model_config_from_hf
@@ -50,3 +50,23 @@ def test_a_checkpoint_model_gets_the_checkpoints_own_config(tmp_path: Path) -> N
 def test_qkv_biases_with_qk_norms_match_no_architecture() -> None:
     with pytest.raises(ConfigError, match="add_qkv_bias and qk_layernorm"):
         hf_config_for(ModelConfig(add_qkv_bias=True, qk_layernorm=True))
+
+
+def test_a_preset_name_is_the_preset_unless_a_checkpoint_of_that_name_makes_it_ambiguous(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``model: moe`` where a directory ``moe`` (an earlier run's output, say) is in the way is
+    still the preset; a Hugging Face checkpoint named like a preset is refused naming both, and
+    ``./moe`` is the checkpoint."""
+    from engine.config import EngineConfig
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "moe").mkdir()
+    assert EngineConfig.from_dict({"model": "moe"}).model == MODEL_PRESETS["moe"]
+    save_model(ModelConfig(add_qkv_bias=True), tmp_path / "moe")
+    with pytest.raises(ConfigError, match="both a preset and a Hugging Face checkpoint"):
+        EngineConfig.from_dict({"model": "moe"})
+    assert EngineConfig.from_dict({"model": "./moe"}).model.add_qkv_bias
+    (tmp_path / "mine").mkdir()  # not a preset: read as a checkpoint, which it is not
+    with pytest.raises(CheckpointError, match=r"no config\.json"):
+        EngineConfig.from_dict({"model": "mine"})
