@@ -34,10 +34,6 @@ import torch
 from heads.errors import ConfigError
 from strategies.packed_attention import attend_per_sequence
 
-#: The attribute of megatron's ``PackedSeqParams`` where the backend leaves the sequences'
-#: offsets as host ints (``cu_seqlens_q`` is on the device, and reading it waits for it).
-HOST_BOUNDS = "host_cu_seqlens"
-
 
 @functools.cache
 def packed_dot_product_attention() -> type:
@@ -68,11 +64,8 @@ def packed_dot_product_attention() -> type:
                     )
                 # [t, heads, dim] -> [1, heads, t, dim] and back
                 q, k, v = (x.transpose(0, 1)[None] for x in (query, key, value))
-                # the offsets as the backend left them on the host, else read from the device
-                bounds = getattr(packed_seq_params, HOST_BOUNDS, None)
-                if bounds is None:
-                    bounds = packed_seq_params.cu_seqlens_q.tolist()
-                out = self._attend(q, k, v, bounds)
+                # on the local spec the backend leaves the offsets on the host (packed_layout)
+                out = self._attend(q, k, v, packed_seq_params.cu_seqlens_q.tolist())
                 return out[0].transpose(0, 1).reshape(query.shape[0], -1)
             if attention_mask is None and attention_bias is None and self._sdpa_expresses_it():
                 # right-padded rows: [s, b, heads, dim] -> [b, heads, s, dim] and back

@@ -18,7 +18,6 @@ from heads.errors import BatchError, ConfigError, EngineStateError
 from heads.validation import bool_field, of_type, one_of
 from strategies.backends.base import MicroBatch, MicroBatchConsumer, StagedSave
 from strategies.backends.megatron import mesh, offload
-from strategies.backends.megatron.attention import HOST_BOUNDS
 from strategies.backends.megatron.model import (
     build_gpt_model,
     check_transformer_overrides,
@@ -639,7 +638,9 @@ def packed_layout(
     ``host_offsets``: ``cu_seqlens_q`` / ``_kv`` stay on the host. On the local layer spec
     nothing needs them on the device, and megatron's rotary embedding for thd reads them as
     host numbers (``tolist()``, ``item()``, twice per layer and micro-batch): on the device
-    each read would wait for it. TransformerEngine's attention takes them on the device."""
+    each read would wait for it; the local core attention splits the row by them too
+    (``attention.packed_dot_product_attention``). TransformerEngine's attention takes them on
+    the device."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     bounds = cu_seqlens.to(dtype=torch.int32)
@@ -647,7 +648,6 @@ def packed_layout(
         bounds = torch.cat([bounds, bounds.new_tensor([width])])
     longest = int(bounds.diff().max())
     positions = positions_in_sequences(bounds).to(device, non_blocking=True)[None]
-    host_bounds = tuple(bounds.tolist())  # still on the host: no device read
     if not host_offsets:
         bounds = bounds.to(device, non_blocking=True)
     packed = PackedSeqParams(
@@ -657,8 +657,6 @@ def packed_layout(
         max_seqlen_q=longest,
         max_seqlen_kv=longest,
     )
-    # the local core attention splits the row on the host (attention.HOST_BOUNDS)
-    setattr(packed, HOST_BOUNDS, host_bounds)
     return packed, positions
 
 
