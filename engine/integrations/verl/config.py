@@ -83,15 +83,29 @@ def refuse_unsupported(**configs: Any) -> None:
     """ConfigError naming the first setting in ``configs`` (kind -> object) we cannot honour."""
     for kind, name, accepted, hint in REFUSED:
         obj = configs.get(kind)
-        if obj is None:
-            continue
-        sentinel = object()
+        if obj is not None:
+            _refuse_fields(kind, obj, [(name, accepted, hint)])
+
+
+def _refusal(kind: str, setting: str, value: Any, hint: str) -> ConfigError:
+    return ConfigError(
+        f"verl {kind} setting {setting}={value!r} is not supported by the composable engine: {hint}"
+    )
+
+
+def _refuse_fields(
+    kind: str,
+    obj: Any,
+    checks: list[tuple[str, Callable[[Any], bool], str]],
+    prefix: str = "",
+) -> None:
+    """The first field of ``obj`` that ``checks`` (name, accepted?, hint) does not accept, as a
+    ConfigError naming ``prefix`` + its name; a field absent from ``obj`` is fine."""
+    sentinel = object()
+    for name, accepted, hint in checks:
         value = _get(obj, name, sentinel)
         if value is not sentinel and not accepted(value):
-            raise ConfigError(
-                f"verl {kind} setting {name}={value!r} is not supported by the composable "
-                f"engine: {hint}"
-            )
+            raise _refusal(kind, prefix + name, value, hint)
 
 
 #: verl's megatron LoRA module names (``model.lora.target_modules``) -> Hugging Face names: one
@@ -113,9 +127,7 @@ _FUSED_LORA_TARGETS = {
 
 
 def _lora_refusal(setting: str, value: Any, hint: str) -> ConfigError:
-    return ConfigError(
-        f"verl model setting {setting}={value!r} is not supported by the composable engine: {hint}"
-    )
+    return _refusal("model", setting, value, hint)
 
 
 def lora_from_verl(model_config: Any) -> dict[str, Any] | None:
@@ -171,7 +183,7 @@ def _block_lora(block: Any, rank: int) -> dict[str, Any]:
     kind = _get(block, "type", "lora")
     if kind not in ("lora", "canonical_lora"):
         raise _lora_refusal("lora.type", kind, "plain LoRA only (lora or canonical_lora)")
-    checks = [
+    checks: list[tuple[str, Callable[[Any], bool], str]] = [
         ("exclude_modules", lambda v: not v, "name the targets in lora.target_modules"),
         ("dropout_position", lambda v: v == "pre", "dropout is on the adapter's input ('pre')"),
         (
@@ -188,11 +200,7 @@ def _block_lora(block: Any, rank: int) -> dict[str, Any]:
             "an existing adapter is not loaded (give a model with it merged as model.path)",
         ),
     ]
-    sentinel = object()
-    for name, accepted, hint in checks:
-        value = _get(block, name, sentinel)
-        if value is not sentinel and not accepted(value):
-            raise _lora_refusal(f"lora.{name}", value, hint)
+    _refuse_fields("model", block, checks, prefix="lora.")
     lora: dict[str, Any] = {
         "rank": rank,
         "alpha": _get(block, "alpha", 32),
