@@ -265,15 +265,17 @@ class ComposableEngine(BaseEngine):
             batch[ROUTED_EXPERTS] = routes
         losses: dict[int, float] = {}
         metrics: dict[int, Any] = {}
-        wrapped = None
-        if loss_function is not None:
-            wrapped = self._loss(data, loss_function, dp_group, dp_size, losses, metrics)
         keep = forward_only or bool(_flag(data, "return_model_output", False))
         with self._call_settings(data, forward_only):
+            declared = self._declared()  # the head of this call (entropy on or off)
+            wrapped = None
+            if loss_function is not None:
+                wrapped = self._loss(
+                    data, loss_function, dp_group, dp_size, losses, metrics, declared
+                )
             result = engine.forward_backward_batch(
                 batch, wrapped, forward_only=forward_only, return_outputs=keep
             )
-            declared = self._declared()  # the head of this call (entropy on or off)
         if not engine.holds_outputs():
             return {"model_output": {}, "loss": [], "metrics": {}}
         output: dict[str, Any] = {}
@@ -375,14 +377,15 @@ class ComposableEngine(BaseEngine):
         dp_size: int,
         losses: dict[int, float],
         metrics: dict[int, Any],
+        declared: Callable[[str], ResultSpec],
     ) -> Callable[[Any, Any, LossContext], tuple[torch.Tensor, dict[str, float]]]:
-        """The engine's loss contract around verl's loss function (see the module doc)."""
+        """The engine's loss contract around verl's loss function (see the module doc);
+        ``declared``: the call's head's declaration of each output."""
 
         def loss(
             outputs: Any, micro: Any, ctx: LossContext
         ) -> tuple[torch.Tensor, dict[str, float]]:
             rows = micro[ROW].to("cpu")
-            declared = self._declared()  # the head of this call (entropy on or off)
             lengths = micro["attention_mask"].sum(-1)
             model_output = {
                 key: to_verl_layout(value, lengths, declared(key), key)
