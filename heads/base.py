@@ -3,7 +3,7 @@ per-sequence results, and the checks that hold every head to it."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import ClassVar, Literal, Protocol, runtime_checkable
 
 import attrs
@@ -181,6 +181,33 @@ class FusedOutputHead(Head, Protocol):
         ...
 
 
+LossOf = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
+"""The micro-batch's loss as a function of the head's results (``postprocess``'s layout)."""
+
+
+@runtime_checkable
+class GradientInForwardHead(FusedOutputHead, Protocol):
+    """A fused head that can compute the loss's gradient during its forward pass, where the
+    loss is token-separable (its gradient at a token depends on that token's results only,
+    ``engine.losses.token_separable``), so that its backward needs no recomputation."""
+
+    def postprocess_hidden_with_loss(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        input_ids: torch.Tensor,
+        ctx: HeadContext,
+        loss_of: LossOf,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """``postprocess_hidden``'s results and an *anchor*: a zero-valued scalar whose
+        backward delivers the gradient of ``loss_of(results)`` to ``hidden`` and ``weight``;
+        the results are then detached. ``loss_of`` may be called any number of times with
+        results that hold the real values only at some tokens (placeholders elsewhere); only
+        its gradient at the real tokens is used. Anchor None: the results are live and carry
+        their own gradient (e.g. where the head does not take this path)."""
+        ...
+
+
 def check_fused(head: Head) -> None:
     """A head asking for a fused output layer implements ``postprocess_hidden`` (ConfigError)."""
     if head.output_spec().fused and not isinstance(head, FusedOutputHead):
@@ -203,6 +230,17 @@ def apply_head(
             "the head has no postprocess_hidden(hidden, weight, input_ids, ctx)"
         )
     return head.postprocess_hidden(raw, ctx.output_weight, input_ids, ctx)
+
+
+def apply_head_with_loss(
+    head: Head, raw: torch.Tensor, input_ids: torch.Tensor, ctx: HeadContext, loss_of: LossOf
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """:func:`apply_head` for a training step whose loss is token-separable: a
+    :class:`GradientInForwardHead` handed the hidden states gives detached results and the
+    anchor carrying the loss's gradient; any other head live results and None."""
+    if ctx.output_weight is not None and isinstance(head, GradientInForwardHead):
+        return head.postprocess_hidden_with_loss(raw, ctx.output_weight, input_ids, ctx, loss_of)
+    return apply_head(head, raw, input_ids, ctx), None
 
 
 def shift_to_scored_token(

@@ -54,7 +54,14 @@ from heads.vocab_parallel import (
     work_view,
 )
 
-__all__ = ["VOCAB_BLOCK", "default_tile", "fused_log_probs_and_entropy"]
+__all__ = [
+    "VOCAB_BLOCK",
+    "UpstreamOf",
+    "default_tile",
+    "eager_chunk_tokens",
+    "fused_log_probs_and_entropy",
+    "fused_log_probs_with_gradient",
+]
 
 VOCAB_BLOCK = 16384
 """Vocabulary rows of ``W`` per tile (fewer when the local vocabulary is smaller)."""
@@ -71,6 +78,12 @@ _ACCELERATOR_TILE_ELEMENTS = 1 << 25
 """On an accelerator a tile holds at most this many logits (128 MiB per float32 buffer): with
 ``VOCAB_BLOCK`` rows of ``W``, 2048 tokens, so that each block of ``W`` is read once per 2048
 tokens and the matmuls are compute-bound."""
+
+_EAGER_CHUNK_ELEMENTS = 1 << 26
+"""On an accelerator a chunk of :func:`fused_log_probs_with_gradient` holds at most this many
+logits (whole vocabulary rows; 256 MiB per float32 buffer): at a 152K vocabulary about 440
+tokens, so the matmuls stay compute-bound and the loss's gradient is asked for ~40 times per
+16K tokens."""
 
 
 def default_tile(n_tokens: int, vocab_local: int, device: torch.device) -> tuple[int, int]:
@@ -112,6 +125,194 @@ def fused_log_probs_and_entropy(
         log-probs are bit-identical with and without the entropy. Differentiable w.r.t.
         ``hidden`` (this rank's part under ``group``, see the module doc) and ``weight``.
     """
+    _check_inputs(hidden, weight, targets, group, vocab_start)
+    if tile is not None and min(tile) < 1:
+        raise ValueError(f"tile sizes must be positive, got {tile}")
+    if tile is None:
+        tile = default_tile(targets.numel(), weight.shape[0], weight.device)
+    temp = max(float(temperature), MIN_TEMPERATURE)
+    apply: Callable[..., Any] = _FusedLogProbsAndEntropy.apply
+    outputs = apply(hidden, weight, targets, temp, compute_entropy, group, vocab_start, tile)
+    if compute_entropy:
+        log_probs, entropy = outputs
+        return log_probs, entropy
+    return outputs, None
+
+
+UpstreamOf = Callable[
+    [int, int, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor | None, torch.Tensor | None]
+]
+"""``upstream_of(start, end, log_probs, entropy) -> (g_log_probs, g_entropy)``: the loss's
+gradient w.r.t. the log-probs and the entropy of the flat tokens ``[start, end)`` (None: no
+gradient), from their values; see :func:`fused_log_probs_with_gradient`."""
+
+
+def eager_chunk_tokens(n_tokens: int, vocab_local: int, device: torch.device) -> int:
+    """Tokens per chunk of :func:`fused_log_probs_with_gradient`: its chunks hold whole rows of
+    this rank's vocabulary, as many as fit in ``DEFAULT_CPU_CHUNK_ELEMENTS`` logits on CPU,
+    ``_EAGER_CHUNK_ELEMENTS`` elsewhere, and in 1/16 of the micro-batch's logits, but at least
+    ``MIN_CHUNK_TOKENS``."""
+    budget = DEFAULT_CPU_CHUNK_ELEMENTS if device.type == "cpu" else _EAGER_CHUNK_ELEMENTS
+    budget = min(budget, n_tokens * vocab_local // _TILES_PER_LOGITS)
+    return max(MIN_CHUNK_TOKENS, budget // vocab_local)
+
+
+def fused_log_probs_with_gradient(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    upstream_of: UpstreamOf,
+    *,
+    temperature: float = 1.0,
+    compute_entropy: bool = True,
+    group: dist.ProcessGroup | None = None,
+    vocab_start: int = 0,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """:func:`fused_log_probs_and_entropy` for a loss whose gradient at a token depends on that
+    token's log-prob and entropy only (a *token-separable* loss): the gradients of ``hidden``
+    and ``weight`` are computed in this forward pass, chunk by chunk, while each chunk's
+    logits exist, so the backward needs no recomputation (three matmuls, as the unfused
+    output layer, instead of four).
+
+    The tokens are taken in chunks of ``chunk_tokens`` (None: :func:`eager_chunk_tokens`) with
+    the whole of this rank's vocabulary: ``logits = h_chunk @ W^T``, their per-token statistics
+    (under ``group``: all-reduced, MAX then SUM, per chunk), the chunk's log-probs and entropy,
+    then ``upstream_of(start, end, log_probs, entropy)`` (identical on every rank of
+    ``group``) gives the loss's gradients w.r.t. them, the logits turn into their gradient in
+    place, and ``grad_h = dlogits @ W``, ``grad_W += dlogits^T h_chunk``. Nothing is saved but
+    the two gradients (as big as ``hidden`` and ``weight``; ``grad_W`` only where ``weight``
+    requires grad, e.g. not under LoRA).
+
+    Returns:
+        ``(log_probs, entropy, anchor)``: the results, float32 ``[...]`` and detached (entropy
+        None when not computed), and a float32 zero whose backward delivers the gradients
+        (times its upstream gradient) to ``hidden`` (this rank's part under ``group``, as
+        :func:`fused_log_probs_and_entropy`'s) and ``weight``: add it to the loss computed from
+        the results.
+    """
+    _check_inputs(hidden, weight, targets, group, vocab_start)
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    flat = hidden.detach().reshape(-1, hidden.shape[-1])
+    w = weight.detach()
+    n_tokens, vocab_local = flat.shape[0], w.shape[0]
+    if chunk_tokens is None:
+        chunk_tokens = eager_chunk_tokens(n_tokens, vocab_local, w.device)
+    temp = max(float(temperature), MIN_TEMPERATURE)
+    device, dtype, f32 = w.device, w.dtype, torch.float32
+    local_targets = targets.reshape(-1) - vocab_start
+    log_probs = torch.empty(n_tokens, dtype=f32, device=device)
+    entropy = torch.empty_like(log_probs) if compute_entropy else None
+    grad_h = torch.empty_like(flat) if hidden.requires_grad else None
+    grad_w = torch.zeros_like(w) if weight.requires_grad else None
+
+    rows = min(chunk_tokens, n_tokens)
+    logits_buf = torch.empty(rows * vocab_local, dtype=dtype, device=device)
+    shifted_buf = torch.empty(rows * vocab_local, dtype=f32, device=device)
+    exp_buf = torch.empty_like(shifted_buf) if compute_entropy else None
+    with torch.no_grad():
+        for start in range(0, n_tokens, chunk_tokens):
+            end = min(start + chunk_tokens, n_tokens)
+            h_chunk = flat[start:end].to(dtype)
+            logits = torch.mm(h_chunk, w.t(), out=work_view(logits_buf, end - start, vocab_local))
+            col, elsewhere = target_columns(local_targets[start:end], 0, vocab_local)
+            row_max = logits.amax(dim=-1).to(f32)
+            all_reduce_over(row_max, dist.ReduceOp.MAX, group)
+            stats = torch.empty(3 if compute_entropy else 2, end - start, dtype=f32, device=device)
+            stats[1] = logits.gather(1, col[:, None]).squeeze(1).masked_fill_(elsewhere, 0)
+            chunk_statistics(
+                logits,
+                row_max,
+                temp,
+                stats[0],
+                stats[2] if compute_entropy else None,
+                shifted_buf,
+                exp_buf,
+            )
+            all_reduce_over(stats, dist.ReduceOp.SUM, group)
+            chunk_log_probs, log_sum, chunk_entropy = finish_statistics(stats, row_max, temp)
+            log_probs[start:end] = chunk_log_probs
+            if entropy is not None and chunk_entropy is not None:
+                entropy[start:end] = chunk_entropy
+            if grad_h is None and grad_w is None:
+                continue
+            g_lp, g_h = upstream_of(start, end, chunk_log_probs, chunk_entropy)
+            if g_lp is None and g_h is None:
+                if grad_h is not None:
+                    grad_h[start:end] = 0
+                continue
+            if g_h is not None and chunk_entropy is None:
+                raise ValueError("upstream_of gave an entropy gradient, but no entropy is computed")
+            upstream = UpstreamGradients((g_lp, g_h), chunk_entropy, elsewhere, temp)
+            chunk_gradient(
+                logits,
+                slice(0, end - start),
+                upstream,
+                row_max,
+                log_sum.neg_(),
+                col[:, None],
+                upstream.target_grad,
+                temp,
+                logits,
+                None if dtype == f32 else shifted_buf,
+                exp_buf,
+            )
+            if grad_h is not None:
+                grad_h[start:end] = torch.mm(logits, w)
+            if grad_w is not None:
+                grad_w.addmm_(logits.t(), h_chunk)
+    del logits_buf, shifted_buf, exp_buf
+    apply: Callable[..., Any] = _PrecomputedGradients.apply
+    anchor = apply(hidden, weight, grad_h, grad_w)
+    shape = hidden.shape[:-1]
+    return (
+        log_probs.view(shape),
+        None if entropy is None else entropy.view(shape),
+        anchor,
+    )
+
+
+class _PrecomputedGradients(torch.autograd.Function):
+    """A float32 zero whose backward returns gradients computed beforehand (times its own
+    upstream gradient) for ``hidden`` and ``weight``; once."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        grad_h: torch.Tensor | None,
+        grad_w: torch.Tensor | None,
+    ) -> torch.Tensor:
+        ctx.gradients = (grad_h, grad_w)
+        ctx.hidden_shape = hidden.shape
+        return torch.zeros((), dtype=torch.float32, device=weight.device)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.gradients is None:
+            raise RuntimeError(
+                "the fused LM head's precomputed gradients were handed over already: its loss "
+                "can be backpropagated once"
+            )
+        grad_h, grad_w = ctx.gradients
+        ctx.gradients = None
+        if grad_h is not None:
+            grad_h = grad_h.mul_(grad_output).view(ctx.hidden_shape)
+        if grad_w is not None:
+            grad_w = grad_w.mul_(grad_output)
+        return grad_h, grad_w, None, None
+
+
+def _check_inputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    vocab_start: int,
+) -> None:
     if not hidden.is_floating_point() or not weight.is_floating_point():
         raise TypeError(
             f"hidden and weight must be floating point, got {hidden.dtype}, {weight.dtype}"
@@ -132,17 +333,6 @@ def fused_log_probs_and_entropy(
         raise TypeError(f"targets must be int64, got {targets.dtype}")
     if group is None and vocab_start != 0:
         raise ValueError("vocab_start must be 0 when group is None (full vocabulary)")
-    if tile is not None and min(tile) < 1:
-        raise ValueError(f"tile sizes must be positive, got {tile}")
-    if tile is None:
-        tile = default_tile(targets.numel(), weight.shape[0], weight.device)
-    temp = max(float(temperature), MIN_TEMPERATURE)
-    apply: Callable[..., Any] = _FusedLogProbsAndEntropy.apply
-    outputs = apply(hidden, weight, targets, temp, compute_entropy, group, vocab_start, tile)
-    if compute_entropy:
-        log_probs, entropy = outputs
-        return log_probs, entropy
-    return outputs, None
 
 
 def _rebase(stats: torch.Tensor, row_max: torch.Tensor, new_max: torch.Tensor, temp: float) -> None:
