@@ -43,6 +43,7 @@ from engine.losses.contract import (
     LossFn,
     checked_loss,
     field_granularity,
+    is_token_separable,
     metrics_per_name,
     required_fields,
 )
@@ -54,6 +55,7 @@ from heads.base import (
     Head,
     HeadContext,
     apply_head,
+    apply_head_with_loss,
     check_fused,
     check_results,
     declared_results,
@@ -299,6 +301,13 @@ class Engine:
             losses=[0.0] * len(micro_batches), metrics=[{} for _ in micro_batches], checks=[]
         )
         device = self.device or torch.device("cpu")
+        per_token = {
+            key
+            for key, spec in declared_results(self.head).items()
+            if spec.granularity == PER_TOKEN
+        }
+        # a fused LM head then computes the loss's gradient in its forward pass
+        separable = not forward_only and is_token_separable(loss_function)
 
         def consume(
             index: int, raw: torch.Tensor, head_ctx: HeadContext
@@ -318,29 +327,43 @@ class Engine:
                 if packed is None
                 else micro_batch.input_ids.to(device, non_blocking=True)
             )
-            outputs = apply_head(self.head, raw, model_ids, head_ctx)
-            check_results(self.head, outputs, model_ids, head_ctx, deferred=step.checks)
-            if packed is not None:  # loss functions see right-padded rows
-                declared = declared_results(self.head)
-                outputs = {
-                    key: micro_batch.unpack(value)
-                    if declared[key].granularity == PER_TOKEN
-                    else value
-                    for key, value in outputs.items()
-                }
-            if return_outputs:
-                produced[index] = {key: value.detach() for key, value in outputs.items()}
-            if loss_function is None:
-                return raw.sum() * 0.0, {}
             ctx = LossContext(
                 micro_batch_index=index,
                 num_micro_batches=len(micro_batches),
                 data_parallel_size=self.backend.data_parallel_size(),
                 global_counts=counts,
             )
+
+            def for_loss(results: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+                if packed is None:  # loss functions see right-padded rows
+                    return dict(results)
+                return {
+                    key: micro_batch.unpack(value) if key in per_token else value
+                    for key, value in results.items()
+                }
+
+            anchor = None
+            if separable:
+                assert loss_function is not None
+
+                def loss_of(results: Mapping[str, torch.Tensor]) -> torch.Tensor:
+                    answer = loss_function(for_loss(results), data, ctx)
+                    return checked_loss(answer, training=True)[0]
+
+                outputs, anchor = apply_head_with_loss(self.head, raw, model_ids, head_ctx, loss_of)
+            else:
+                outputs = apply_head(self.head, raw, model_ids, head_ctx)
+            check_results(self.head, outputs, model_ids, head_ctx, deferred=step.checks)
+            outputs = for_loss(outputs)
+            if return_outputs:
+                produced[index] = {key: value.detach() for key, value in outputs.items()}
+            if loss_function is None:
+                return raw.sum() * 0.0, {}
             loss, loss_metrics = checked_loss(
-                loss_function(outputs, data, ctx), training=not forward_only
+                loss_function(outputs, data, ctx), training=not forward_only and anchor is None
             )
+            if anchor is not None:  # the outputs are detached: the anchor carries the gradient
+                loss = loss.detach() + anchor
             step.losses[index] = loss.detach()
             step.metrics[index] = loss_metrics
             return loss, loss_metrics

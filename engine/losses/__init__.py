@@ -33,8 +33,10 @@ from engine.losses.contract import (
     LossFn,
     declared_fields,
     field_granularity,
+    is_token_separable,
     needs_fields,
     required_fields,
+    token_separable,
 )
 from engine.losses.kl import KL_TYPES, kl_penalized_rewards, kl_penalty
 from engine.losses.kl_control import AdaptiveKLController, FixedKLController, kl_controller
@@ -103,11 +105,13 @@ __all__ = [
     "kl_penalized_rewards",
     "kl_penalty",
     "masked_mean",
+    "is_token_separable",
     "needs_fields",
     "outcome_scores",
     "register_advantage_estimator",
     "register_policy_loss",
     "required_fields",
+    "token_separable",
     "rollout_metrics",
     "rollout_weights",
     "score_regression_loss",

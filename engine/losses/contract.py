@@ -101,6 +101,27 @@ def field_granularity(loss_fn: Any) -> dict[str, Granularity]:
     return {name: value for name, value in declared_fields(loss_fn).items() if value is not None}
 
 
+def token_separable(loss_fn: F) -> F:
+    """Declare ``loss_fn`` token-separable: its gradient w.r.t. a token's outputs depends on that
+    token's outputs (and the batch) only, never on another token's outputs. A sum of per-token
+    terms weighted by batch-only numbers (masks, advantages, global counts) is; a loss pooling
+    outputs over a sequence (GSPO's ratio) or over the batch (a normalisation by the outputs)
+    is not. A fused LM head then computes the loss's gradient in its forward pass, chunk by
+    chunk, asking the loss for it with only one chunk's outputs real (zeros elsewhere), and
+    needs no recomputation in backward (``LMHead.gradient_in_forward``). Declaring a loss that
+    is not separable gives wrong gradients."""
+    loss_fn.token_separable = True  # type: ignore[attr-defined]
+    return loss_fn
+
+
+def is_token_separable(loss_fn: Any) -> bool:
+    """Whether ``loss_fn`` declares itself token-separable (:func:`token_separable`, or a
+    ``token_separable`` attribute or property; looked up through ``functools.partial``)."""
+    while hasattr(loss_fn, "func") and not hasattr(loss_fn, "token_separable"):
+        loss_fn = loss_fn.func  # functools.partial
+    return getattr(loss_fn, "token_separable", False) is True
+
+
 def _check_declared(declared: Mapping[str, object], where: str) -> None:
     for name, value in declared.items():
         if value not in (PER_TOKEN, PER_SEQUENCE, None):

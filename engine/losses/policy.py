@@ -5,7 +5,10 @@ per-token loss (aggregated by the caller) and which tokens the clip acted on. Ev
 ``[b, s]`` with masked-out positions already zeroed; a loss that pools over a sequence (GSPO)
 pools over its row's masked-in tokens only, so it does not depend on the micro-batch split.
 A loss with dual clipping of its own declares its bound with :func:`dual_clip_by_default`
-(``vanilla``: 3.0); the others get ``clip_ratio_c=None`` unless the user sets one.
+(``vanilla``: 3.0); the others get ``clip_ratio_c=None`` unless the user sets one. A loss
+whose per-token value depends on that token's log-prob only (``vanilla``, ``cispo``; not
+``gspo``) is declared :func:`~engine.losses.contract.token_separable`, and so is an
+``ActorLoss`` using it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any, Protocol, TypeVar
 import attrs
 import torch
 
+from engine.losses.contract import token_separable
 from engine.losses.kl import MAX_LOG_RATIO
 
 
@@ -72,6 +76,7 @@ def default_clip_ratio_c(policy_loss: object) -> float | None:
     return value
 
 
+@token_separable
 @dual_clip_by_default(3.0)
 def vanilla(
     log_probs: torch.Tensor,
@@ -107,6 +112,7 @@ def gspo(
     return _clipped_surrogate(_exp(token_log_ratio), advantages, clip)
 
 
+@token_separable
 def cispo(
     log_probs: torch.Tensor,
     old_log_probs: torch.Tensor,

@@ -17,7 +17,14 @@ from engine.losses.aggregation import (
     select_mask,
     zero_masked,
 )
-from engine.losses.contract import LossContext, LossResult, needs_fields, scalar_output
+from engine.losses.contract import (
+    LossContext,
+    LossResult,
+    is_token_separable,
+    needs_fields,
+    scalar_output,
+    token_separable,
+)
 from engine.losses.kl import KL_TYPES, MAX_LOG_RATIO, kl_penalty
 from engine.losses.policy import default_clip_ratio_c
 from engine.losses.registries import POLICY_LOSSES, policy_loss_field
@@ -149,6 +156,12 @@ class ActorLoss:
             names.append(self.mask_key)
         return dict.fromkeys(names, PER_TOKEN)
 
+    @property
+    def token_separable(self) -> bool:
+        """Whether its policy loss is (the entropy and KL terms, the aggregation and the
+        rollout weights are: they weight each token by batch-only numbers)."""
+        return is_token_separable(POLICY_LOSSES.get(self.policy_loss))
+
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], batch: Any, ctx: LossContext
     ) -> LossResult:
@@ -279,6 +292,7 @@ class CriticLoss:
         return loss, metrics
 
 
+@token_separable
 @needs_fields()
 def entropy_bonus(
     outputs: Mapping[str, torch.Tensor],
@@ -307,6 +321,7 @@ def entropy_bonus(
     return loss, {"entropy": local.detach()}
 
 
+@token_separable
 @needs_fields(ref_log_probs=PER_TOKEN)
 def kl_loss(
     outputs: Mapping[str, torch.Tensor],

@@ -8,10 +8,11 @@ from typing import Any
 import torch
 
 from engine.losses.aggregation import masked_mean, scored_mask, token_mean
-from engine.losses.contract import LossContext, needs_fields, scalar_output
+from engine.losses.contract import LossContext, needs_fields, scalar_output, token_separable
 from heads.base import PER_TOKEN
 
 
+@token_separable
 @needs_fields()
 def sft_loss(
     outputs: Mapping[str, torch.Tensor], batch: Any, ctx: LossContext

@@ -21,6 +21,7 @@ from tensordict import TensorDict
 
 from engine import Engine
 from engine.data.batching import from_token_lists, jagged, split_into, to_padded
+from engine.losses import LossFn
 from heads.base import HeadContext, at_last_token, shift_to_scored_token
 from heads.errors import ConfigError
 from strategies.backends.megatron.mesh import destroy_mesh
@@ -72,10 +73,12 @@ def gradients(engine: Engine) -> dict[str, torch.Tensor]:
     return found
 
 
-def loss_and_gradients(engine: Engine, batch: TensorDict) -> tuple[float, dict[str, torch.Tensor]]:
+def loss_and_gradients(
+    engine: Engine, batch: TensorDict, loss_fn: LossFn = raise_outputs_loss
+) -> tuple[float, dict[str, torch.Tensor]]:
     with engine.train_mode():
         engine.optimizer_zero_grad()
-        result = engine.forward_backward_batch(batch, raise_outputs_loss, return_outputs=False)
+        result = engine.forward_backward_batch(batch, loss_fn, return_outputs=False)
         grads = gradients(engine)
         engine.optimizer_zero_grad()
     return sum(result["loss"]), grads

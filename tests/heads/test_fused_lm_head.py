@@ -20,11 +20,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import Engine
+from engine.data.batching import jagged
+from engine.losses import ActorLoss, LossFn, token_separable
 from engine.registry import BACKENDS
 from heads import lm as lm_module
 from heads.base import PER_TOKEN, HeadContext, OutputSpec, shift_to_scored_token
 from heads.errors import ConfigError
-from heads.fused_output import fused_log_probs_and_entropy
+from heads.fused_output import fused_log_probs_and_entropy, fused_log_probs_with_gradient
 from heads.lm import FUSED_MIN_LOGITS, LMHead
 from heads.vocab_parallel import log_probs_and_entropy
 from strategies.backends.base import Packing
@@ -275,10 +277,51 @@ def engine_pairs() -> Iterator[dict[tuple[str, bool, bool], dict[bool, Engine]]]
     destroy_mesh()
 
 
-def largest_differences(fused: Engine, unfused: Engine, seed: int) -> dict[str, float]:
+#: A token-separable loss (the fused head computes its gradient in the forward pass) that
+#: reads log-probs and entropy, nonlinearly, through PPO's clip, KL penalty and entropy bonus.
+SEPARABLE_LOSS = ActorLoss(
+    entropy_coeff=0.01, kl_coeff=0.1, kl_type="k3", loss_agg_mode="seq-mean-token-mean"
+)
+LENGTHS = [5, 9, 3, 7, 2]
+
+
+def actor_batch(seed: int) -> Any:
+    """``random_batch`` with what :data:`SEPARABLE_LOSS` reads."""
+    batch = random_batch(LENGTHS, 64, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+
+    def rows(scale: float) -> torch.Tensor:
+        return jagged([scale * torch.randn(n, generator=generator) for n in LENGTHS])
+
+    batch["old_log_probs"] = jagged([-4 * torch.rand(n, generator=generator) for n in LENGTHS])
+    batch["ref_log_probs"] = jagged([-4 * torch.rand(n, generator=generator) for n in LENGTHS])
+    batch["advantages"] = rows(1.0)
+    batch["response_mask"] = jagged([(torch.arange(n) > n // 3).float() for n in LENGTHS])
+    return batch
+
+
+class CountCalls:
+    """Counts the calls of ``module.name`` (replaced by this wrapper)."""
+
+    def __init__(self, module: Any, name: str) -> None:
+        self.calls = 0
+        self.original = getattr(module, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.original(*args, **kwargs)
+
+
+def largest_differences(
+    fused: Engine, unfused: Engine, seed: int, loss_fn: LossFn = raise_outputs_loss
+) -> dict[str, float]:
     """Outputs (on output ranks), loss and this rank's gradients of fused vs unfused on one
-    batch, then the outputs after one train step each; every rank makes the same calls."""
-    batch = random_batch([5, 9, 3, 7, 2], 64, seed=seed)
+    batch, then the outputs after one train step each; every rank makes the same calls.
+    ``loss_fn``: :func:`raise_outputs_loss` (not declared separable: the fused head recomputes
+    in backward), or :data:`SEPARABLE_LOSS` (gradient in forward) on :func:`actor_batch`."""
+    batch = (
+        random_batch(LENGTHS, 64, seed=seed) if loss_fn is raise_outputs_loss else actor_batch(seed)
+    )
     gaps: dict[str, float] = {}
     outputs = [engine.infer_batch(batch) for engine in (fused, unfused)]
     if fused.holds_outputs():
@@ -286,14 +329,14 @@ def largest_differences(fused: Engine, unfused: Engine, seed: int) -> dict[str, 
             got, expected = flat(outputs[0][key]), flat(outputs[1][key])
             gaps[key] = float((got - expected).abs().max())
     (loss, grads), (unfused_loss, unfused_grads) = (
-        loss_and_gradients(engine, batch) for engine in (fused, unfused)
+        loss_and_gradients(engine, batch, loss_fn) for engine in (fused, unfused)
     )
     gaps["loss"] = abs(loss - unfused_loss)
     assert set(grads) == set(unfused_grads)
     gaps["grad"] = max(float((grads[k] - unfused_grads[k]).abs().max()) for k in grads)
     gaps["grad_size"] = -max(float(g.abs().max()) for g in grads.values())  # not a gap
     for engine in (fused, unfused):
-        engine.train_batch(batch, raise_outputs_loss)
+        engine.train_batch(batch, loss_fn)
     after = [engine.infer_batch(batch) for engine in (fused, unfused)]
     if fused.holds_outputs():
         gaps["after_step"] = float(
@@ -315,6 +358,84 @@ def test_a_fused_engine_equals_the_unfused_one(
     gaps = largest_differences(engines[True], engines[False], seed=int(tie) + 2 * int(packed))
     assert -gaps.pop("grad_size") > 0
     assert all(gap <= TOLERANCE for gap in gaps.values()), gaps
+
+
+@pytest.mark.parametrize(("backend", "tie", "packed"), CASES)
+def test_with_a_token_separable_loss_the_gradient_in_forward_equals_the_unfused_one(
+    engine_pairs: dict[tuple[str, bool, bool], dict[bool, Engine]],
+    monkeypatch: pytest.MonkeyPatch,
+    backend: str,
+    tie: bool,
+    packed: bool,
+) -> None:
+    """PPO's loss with entropy bonus and KL penalty (token-separable): the fused head computes
+    its gradient in the forward pass; outputs, loss, gradients and the step equal the unfused
+    engine's. GSPO's (not separable) takes the recomputing path and equals it too."""
+    counter = CountCalls(lm_module, "fused_log_probs_with_gradient")
+    monkeypatch.setattr(lm_module, "fused_log_probs_with_gradient", counter)
+    engines, seed = engine_pairs[backend, tie, packed], 11 + int(packed)
+    gaps = largest_differences(engines[True], engines[False], seed, SEPARABLE_LOSS)
+    micro_batches = len(engines[True].plan_micro_batches(actor_batch(seed)).groups)
+    assert counter.calls == 2 * micro_batches  # forward_backward_batch, then train_batch
+    assert -gaps.pop("grad_size") > 0
+    assert all(gap <= TOLERANCE for gap in gaps.values()), gaps
+    counter.calls = 0
+    gspo = ActorLoss(policy_loss="gspo", entropy_coeff=0.01)
+    gaps = largest_differences(engines[True], engines[False], 13, gspo)
+    assert counter.calls == 0
+    assert all(gap <= TOLERANCE for gap in gaps.values() if gap >= 0), gaps
+
+
+def test_gradient_in_forward_can_be_turned_off_and_a_detached_separable_loss_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    counter = CountCalls(lm_module, "fused_log_probs_with_gradient")
+    monkeypatch.setattr(lm_module, "fused_log_probs_with_gradient", counter)
+    head = {**HEAD_OPTIONS, "fused_min_logits": 0, "gradient_in_forward": False}
+    off = build("megatron", True, False, False, head=head)
+    gaps = largest_differences(off, build("megatron", False, False, False), 8, SEPARABLE_LOSS)
+    assert counter.calls == 0
+    assert all(gap <= TOLERANCE for gap in gaps.values() if gap >= 0), gaps
+
+    @token_separable
+    def detached(outputs: Mapping[str, torch.Tensor], batch: Any, ctx: Any) -> Any:
+        return outputs["log_probs"].detach().sum(), {}
+
+    on = build("fsdp2", True, False, False)
+    with pytest.raises(ConfigError, match="detached"):
+        on.train_batch(random_batch([4, 6], 64), detached)
+    assert counter.calls == 1
+    with pytest.raises(ConfigError, match="gradient_in_forward"):
+        LMHead(gradient_in_forward="yes")  # type: ignore[arg-type]
+
+
+def test_under_lora_the_gradient_in_forward_leaves_the_frozen_output_weight_alone() -> None:
+    """The output layer is frozen under LoRA: only the hidden states get a gradient (two
+    matmuls); the adapters' gradients equal the unfused engine's."""
+    lora = {"rank": 4, "alpha": 8, "target_modules": ["q", "v", "down"]}
+    engines = {fused: build("megatron", fused, False, False, lora=lora) for fused in (True, False)}
+    batch = actor_batch(4)
+    found = []
+    for engine in engines.values():
+        with engine.train_mode():
+            engine.optimizer_zero_grad()
+            loss = engine.forward_backward_batch(batch, SEPARABLE_LOSS)["loss"]
+            (module,) = engine.backend.modules()
+            grads = {
+                name: param.main_grad.clone()
+                for name, param in module.named_parameters()
+                if param.requires_grad
+            }
+            engine.optimizer_zero_grad()
+        found.append((sum(loss), grads))
+    (loss, grads), (unfused_loss, unfused_grads) = found
+    assert abs(loss - unfused_loss) <= TOLERANCE
+    assert set(grads) == set(unfused_grads) and grads
+    assert not any("output_layer" in name for name in grads)
+    moved = {name for name, grad in grads.items() if grad.any()}
+    assert moved and all("lora" in name for name in moved)  # B (A's gradient is 0 while B is)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, unfused_grads[name], atol=TOLERANCE, rtol=0)
 
 
 @pytest.mark.parametrize("backend", ["megatron", "fsdp2"])
@@ -409,6 +530,15 @@ def compare_fused_with_unfused(parallel: dict[str, Any]) -> dict[str, float]:
         }
         found = largest_differences(engines[True], engines[False], seed=4)
         gaps.update({f"{name}.tie={tie}.packed={packed}": gap for name, gap in found.items()})
+        counter = CountCalls(lm_module, "fused_log_probs_with_gradient")
+        lm_module.fused_log_probs_with_gradient = counter  # type: ignore[assignment]
+        try:
+            found = largest_differences(engines[True], engines[False], 12, SEPARABLE_LOSS)
+        finally:
+            lm_module.fused_log_probs_with_gradient = counter.original  # type: ignore[assignment]
+        gaps.update({f"{name}.in_forward.tie={tie}": gap for name, gap in found.items()})
+        if engines[True].holds_outputs():  # the last stage computes the head
+            gaps[f"in_forward_never_ran.tie={tie}"] = float(counter.calls == 0)
         if not packed:  # below fused_min_logits: this rank's vocabulary shard's logits, whole
             whole = build("megatron", True, tie, packed, FUSED_MIN_LOGITS, parallel=parallel)
             unfused = build("megatron", False, tie, packed, parallel=parallel)
@@ -439,6 +569,27 @@ def compare_fused_with_unfused(parallel: dict[str, Any]) -> dict[str, float]:
         ):
             gaps[f"function.{name}"] = relative_gap(value, reference)
         gaps["function.grad_w"] = relative_gap(got[4][rows], expected[4][rows])
+
+        def upstream_of(start: int, end: int, *_: Any) -> Any:
+            return upstream[0][start:end], upstream[1][start:end]
+
+        leaf_h, leaf_w = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        log_probs, entropy, anchor = fused_log_probs_with_gradient(
+            leaf_h, leaf_w[rows], targets, upstream_of, temperature=0.8,
+            group=dist.group.WORLD, vocab_start=rank * shard, chunk_tokens=16,
+        )  # fmt: skip
+        assert entropy is not None
+        loss = (log_probs * upstream[0]).sum() + (entropy * upstream[1]).sum() + anchor
+        grad_h, grad_w = torch.autograd.grad(loss, (leaf_h, leaf_w))
+        dist.all_reduce(grad_h)
+        for name, value, reference in zip(
+            ("log_probs", "entropy", "loss", "grad_h"),
+            (log_probs, entropy, loss.detach(), grad_h),
+            expected,
+            strict=False,
+        ):
+            gaps[f"in_forward_function.{name}"] = relative_gap(value, reference)
+        gaps["in_forward_function.grad_w"] = relative_gap(grad_w[rows], expected[4][rows])
     return gaps
 
 

@@ -37,6 +37,7 @@ from engine.losses import (
     dual_clip_by_default,
     entropy_bonus,
     field_granularity,
+    is_token_separable,
     kl_controller,
     kl_loss,
     kl_penalized_rewards,
@@ -302,6 +303,87 @@ def test_two_ranks_with_global_counts_summed_over_both_equal_one_rank_with_every
     )
     assert_same(two_ranks, one_rank)
     assert_same_grads(two_grads, one_grads)
+
+
+# -- token separability --------------------------------------------------------------------------
+#: The losses of LOSSES that declare themselves token-separable: every one whose policy loss is
+#: per token (GSPO pools a sequence ratio; the value losses are not asked).
+SEPARABLE = {
+    "actor",
+    "policy_loss",
+    "entropy_bonus",
+    "kl_loss_k2",
+    "actor_cispo",
+    "actor_token_tis",
+    "actor_cispo_geometric_mask",
+    *(f"kl_loss_{kind}" for kind in ("abs", "k1+", "low_var_kl+")),
+}
+
+
+def gradient_with_only(
+    loss_fn: LossFn,
+    batch: tuple[TensorDict, dict[str, torch.Tensor], LossContext],
+    real: torch.Tensor,
+) -> dict[str, torch.Tensor | None]:
+    """The loss's gradient w.r.t. the outputs of ``batch`` (:func:`whole_batch`) when only the
+    ``real`` positions hold them (zeros elsewhere), as the fused LM head asks a token-separable
+    loss chunk by chunk."""
+    data, outputs, ctx = batch
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in outputs.items()}
+    shown = {k: torch.where(real, leaf, torch.zeros_like(leaf)) for k, leaf in leaves.items()}
+    loss, _ = loss_fn(shown, data, ctx)
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    return dict(zip(leaves, grads, strict=True))
+
+
+def test_the_losses_declaring_themselves_token_separable_are_the_per_token_ones() -> None:
+    declared = {name for name, make in LOSSES.items() if is_token_separable(make("token-mean"))}
+    assert declared == SEPARABLE
+
+
+@pytest.mark.parametrize("loss", sorted(SEPARABLE))
+@fast
+@given(
+    lengths=rollout_shapes,
+    mask_prob=mask_probs,
+    mode=st.sampled_from(AGG_MODES),
+    real_prob=st.sampled_from([0.2, 0.5, 0.9]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_token_separable_loss_gives_each_token_the_same_gradient_whatever_the_others_hold(
+    loss: str, lengths: list[int], mask_prob: float, mode: str, real_prob: float, seed: int
+) -> None:
+    """What ``token_separable`` promises: with any subset of tokens real and zeros elsewhere,
+    the gradient at the real tokens is the one with every token real."""
+    batch = whole_batch(make_rollout(lengths, seed, mask_prob))
+    shape = batch[1]["values"].shape
+    loss_fn = LOSSES[loss](mode)
+    everything = gradient_with_only(loss_fn, batch, torch.ones(shape, dtype=torch.bool))
+    real = torch.rand(shape, generator=torch.Generator().manual_seed(seed)) < real_prob
+    some = gradient_with_only(loss_fn, batch, real)
+    for name, grad in everything.items():
+        chunk = some[name]
+        if grad is None:
+            assert chunk is None or not chunk.any(), name
+            continue
+        assert chunk is not None, name
+        assert_same(chunk[real], grad[real])
+
+
+def test_gspo_is_not_token_separable_and_the_check_above_tells() -> None:
+    """The property test can fail: GSPO's sequence ratio makes a token's gradient depend on
+    the other tokens of its sequence."""
+    batch = whole_batch(make_rollout([6, 8], seed=5, mask_prob=1.0))
+    shape = batch[1]["values"].shape
+    loss_fn = LOSSES["actor_gspo"]("token-mean")
+    assert not is_token_separable(loss_fn)
+    everything = gradient_with_only(loss_fn, batch, torch.ones(shape, dtype=torch.bool))
+    real = torch.zeros(shape, dtype=torch.bool)
+    real[:, :4] = True
+    some = gradient_with_only(loss_fn, batch, real)
+    lp_all, lp_some = everything["log_probs"], some["log_probs"]
+    assert lp_all is not None and lp_some is not None
+    assert not torch.allclose(lp_some[real], lp_all[real])
 
 
 def padded(
