@@ -4,7 +4,9 @@
 
 Output layer + head (default). materialised: ``logits = hidden @ W.T`` then
 ``log_probs_and_entropy(logits, targets)`` (the unfused engine path); fused:
-``fused_log_probs_and_entropy(hidden, W, targets)`` (default chunking). ``hidden [T, H]`` and
+``fused_log_probs_and_entropy(hidden, W, targets)`` (default chunking; backward recomputes the
+logits); in-forward: ``fused_log_probs_with_gradient`` (the gradient computed in forward, for a
+token-separable loss, asked for each chunk as the engine asks the loss). ``hidden [T, H]`` and
 ``W [V, H]`` require grad; one step = forward, then backward with fixed random upstream
 gradients for the log-probs and the entropy (gradients land in ``hidden.grad``/``W.grad``, freed
 after the step). Peak extra memory: the most allocated during the step beyond what was live
@@ -17,6 +19,15 @@ seconds. Target: fused/materialised peak extra memory <= 0.1x at <= 1.1x time.
 
     python -m benchmarks.lm_head_memory [--device cpu|cuda] [--small] [--dtype float32|bfloat16]
         [--hidden H] [--tokens T ...] [--vocab V ...] [--rounds 5] [--no-entropy] [--seed 0]
+
+Whole engines (``--engine``): megatron engines on a model preset (default ``small``, 8192
+vocabulary) whose LM heads take each path (``in-forward``, the default with a token-separable
+loss; ``fused`` with ``gradient_in_forward: false``; ``materialised`` with ``fused: false``):
+time and peak extra memory of ``forward_backward_batch`` with PPO's ``ActorLoss`` (entropy
+bonus) on ``--sequences`` x ``--length`` tokens in two micro-batches.
+
+    python -m benchmarks.lm_head_memory --engine [--model small] [--sequences 8]
+        [--length 512] [--rounds 3] [--device cpu|cuda]
 
 Head only (``--head-only``):
 
@@ -51,13 +62,19 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import torch
 
 from benchmarks.measure import peak_allocated
-from heads.fused_output import default_tile, fused_log_probs_and_entropy
+from heads.fused_output import (
+    default_tile,
+    eager_chunk_tokens,
+    fused_log_probs_and_entropy,
+    fused_log_probs_with_gradient,
+)
 from heads.vocab_parallel import log_probs_and_entropy
 
 Outputs = tuple[torch.Tensor, torch.Tensor | None]
@@ -162,22 +179,82 @@ def measure(tokens: int, vocab: int, rounds: int, with_entropy: bool, seed: int)
     )
 
 
-LayerMethod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], Outputs]
+LayerStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], bool], Outputs]
+"""``(hidden, weight, targets, upstream, with_entropy) -> (log_probs, entropy)``: forward, and
+backward with the upstream gradients ``[g_log_probs, g_entropy]``; the gradients land in
+``hidden.grad`` and ``weight.grad``."""
+
+
+def _backward(outputs: Outputs, upstream: list[torch.Tensor]) -> Outputs:
+    log_probs, entropy = outputs
+    tensors, grads = [log_probs], [upstream[0]]
+    if entropy is not None:
+        tensors.append(entropy)
+        grads.append(upstream[1])
+    torch.autograd.backward(tensors, grads)
+    return outputs
 
 
 def materialised(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, with_entropy: bool
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    upstream: list[torch.Tensor],
+    with_entropy: bool,
 ) -> Outputs:
-    return log_probs_and_entropy(hidden @ weight.t(), targets, compute_entropy=with_entropy)
+    logits = hidden @ weight.t()
+    return _backward(log_probs_and_entropy(logits, targets, compute_entropy=with_entropy), upstream)
 
 
 def fused(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, with_entropy: bool
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    upstream: list[torch.Tensor],
+    with_entropy: bool,
 ) -> Outputs:
-    return fused_log_probs_and_entropy(hidden, weight, targets, compute_entropy=with_entropy)
+    outputs = fused_log_probs_and_entropy(hidden, weight, targets, compute_entropy=with_entropy)
+    return _backward(outputs, upstream)
 
 
-LAYER_METHODS: dict[str, LayerMethod] = {"fused": fused, "materialised": materialised}
+def in_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    upstream: list[torch.Tensor],
+    with_entropy: bool,
+) -> Outputs:
+    """Gradient in forward, asking a loss for each chunk's upstream gradients as the engine
+    does: the loss ``sum(g_lp log_probs + g_h entropy)`` over the whole micro-batch's width,
+    the chunk's values real and zeros elsewhere, differentiated by autograd."""
+    n_tokens = targets.numel()
+
+    def upstream_of(
+        start: int, end: int, log_probs: torch.Tensor, entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        leaves = [v.detach().requires_grad_() for v in (log_probs, entropy) if v is not None]
+        with torch.enable_grad():
+            loss = torch.stack(
+                [
+                    (torch.nn.functional.pad(leaf, (start, n_tokens - end)) * grad).sum()
+                    for leaf, grad in zip(leaves, upstream, strict=False)
+                ]
+            ).sum()
+            grads = torch.autograd.grad(loss, leaves)
+        return grads[0], grads[1] if len(grads) > 1 else None
+
+    log_probs, entropy, anchor = fused_log_probs_with_gradient(
+        hidden, weight, targets, upstream_of, compute_entropy=with_entropy
+    )
+    anchor.backward()
+    return log_probs, entropy
+
+
+LAYER_METHODS: dict[str, LayerStep] = {
+    "fused": fused,
+    "in-forward": in_forward,
+    "materialised": materialised,
+}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -201,25 +278,25 @@ def peak_extra(fn: Callable[[], None], device: torch.device) -> int:
 def layer_differences(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, with_entropy: bool
 ) -> str:
-    """Largest differences between the two methods on the first 256 tokens (float32 copies)."""
+    """Largest differences of each fused method from the materialised one on the first 256
+    tokens (float32 copies)."""
     h = hidden[:256].detach().float()
     w = weight.detach().float()
     t = targets[:256]
     generator = torch.Generator().manual_seed(1)
     upstream = [torch.randn(len(t), generator=generator).to(h.device) for _ in range(2)]
-    found = []
-    for method in LAYER_METHODS.values():
+    found = {}
+    for name, method in LAYER_METHODS.items():
         leaf_h, leaf_w = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        log_probs, entropy = method(leaf_h, leaf_w, t, with_entropy)
-        loss = (log_probs * upstream[0]).sum()
-        if entropy is not None:
-            loss = loss + (entropy * upstream[1]).sum()
-        loss.backward()
+        log_probs, _ = method(leaf_h, leaf_w, t, upstream, with_entropy)
         assert leaf_h.grad is not None and leaf_w.grad is not None
-        found.append((log_probs.detach(), leaf_h.grad, leaf_w.grad))
-    (lp_a, gh_a, gw_a), (lp_b, gh_b, gw_b) = found
-    diffs = [float((a - b).abs().max()) for a, b in ((lp_a, lp_b), (gh_a, gh_b), (gw_a, gw_b))]
-    return "max |diff| f32 log_probs {:.1e}, grad hidden {:.1e}, grad W {:.1e}".format(*diffs)
+        found[name] = (log_probs.detach(), leaf_h.grad, leaf_w.grad)
+    reference = found.pop("materialised")
+    texts = []
+    for name, results in found.items():
+        diffs = [float((a - b).abs().max()) for a, b in zip(results, reference, strict=True)]
+        texts.append("{}: log_probs {:.1e}, grad hidden {:.1e}, grad W {:.1e}".format(name, *diffs))
+    return "max |diff| f32 " + "; ".join(texts)
 
 
 def measure_layer(
@@ -243,12 +320,7 @@ def measure_layer(
 
     def run(name: str) -> Callable[[], None]:
         def once() -> None:
-            log_probs, entropy = LAYER_METHODS[name](hidden, weight, targets, with_entropy)
-            outputs, grads = [log_probs], [upstream[0]]
-            if entropy is not None:
-                outputs.append(entropy)
-                grads.append(upstream[1])
-            torch.autograd.backward(outputs, grads)
+            LAYER_METHODS[name](hidden, weight, targets, upstream, with_entropy)
             hidden.grad = weight.grad = None
 
         return once
@@ -270,10 +342,11 @@ def measure_layer(
     logits_mib = tokens * vocab * size / 2**20
     grads_mib = (tokens + vocab) * hidden_size * size / 2**20
     chunk, block = default_tile(tokens, vocab, device)
+    eager_chunk = eager_chunk_tokens(tokens, vocab, device)
     print(
         f"T={tokens} V={vocab} hidden={hidden_size} {str(dtype)[6:]} {device.type} "
-        f"entropy={with_entropy} rounds={rounds} tile={chunk}x{block} (logits {logits_mib:.0f} "
-        f"MiB, grads of hidden+W {grads_mib:.0f} MiB; "
+        f"entropy={with_entropy} rounds={rounds} tile={chunk}x{block}, in-forward chunk "
+        f"{eager_chunk} (logits {logits_mib:.0f} MiB, grads of hidden+W {grads_mib:.0f} MiB; "
         f"{layer_differences(hidden, weight, targets, with_entropy)})"
     )
     for name in LAYER_METHODS:
@@ -283,10 +356,97 @@ def measure_layer(
             f"median time {medians[name]:.4f} s"
         )
     beyond = {name: max(peak / 2**20 - grads_mib, 1e-9) for name, peak in peaks.items()}
+    for name in ("fused", "in-forward"):
+        print(
+            f"  {name}/materialised: peak extra {peaks[name] / peaks['materialised']:.3f} "
+            f"({beyond[name] / beyond['materialised']:.3f} beyond the grads; target <= 0.1), "
+            f"time {medians[name] / medians['materialised']:.2f} (target <= 1.1)"
+        )
+
+
+#: ``--engine``: the head options of each engine compared.
+ENGINE_HEADS = {
+    "in-forward": {"fused": True},
+    "fused": {"fused": True, "gradient_in_forward": False},
+    "materialised": {"fused": False},
+}
+
+
+def measure_engine(
+    model: str, device: torch.device, rounds: int, sequences: int, length: int, seed: int
+) -> None:
+    """One megatron engine per :data:`ENGINE_HEADS` entry (same seed): the time and peak extra
+    memory of ``forward_backward_batch`` with PPO's loss (entropy bonus, token-separable) on
+    one batch, the engines alternating."""
+    from engine import Engine
+    from engine.data.batching import jagged
+    from engine.losses import ActorLoss
+
+    generator = torch.Generator().manual_seed(seed)
+    engines = {
+        name: Engine.build(
+            head="lm",
+            backend="megatron",
+            device=device.type,
+            config={
+                "model": model,
+                "seed": seed,
+                "micro_batch_size": max(1, sequences // 2),
+                "head": {"compute_entropy": True, **options},
+            },
+        ).initialize()
+        for name, options in ENGINE_HEADS.items()
+    }
+    vocab = next(iter(engines.values())).config.model.vocab_size
+    lengths = [length] * sequences
+    batch = random_batch_of(lengths, vocab, generator)
+    batch["old_log_probs"] = jagged([-torch.rand(n, generator=generator) for n in lengths])
+    batch["advantages"] = jagged([torch.randn(n, generator=generator) for n in lengths])
+    batch["response_mask"] = jagged([(torch.arange(n) >= n // 4).float() for n in lengths])
+    loss = ActorLoss(entropy_coeff=0.01)
+
+    def run(name: str) -> Callable[[], None]:
+        engine = engines[name]
+
+        def once() -> None:
+            with engine.train_mode():
+                engine.forward_backward_batch(batch, loss, return_outputs=False)
+                engine.optimizer_zero_grad()
+
+        return once
+
+    for name in engines:  # warm-up
+        run(name)()
+    peaks = {name: peak_extra(run(name), device) for name in engines}
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for index in range(rounds):
+        order = list(engines) if index % 2 == 0 else list(reversed(engines))
+        for name in order:
+            synchronize(device)
+            start = time.perf_counter()
+            run(name)()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    per_micro_batch = max(1, sequences // 2) * length * vocab
     print(
-        f"  fused/materialised: peak extra {peaks['fused'] / peaks['materialised']:.3f} "
-        f"({beyond['fused'] / beyond['materialised']:.3f} beyond the grads; target <= 0.1), "
-        f"time {medians['fused'] / medians['materialised']:.2f} (target <= 1.1)"
+        f"engine: megatron {model} (vocab {vocab}) on {device.type}, {sequences} x {length} "
+        f"tokens, 2 micro-batches of {per_micro_batch / 2**20:.0f}M logits, ActorLoss with "
+        f"entropy bonus, forward_backward_batch, rounds={rounds}"
+    )
+    for name in engines:
+        print(
+            f"  {name:12s}: peak extra {peaks[name] / 2**20:8.1f} MiB, median time "
+            f"{medians[name]:.3f} s ({medians[name] / medians['materialised']:.2f}x "
+            "materialised)"
+        )
+
+
+def random_batch_of(lengths: list[int], vocab: int, generator: torch.Generator) -> Any:
+    from engine.data.batching import from_token_lists
+
+    return from_token_lists(
+        [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
     )
 
 
@@ -304,9 +464,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--no-entropy", action="store_true", help="log-probabilities only")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine", action="store_true", help="whole engines, PPO's loss")
+    parser.add_argument("--model", default="small", help="--engine: the model preset")
+    parser.add_argument("--sequences", type=int, default=8, help="--engine: batch rows")
+    parser.add_argument("--length", type=int, default=512, help="--engine: tokens per row")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     with_entropy = not args.no_entropy
+    if args.engine:
+        device = torch.device(args.device)
+        measure_engine(args.model, device, args.rounds or 3, args.sequences, args.length, args.seed)
+        return
     if args.head_only:
         tokens, vocab = (args.tokens or [4096])[0], (args.vocab or [32768])[0]
         measure(tokens, vocab, args.rounds or 7, with_entropy, args.seed)
