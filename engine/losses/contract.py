@@ -108,8 +108,10 @@ def token_separable(loss_fn: F) -> F:
     outputs over a sequence (GSPO's ratio) or over the batch (a normalisation by the outputs)
     is not. A fused LM head then computes the loss's gradient in its forward pass, chunk by
     chunk, asking the loss for it with only one chunk's outputs real (zeros elsewhere), and
-    needs no recomputation in backward (``LMHead.gradient_in_forward``). Declaring a loss that
-    is not separable gives wrong gradients."""
+    needs no recomputation in backward (``LMHead.gradient_in_forward``). The loss is then
+    called several times per micro-batch (once per chunk, and once with every output for its
+    value and metrics), so it must have no side effects. Declaring a loss that is not
+    separable gives wrong gradients."""
     loss_fn.token_separable = True  # type: ignore[attr-defined]
     return loss_fn
 
