@@ -9,6 +9,7 @@ engine, the losses, megatron's or torch's code): at most one per step."""
 
 from __future__ import annotations
 
+import functools
 import traceback
 import weakref
 from collections.abc import Callable, Iterator
@@ -211,3 +212,33 @@ def test_a_packed_step_reads_the_device_once(backend: str) -> None:
         engine.train_batch(lm_batch(5), loss)
         reads = device_reads_during(engine, lambda: engine.train_batch(batch, loss))
     assert len(reads) <= 1, reads
+
+
+@pytest.mark.parametrize("backend", ["megatron", "fsdp2"])
+def test_the_fused_heads_tile_loops_read_the_device_once(backend: str) -> None:
+    """``fused_min_logits: 0``: the fused head's loops run, padded and packed, with the
+    gradient in forward (PPO's loss, token-separable: asked for its gradient once per chunk) and
+    recomputing in backward (GSPO's)."""
+    for packing in (False, True):
+        destroy_mesh()
+        engine = Engine.build(
+            head="lm",
+            backend=backend,
+            device="cpu",
+            config={
+                "model": tiny_model(),
+                "micro_batch_size": 3,
+                "packing": packing,
+                "head": {"compute_entropy": True, "fused_min_logits": 0},
+            },
+        ).initialize()
+        for loss in (
+            ActorLoss(kl_coeff=0.1, entropy_coeff=0.01),
+            ActorLoss(policy_loss="gspo", entropy_coeff=0.01),
+        ):
+            with engine.train_mode():
+                engine.train_batch(lm_batch(6), loss)
+                step = functools.partial(engine.train_batch, lm_batch(7), loss)
+                reads = device_reads_during(engine, step)
+            assert len(reads) <= 1, (packing, loss.policy_loss, reads)
+    destroy_mesh()
