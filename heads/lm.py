@@ -106,7 +106,9 @@ class LMHead:
                     torch.nn.functional.pad(leaf, (start, n_tokens - end)).view(shape)
                     for leaf in leaves
                 ]
-                results = self._results(laid_out[0], laid_out[1:], ctx)
+                results = self._results(
+                    laid_out[0], laid_out[1] if entropy is not None else None, ctx
+                )
                 grads = torch.autograd.grad(loss_of(results), leaves, allow_unused=True)
             return grads[0], grads[1] if len(grads) > 1 else None
 
@@ -120,7 +122,7 @@ class LMHead:
             group=ctx.tensor_parallel_group,
             vocab_start=ctx.vocab_start,
         )
-        return self._results(log_probs, [] if entropy is None else [entropy], ctx), anchor
+        return self._results(log_probs, entropy, ctx), anchor
 
     def _scored(
         self,
@@ -139,14 +141,14 @@ class LMHead:
             group=ctx.tensor_parallel_group,
             vocab_start=ctx.vocab_start,
         )
-        return self._results(log_probs, [] if entropy is None else [entropy], ctx)
+        return self._results(log_probs, entropy, ctx)
 
     @staticmethod
     def _results(
-        log_probs: torch.Tensor, entropy: list[torch.Tensor], ctx: HeadContext
+        log_probs: torch.Tensor, entropy: torch.Tensor | None, ctx: HeadContext
     ) -> dict[str, torch.Tensor]:
-        """Per-position values moved to the token they score (entropy: none or one)."""
+        """Per-position values moved to the token they score."""
         results = {"log_probs": shift_to_scored_token(log_probs, ctx)}
-        for values in entropy:
-            results["entropy"] = shift_to_scored_token(values, ctx)
+        if entropy is not None:
+            results["entropy"] = shift_to_scored_token(entropy, ctx)
         return results
