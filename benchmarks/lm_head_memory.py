@@ -275,6 +275,25 @@ def peak_extra(fn: Callable[[], None], device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) - before
 
 
+def alternating_medians(
+    runs: dict[str, Callable[[], None]], rounds: int, device: torch.device
+) -> dict[str, float]:
+    """Median seconds of each run over ``rounds`` after one warm-up call each, the runs
+    alternating (which goes first alternates too); synchronised on CUDA."""
+    for run in runs.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for index in range(rounds):
+        order = list(runs) if index % 2 == 0 else list(reversed(runs))
+        for name in order:
+            synchronize(device)
+            start = time.perf_counter()
+            runs[name]()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def layer_differences(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, with_entropy: bool
 ) -> str:
@@ -326,18 +345,7 @@ def measure_layer(
         return once
 
     peaks = {name: peak_extra(run(name), device) for name in LAYER_METHODS}
-    times: dict[str, list[float]] = {name: [] for name in LAYER_METHODS}
-    for name in LAYER_METHODS:  # warm-up
-        run(name)()
-    for index in range(rounds):
-        order = list(LAYER_METHODS) if index % 2 == 0 else list(reversed(LAYER_METHODS))
-        for name in order:
-            synchronize(device)
-            start = time.perf_counter()
-            run(name)()
-            synchronize(device)
-            times[name].append(time.perf_counter() - start)
-    medians = {name: statistics.median(values) for name, values in times.items()}
+    medians = alternating_medians({name: run(name) for name in LAYER_METHODS}, rounds, device)
     size = torch.tensor([], dtype=dtype).element_size()
     logits_mib = tokens * vocab * size / 2**20
     grads_mib = (tokens + vocab) * hidden_size * size / 2**20
@@ -415,23 +423,14 @@ def measure_engine(
 
         return once
 
-    for name in engines:  # warm-up
+    for name in engines:  # warm-up: lazy state is built on first use
         run(name)()
     peaks = {name: peak_extra(run(name), device) for name in engines}
-    times: dict[str, list[float]] = {name: [] for name in engines}
-    for index in range(rounds):
-        order = list(engines) if index % 2 == 0 else list(reversed(engines))
-        for name in order:
-            synchronize(device)
-            start = time.perf_counter()
-            run(name)()
-            synchronize(device)
-            times[name].append(time.perf_counter() - start)
-    medians = {name: statistics.median(values) for name, values in times.items()}
+    medians = alternating_medians({name: run(name) for name in engines}, rounds, device)
     per_micro_batch = max(1, sequences // 2) * length * vocab
     print(
         f"engine: megatron {model} (vocab {vocab}) on {device.type}, {sequences} x {length} "
-        f"tokens, 2 micro-batches of {per_micro_batch / 2**20:.0f}M logits, ActorLoss with "
+        f"tokens, 2 micro-batches of {per_micro_batch / 2**20:.1f}M logits, ActorLoss with "
         f"entropy bonus, forward_backward_batch, rounds={rounds}"
     )
     for name in engines:
