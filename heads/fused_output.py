@@ -85,6 +85,14 @@ logits (whole vocabulary rows; 256 MiB per float32 buffer): at a 152K vocabulary
 tokens, so the matmuls stay compute-bound and the loss's gradient is asked for ~40 times per
 16K tokens."""
 
+_EAGER_MIN_CHUNK_ELEMENTS = 1 << 25
+"""On an accelerator a chunk of :func:`fused_log_probs_with_gradient` holds at least this many
+logits (or the whole micro-batch), whatever the 1/16 bound says: asking the loss for a
+chunk's gradient is about 400 small operations (the loss, its autograd; about 2 ms of kernel
+launches on a GPU), which a chunk this big hides behind its three matmuls (hidden 4096: about
+1.1 ms on an H200) better than a smaller one would. Small micro-batches then take fewer,
+relatively bigger chunks (4K tokens x 32K vocabulary: 4 chunks of 1024 tokens)."""
+
 
 def default_tile(n_tokens: int, vocab_local: int, device: torch.device) -> tuple[int, int]:
     """``(tokens, vocabulary rows)`` per tile: ``VOCAB_BLOCK`` rows (or the local vocabulary),
@@ -149,11 +157,14 @@ gradient), from their values; see :func:`fused_log_probs_with_gradient`."""
 
 def eager_chunk_tokens(n_tokens: int, vocab_local: int, device: torch.device) -> int:
     """Tokens per chunk of :func:`fused_log_probs_with_gradient`: its chunks hold whole rows of
-    this rank's vocabulary, as many as fit in ``DEFAULT_CPU_CHUNK_ELEMENTS`` logits on CPU,
-    ``_EAGER_CHUNK_ELEMENTS`` elsewhere, and in 1/16 of the micro-batch's logits, but at least
-    ``MIN_CHUNK_TOKENS``."""
-    budget = DEFAULT_CPU_CHUNK_ELEMENTS if device.type == "cpu" else _EAGER_CHUNK_ELEMENTS
-    budget = min(budget, n_tokens * vocab_local // _TILES_PER_LOGITS)
+    this rank's vocabulary, as many as fit in 1/16 of the micro-batch's logits and in
+    ``DEFAULT_CPU_CHUNK_ELEMENTS`` logits on CPU; elsewhere in ``_EAGER_CHUNK_ELEMENTS``, but
+    ``_EAGER_MIN_CHUNK_ELEMENTS`` at least; and ``MIN_CHUNK_TOKENS`` at least."""
+    budget = n_tokens * vocab_local // _TILES_PER_LOGITS
+    if device.type == "cpu":
+        budget = min(budget, DEFAULT_CPU_CHUNK_ELEMENTS)
+    else:
+        budget = max(min(budget, _EAGER_CHUNK_ELEMENTS), _EAGER_MIN_CHUNK_ELEMENTS)
     return max(MIN_CHUNK_TOKENS, budget // vocab_local)
 
 

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from heads.fused_output import fused_log_probs_with_gradient
+from heads.fused_output import eager_chunk_tokens, fused_log_probs_with_gradient
 from heads.vocab_parallel import log_probs_and_entropy
 from tests.heads.test_fused_lm_head import TOLERANCE, case
 from tests.heads.test_vocab_parallel import assert_close_scaled
@@ -174,3 +174,20 @@ def test_a_chunk_the_loss_gives_no_gradient_gets_none_and_bad_arguments_are_refu
         )
     with pytest.raises(ValueError, match="targets shape"):
         fused_log_probs_with_gradient(h, w, targets[:3], lambda *_: (None, None))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "vocab", "device", "expected"),
+    [
+        (16384, 151936, "cuda", (1 << 26) // 151936),  # 441: the accelerator's largest chunk
+        (4096, 151936, "cuda", 4096 * 151936 // 16 // 151936),  # 256: 1/16 of the logits
+        (4096, 32768, "cuda", 1024),  # 1/16 would be 256 tokens: the smallest chunk, 32M
+        (100, 32768, "cuda", 1024),  # more than the micro-batch: one chunk
+        (4096, 32768, "cpu", 128),  # 1M logits on CPU (32 tokens), but 128 tokens at least
+        (8192, 4096, "cpu", 256),  # 1M logits
+    ],
+)
+def test_chunks_are_bounded_by_memory_and_on_an_accelerator_kept_big_enough_to_hide_launches(
+    tokens: int, vocab: int, device: str, expected: int
+) -> None:
+    assert eager_chunk_tokens(tokens, vocab, torch.device(device)) == expected
