@@ -88,9 +88,10 @@ tokens, so the matmuls stay compute-bound and the loss's gradient is asked for ~
 _EAGER_MIN_CHUNK_ELEMENTS = 1 << 25
 """On an accelerator a chunk of :func:`fused_log_probs_with_gradient` holds at least this many
 logits (or the whole micro-batch), whatever the 1/16 bound says: asking the loss for a
-chunk's gradient is about 400 small operations (the loss, its autograd; about 2 ms of kernel
-launches on a GPU), which a chunk this big hides behind its three matmuls (hidden 4096: about
-1.1 ms on an H200) better than a smaller one would. Small micro-batches then take fewer,
+chunk's gradient is about 400 small operations (the loss, its autograd; at a few microseconds
+of launch each, a millisecond or two on a GPU: an estimate), which a chunk this big hides
+behind its three matmuls (hidden 4096: about 1.1 ms of bfloat16 compute on an H200) better
+than a smaller one would. Small micro-batches then take fewer,
 relatively bigger chunks (4K tokens x 32K vocabulary: 4 chunks of 1024 tokens)."""
 
 
