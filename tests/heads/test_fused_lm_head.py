@@ -23,6 +23,7 @@ from engine import Engine
 from engine.data.batching import jagged
 from engine.losses import ActorLoss, LossFn, token_separable
 from engine.registry import BACKENDS
+from heads import fused_output
 from heads import lm as lm_module
 from heads.base import PER_TOKEN, HeadContext, OutputSpec, shift_to_scored_token
 from heads.errors import ConfigError
@@ -369,10 +370,13 @@ def test_with_a_token_separable_loss_the_gradient_in_forward_equals_the_unfused_
     packed: bool,
 ) -> None:
     """PPO's loss with entropy bonus and KL penalty (token-separable): the fused head computes
-    its gradient in the forward pass; outputs, loss, gradients and the step equal the unfused
-    engine's. GSPO's (not separable) takes the recomputing path and equals it too."""
+    its gradient in the forward pass, in chunks of 4 tokens (boundaries inside sequences and
+    between them, in the model's layout, padded or packed); outputs, loss, gradients and the
+    step equal the unfused engine's. GSPO's (not separable) takes the recomputing path and
+    equals it too."""
     counter = CountCalls(lm_module, "fused_log_probs_with_gradient")
     monkeypatch.setattr(lm_module, "fused_log_probs_with_gradient", counter)
+    monkeypatch.setattr(fused_output, "eager_chunk_tokens", lambda *_: 4)
     engines, seed = engine_pairs[backend, tie, packed], 11 + int(packed)
     gaps = largest_differences(engines[True], engines[False], seed, SEPARABLE_LOSS)
     micro_batches = len(engines[True].plan_micro_batches(actor_batch(seed)).groups)
