@@ -318,6 +318,7 @@ class Engine:
             packed = micro_batch.cu_seqlens
             head_ctx = attrs.evolve(
                 head_ctx,
+                deferred_checks=step.checks,
                 sequence_lengths=micro_batch.lengths,
                 cu_seqlens=None if packed is None else packed.to(device, non_blocking=True),
             )

@@ -60,6 +60,11 @@ class HeadContext:
     #: Under tensor parallelism the hidden states' gradient is summed over the group by the
     #: backend, as for the column-parallel layer's input. None: the raw output is the layer's.
     output_weight: torch.Tensor | None = None
+    #: Where a head leaves a check on the device instead of reading it now (which on an
+    #: accelerator waits for the device): ``(violated, message)`` pairs, ``violated`` a
+    #: one-element bool tensor; the engine raises ``ConfigError(message)`` for a set one at the
+    #: end of the step, before the optimizer step. None: check at once. Set by the engine.
+    deferred_checks: list[tuple[torch.Tensor, str]] | None = None
 
 
 #: A result's layout: per token, aligned to the token it scores (``[batch, seq, *features]``),

@@ -17,6 +17,7 @@ from heads.base import (
     OutputSpec,
     shift_to_scored_token,
 )
+from heads.errors import ConfigError
 from heads.fused_output import fused_log_probs_and_entropy, fused_log_probs_with_gradient
 from heads.validation import bool_field, float_field, int_field, non_negative, positive
 from heads.vocab_parallel import log_probs_and_entropy
@@ -93,24 +94,25 @@ class LMHead:
         if not self.gradient_in_forward or logits < self.fused_min_logits:
             return self.postprocess_hidden(hidden, weight, input_ids, ctx), None
         shape, n_tokens = hidden.shape[:-1], hidden.shape[:-1].numel()
+        # the gradients each chunk was given, to check the loss's declaration afterwards
+        given = torch.zeros(
+            2 if self.compute_entropy else 1, n_tokens, dtype=torch.float32, device=hidden.device
+        )
+        chunks: list[int] = []
 
         def upstream_of(
             start: int, end: int, log_probs: torch.Tensor, entropy: torch.Tensor | None
         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
             # the chunk's values in place, zeros elsewhere: a token-separable loss's gradient
             # at the chunk's tokens does not depend on the others
-            leaves = [values.detach().requires_grad_() for values in (log_probs, entropy)
-                      if values is not None]  # fmt: skip
-            with torch.enable_grad():
-                laid_out = [
-                    torch.nn.functional.pad(leaf, (start, n_tokens - end)).view(shape)
-                    for leaf in leaves
-                ]
-                results = self._results(
-                    laid_out[0], laid_out[1] if entropy is not None else None, ctx
-                )
-                grads = torch.autograd.grad(loss_of(results), leaves, allow_unused=True)
-            return grads[0], grads[1] if len(grads) > 1 else None
+            chunks.append(start)
+            grads = self._loss_gradients(
+                [log_probs, entropy], start, n_tokens - end, shape, ctx, loss_of
+            )
+            for row, grad in enumerate(grads):
+                if grad is not None:
+                    given[row, start:end] = grad
+            return grads[0], grads[1]
 
         log_probs, entropy, anchor = fused_log_probs_with_gradient(
             hidden,
@@ -122,7 +124,60 @@ class LMHead:
             group=ctx.tensor_parallel_group,
             vocab_start=ctx.vocab_start,
         )
+        if len(chunks) > 1:
+            self._check_separable(log_probs, entropy, given, ctx, loss_of)
         return self._results(log_probs, entropy, ctx), anchor
+
+    def _loss_gradients(
+        self,
+        values: list[torch.Tensor | None],
+        before: int,
+        after: int,
+        shape: torch.Size,
+        ctx: HeadContext,
+        loss_of: LossOf,
+    ) -> list[torch.Tensor | None]:
+        """The gradient of ``loss_of`` w.r.t. ``values`` (flat log-probs and entropy or None)
+        laid out with ``before`` and ``after`` zeros around them, in the model's layout."""
+        leaves = [v.detach().requires_grad_() for v in values if v is not None]
+        with torch.enable_grad():
+            laid_out = [
+                torch.nn.functional.pad(leaf, (before, after)).view(shape) for leaf in leaves
+            ]
+            results = self._results(laid_out[0], laid_out[1] if len(laid_out) > 1 else None, ctx)
+            grads = torch.autograd.grad(loss_of(results), leaves, allow_unused=True)
+        return [grads[0], grads[1] if len(grads) > 1 else None]
+
+    def _check_separable(
+        self,
+        log_probs: torch.Tensor,
+        entropy: torch.Tensor | None,
+        given: torch.Tensor,
+        ctx: HeadContext,
+        loss_of: LossOf,
+    ) -> None:
+        """The loss's gradient with every token real equals what each chunk was given (up to
+        1e-5 of the largest; NaN and infinities are the non-finite guard's), else the loss is
+        not token-separable: ConfigError, deferred to the end of the step where the engine
+        collects the checks (``ctx.deferred_checks``)."""
+        values = [log_probs.reshape(-1), None if entropy is None else entropy.reshape(-1)]
+        full = self._loss_gradients(values, 0, 0, log_probs.shape, ctx, loss_of)
+        violated = torch.zeros((), dtype=torch.bool, device=given.device)
+        for row, grad in enumerate(full[: given.shape[0]]):
+            expected = torch.zeros_like(given[row]) if grad is None else grad.detach()
+            scale = torch.nan_to_num(expected, nan=0.0, posinf=0.0, neginf=0.0).abs().amax()
+            violated |= ((given[row] - expected).abs() > 1e-5 * scale).any()
+        message = (
+            "the loss declares itself token-separable (engine.losses.token_separable), but "
+            "its gradient at some tokens changed with the values of other tokens when the fused "
+            "LM head asked for it chunk by chunk: it is not separable, and the step's gradients "
+            "would be wrong, so the step was not applied. Remove the declaration (the head then "
+            "recomputes in backward), or set the head option gradient_in_forward: false"
+        )
+        if ctx.deferred_checks is not None:
+            ctx.deferred_checks.append((violated, message))
+        elif bool(violated):
+            raise ConfigError(message)
 
     def _scored(
         self,

@@ -109,9 +109,11 @@ def token_separable(loss_fn: F) -> F:
     is not. A fused LM head then computes the loss's gradient in its forward pass, chunk by
     chunk, asking the loss for it with only one chunk's outputs real (zeros elsewhere), and
     needs no recomputation in backward (``LMHead.gradient_in_forward``). The loss is then
-    called several times per micro-batch (once per chunk, and once with every output for its
-    value and metrics), so it must have no side effects. Declaring a loss that is not
-    separable gives wrong gradients."""
+    called several times per micro-batch (once per chunk, and twice with every output: for
+    the check below and for its value and metrics), so it must have no side effects. A loss
+    declared separable that is not would get wrong gradients: the head compares each chunk's
+    gradient with the one with every token real, and a mismatch refuses the step
+    (ConfigError, before the optimizer step)."""
     loss_fn.token_separable = True  # type: ignore[attr-defined]
     return loss_fn
 

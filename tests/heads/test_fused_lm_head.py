@@ -11,6 +11,7 @@ two-process checks.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
@@ -411,6 +412,28 @@ def test_gradient_in_forward_can_be_turned_off_and_a_detached_separable_loss_is_
     assert counter.calls == 1
     with pytest.raises(ConfigError, match="gradient_in_forward"):
         LMHead(gradient_in_forward="yes")  # type: ignore[arg-type]
+
+
+def test_a_loss_wrongly_declared_token_separable_is_refused_and_the_step_not_applied(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GSPO's loss declared separable (it is not: a sequence's ratio pools its tokens): the
+    head's check at the end of the in-forward loop refuses the step by name, the weights stay
+    as they were, and the engine trains on with a separable loss."""
+    monkeypatch.setattr(fused_output, "eager_chunk_tokens", lambda *_: 4)
+    wrong = functools.partial(ActorLoss(policy_loss="gspo", entropy_coeff=0.01))
+    wrong.token_separable = True  # type: ignore[attr-defined]
+    for backend, packed in (("megatron", False), ("fsdp2", True)):
+        engine = build(backend, True, False, packed)
+        before = dict(engine.get_per_tensor_param())
+        with pytest.raises(ConfigError, match=r"not separable.*gradient_in_forward: false"):
+            engine.train_batch(actor_batch(2), wrong)
+        after = dict(engine.get_per_tensor_param())
+        assert all(torch.equal(before[name], after[name]) for name in before), backend
+        result = engine.train_batch(actor_batch(2), SEPARABLE_LOSS)
+        trained = dict(engine.get_per_tensor_param())
+        assert result["skipped"] == 0.0, backend
+        assert not all(torch.equal(before[name], trained[name]) for name in before), backend
 
 
 def test_under_lora_the_gradient_in_forward_leaves_the_frozen_output_weight_alone() -> None:

@@ -9,12 +9,17 @@ in ``test_fused_lm_head``."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from heads.base import HeadContext
+from heads.errors import ConfigError
 from heads.fused_output import eager_chunk_tokens, fused_log_probs_with_gradient
+from heads.lm import LMHead
 from heads.vocab_parallel import log_probs_and_entropy
 from tests.heads.test_fused_lm_head import TOLERANCE, case
 from tests.heads.test_vocab_parallel import assert_close_scaled
@@ -191,3 +196,25 @@ def test_chunks_are_bounded_by_memory_and_on_an_accelerator_kept_big_enough_to_h
     tokens: int, vocab: int, device: str, expected: int
 ) -> None:
     assert eager_chunk_tokens(tokens, vocab, torch.device(device)) == expected
+
+
+def test_outside_an_engine_a_wrong_separability_declaration_is_refused_at_once() -> None:
+    """``LMHead`` checks the gradients each chunk was given against the loss's gradient with
+    every token real; with no deferred checks in its context it raises at once. A loss pooling
+    its tokens (here: normalised by their mean log-prob) is caught; a separable one is not."""
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 150, 8, requires_grad=True)  # 300 tokens: 3 chunks of 128 on CPU
+    weight = torch.randn(64, 8)
+    ids = torch.randint(0, 64, (2, 150))
+
+    def pooled(results: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        log_probs = results["log_probs"]
+        return (log_probs / log_probs.mean().detach()).sum()
+
+    def separable(results: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return (results["log_probs"].square() - results["entropy"]).sum()
+
+    head = LMHead(compute_entropy=True, fused_min_logits=0)
+    head.postprocess_hidden_with_loss(hidden, weight, ids, HeadContext(), separable)
+    with pytest.raises(ConfigError, match="not separable"):
+        head.postprocess_hidden_with_loss(hidden, weight, ids, HeadContext(), pooled)
