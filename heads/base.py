@@ -64,7 +64,7 @@ class HeadContext:
     #: accelerator waits for the device): ``(violated, message)`` pairs, ``violated`` a
     #: one-element bool tensor; the engine raises ``ConfigError(message)`` for a set one at the
     #: end of the step, before the optimizer step. None: check at once. Set by the engine.
-    deferred_checks: list[tuple[torch.Tensor, str]] | None = None
+    deferred_checks: list[tuple[torch.Tensor, str]] | None = attrs.field(default=None, eq=False)
 
 
 #: A result's layout: per token, aligned to the token it scores (``[batch, seq, *features]``),
