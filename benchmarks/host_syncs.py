@@ -8,6 +8,7 @@ aims at one (the fetch of the step's numbers); the test suite checks the same on
 recording reads of device values (tests/engine/test_host_syncs.py).
 
     python -m benchmarks.host_syncs [--device cuda] [--backend megatron fsdp2] [--packing]
+        [--fused-min-logits 0]
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ import torch
 
 
 def count_syncs(
-    backend: str, head: str, device: str, packing: bool = False
+    backend: str,
+    head: str,
+    device: str,
+    packing: bool = False,
+    lm_head: dict[str, Any] | None = None,
 ) -> tuple[int, collections.Counter[str]]:
     from engine import Engine
     from engine.losses import ActorLoss, CriticLoss
@@ -40,7 +45,7 @@ def count_syncs(
             "micro_batch_size": 2,
             "optimizer": {"clip_grad": 1.0},
             "packing": packing,
-            **({"head": {"compute_entropy": True}} if head == "lm" else {}),
+            **({"head": {"compute_entropy": True, **(lm_head or {})}} if head == "lm" else {}),
         },
     ).initialize()
     batch = lm_batch(1)
@@ -73,13 +78,20 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--backend", nargs="+", default=["megatron", "fsdp2"])
     parser.add_argument("--packing", action="store_true", help="packed micro-batches")
+    parser.add_argument(
+        "--fused-min-logits",
+        type=int,
+        help="the LM head's fused_min_logits (0: its tile loops run, the gradient in forward "
+        "with the PPO loss; default: tiny's small logits are computed whole)",
+    )
     args = parser.parse_args()
+    lm_head = {} if args.fused_min_logits is None else {"fused_min_logits": args.fused_min_logits}
     if not torch.cuda.is_available():
         raise SystemExit("host_syncs needs a CUDA device (torch.cuda.is_available() is False)")
     for backend in args.backend:
         for head in ("lm", "value"):
             try:
-                total, sites = count_syncs(backend, head, args.device, args.packing)
+                total, sites = count_syncs(backend, head, args.device, args.packing, lm_head)
             except Exception:  # report and go on to the next cell
                 print(f"{backend} {head}: failed\n{traceback.format_exc(limit=4)}")
                 continue
