@@ -30,6 +30,13 @@ loss is computed redundantly), as for ``vocab_parallel``.
 Memory: forward, one ``[C, B]`` buffer in the weight's dtype and one or two float32 ones;
 backward, the same (one more float32 where the weight is not float32) plus the gradients of
 ``h`` and ``W`` and a float32 ``[C, hidden]`` accumulator.
+
+For a token-separable loss (its gradient at a token depends on that token's log-prob and
+entropy only) :func:`fused_log_probs_with_gradient` needs no recomputation: its chunks hold
+whole rows of this rank's vocabulary, it asks the loss for the chunk's upstream gradients as
+soon as the chunk's log-probs are known, and computes the gradients of ``h`` and ``W`` while
+the logits exist. Three matmuls, as the unfused layer; a zero-valued anchor added to the loss
+hands the gradients over in backward.
 """
 
 from __future__ import annotations
@@ -91,8 +98,8 @@ logits (or the whole micro-batch), whatever the 1/16 bound says: asking the loss
 chunk's gradient is about 400 small operations (the loss, its autograd; at a few microseconds
 of launch each, a millisecond or two on a GPU: an estimate), which a chunk this big hides
 behind its three matmuls (hidden 4096: about 1.1 ms of bfloat16 compute on an H200) better
-than a smaller one would. Small micro-batches then take fewer,
-relatively bigger chunks (4K tokens x 32K vocabulary: 4 chunks of 1024 tokens)."""
+than a smaller one would. Small micro-batches then take fewer, relatively bigger chunks (4K
+tokens x 32K vocabulary: 4 chunks of 1024 tokens)."""
 
 
 def default_tile(n_tokens: int, vocab_local: int, device: torch.device) -> tuple[int, int]:
