@@ -170,9 +170,10 @@ class LMHead:
         message = (
             "the loss declares itself token-separable (engine.losses.token_separable), but "
             "its gradient at some tokens changed with the values of other tokens when the fused "
-            "LM head asked for it chunk by chunk: it is not separable, and the step's gradients "
-            "would be wrong, so the step was not applied. Remove the declaration (the head then "
-            "recomputes in backward), or set the head option gradient_in_forward: false"
+            "LM head asked for it chunk by chunk: it is not separable, and its gradients would be "
+            "wrong (this error comes before any optimizer step). Remove the declaration (the "
+            "head then recomputes in backward), or set the head option gradient_in_forward: "
+            "false"
         )
         if ctx.deferred_checks is not None:
             ctx.deferred_checks.append((violated, message))
