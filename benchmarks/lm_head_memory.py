@@ -71,7 +71,6 @@ import torch
 from benchmarks.measure import peak_allocated
 from heads.fused_output import (
     default_tile,
-    eager_chunk_tokens,
     fused_log_probs_and_entropy,
     fused_log_probs_with_gradient,
 )
@@ -350,11 +349,10 @@ def measure_layer(
     logits_mib = tokens * vocab * size / 2**20
     grads_mib = (tokens + vocab) * hidden_size * size / 2**20
     chunk, block = default_tile(tokens, vocab, device)
-    eager_chunk = eager_chunk_tokens(tokens, vocab, device)
     print(
         f"T={tokens} V={vocab} hidden={hidden_size} {str(dtype)[6:]} {device.type} "
-        f"entropy={with_entropy} rounds={rounds} tile={chunk}x{block}, in-forward chunk "
-        f"{eager_chunk} (logits {logits_mib:.0f} MiB, grads of hidden+W {grads_mib:.0f} MiB; "
+        f"entropy={with_entropy} rounds={rounds} tile={chunk}x{block} (logits "
+        f"{logits_mib:.0f} MiB, grads of hidden+W {grads_mib:.0f} MiB; "
         f"{layer_differences(hidden, weight, targets, with_entropy)})"
     )
     for name in LAYER_METHODS:

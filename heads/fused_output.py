@@ -32,11 +32,12 @@ backward, the same (one more float32 where the weight is not float32) plus the g
 ``h`` and ``W`` and a float32 ``[C, hidden]`` accumulator.
 
 For a token-separable loss (its gradient at a token depends on that token's log-prob and
-entropy only) :func:`fused_log_probs_with_gradient` needs no recomputation: its chunks hold
-whole rows of this rank's vocabulary, it asks the loss for the chunk's upstream gradients as
-soon as the chunk's log-probs are known, and computes the gradients of ``h`` and ``W`` while
-the logits exist. Three matmuls, as the unfused layer; a zero-valued anchor added to the loss
-hands the gradients over in backward.
+entropy only) :func:`fused_log_probs_with_gradient` needs no recomputation: it keeps a token
+chunk's tiles (``[C, V_local]`` in the weight's dtype), asks the loss for the chunk's upstream
+gradients as soon as the chunk's log-probs are known, and computes the gradients of ``h`` and
+``W`` from the kept tiles. Three matmuls, as the unfused layer; a zero-valued anchor added to
+the loss hands the gradients over in backward. Its tiles and statistics are the forward's
+above, so both give bit-identical log-probs and entropy.
 """
 
 from __future__ import annotations
@@ -65,7 +66,6 @@ __all__ = [
     "VOCAB_BLOCK",
     "UpstreamOf",
     "default_tile",
-    "eager_chunk_tokens",
     "fused_log_probs_and_entropy",
     "fused_log_probs_with_gradient",
 ]
@@ -81,25 +81,13 @@ _TILES_PER_LOGITS = 16
 """A default tile holds at most 1/16 of the micro-batch's logits (but ``MIN_CHUNK_TOKENS``
 rows): the work buffers stay a small fraction of what the whole logits would take."""
 
-_ACCELERATOR_TILE_ELEMENTS = 1 << 25
-"""On an accelerator a tile holds at most this many logits (128 MiB per float32 buffer): with
-``VOCAB_BLOCK`` rows of ``W``, 2048 tokens, so that each block of ``W`` is read once per 2048
-tokens and the matmuls are compute-bound."""
-
-_EAGER_CHUNK_ELEMENTS = 1 << 26
-"""On an accelerator a chunk of :func:`fused_log_probs_with_gradient` holds at most this many
-logits (whole vocabulary rows; 256 MiB per float32 buffer): at a 152K vocabulary about 440
-tokens, so the matmuls stay compute-bound and the loss's gradient is asked for ~40 times per
-16K tokens."""
-
-_EAGER_MIN_CHUNK_ELEMENTS = 1 << 25
-"""On an accelerator a chunk of :func:`fused_log_probs_with_gradient` holds at least this many
-logits (or the whole micro-batch), whatever the 1/16 bound says: asking the loss for a
-chunk's gradient is about 400 small operations (the loss, its autograd; at a few microseconds
-of launch each, a millisecond or two on a GPU: an estimate), which a chunk this big hides
-behind its three matmuls (hidden 4096: about 1.1 ms of bfloat16 compute on an H200) better
-than a smaller one would. Small micro-batches then take fewer, relatively bigger chunks (4K
-tokens x 32K vocabulary: 4 chunks of 1024 tokens)."""
+_ACCELERATOR_TILE_ELEMENTS = 1 << 24
+"""On an accelerator a tile holds at most this many logits (64 MiB per float32 buffer): with
+``VOCAB_BLOCK`` rows of ``W``, 1024 tokens, so that each block of ``W`` is read once per 1024
+tokens and the matmuls are compute-bound (hidden 4096: 137 GFLOP a tile), and the chunk of
+tiles :func:`fused_log_probs_with_gradient` keeps stays small (1024 tokens x 152K vocabulary:
+0.3 GiB in bfloat16). The H200 figures in ``docs/fused-lm-head.md`` were measured with 2048
+tokens (``1 << 25``)."""
 
 
 def default_tile(n_tokens: int, vocab_local: int, device: torch.device) -> tuple[int, int]:
@@ -163,19 +151,6 @@ gradient w.r.t. the log-probs and the entropy of the flat tokens ``[start, end)`
 gradient), from their values; see :func:`fused_log_probs_with_gradient`."""
 
 
-def eager_chunk_tokens(n_tokens: int, vocab_local: int, device: torch.device) -> int:
-    """Tokens per chunk of :func:`fused_log_probs_with_gradient`: its chunks hold whole rows of
-    this rank's vocabulary, as many as fit in 1/16 of the micro-batch's logits and in
-    ``DEFAULT_CPU_CHUNK_ELEMENTS`` logits on CPU; elsewhere in ``_EAGER_CHUNK_ELEMENTS``, but
-    ``_EAGER_MIN_CHUNK_ELEMENTS`` at least; and ``MIN_CHUNK_TOKENS`` at least."""
-    budget = n_tokens * vocab_local // _TILES_PER_LOGITS
-    if device.type == "cpu":
-        budget = min(budget, DEFAULT_CPU_CHUNK_ELEMENTS)
-    else:
-        budget = max(min(budget, _EAGER_CHUNK_ELEMENTS), _EAGER_MIN_CHUNK_ELEMENTS)
-    return max(MIN_CHUNK_TOKENS, budget // vocab_local)
-
-
 def fused_log_probs_with_gradient(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -186,7 +161,7 @@ def fused_log_probs_with_gradient(
     compute_entropy: bool = True,
     group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
-    chunk_tokens: int | None = None,
+    tile: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """:func:`fused_log_probs_and_entropy` for a loss whose gradient at a token depends on that
     token's log-prob and entropy only (a *token-separable* loss): the gradients of ``hidden``
@@ -194,14 +169,16 @@ def fused_log_probs_with_gradient(
     logits exist, so the backward needs no recomputation (three matmuls, as the unfused
     output layer, instead of four).
 
-    The tokens are taken in chunks of ``chunk_tokens`` (None: :func:`eager_chunk_tokens`) with
-    the whole of this rank's vocabulary: ``logits = h_chunk @ W^T``, their per-token statistics
-    (under ``group``: all-reduced, MAX then SUM, per chunk), the chunk's log-probs and entropy,
-    then ``upstream_of(start, end, log_probs, entropy)`` (identical on every rank of
-    ``group``) gives the loss's gradients w.r.t. them, the logits turn into their gradient in
-    place, and ``grad_h = dlogits @ W``, ``grad_W += dlogits^T h_chunk``. Nothing is saved but
-    the two gradients (as big as ``hidden`` and ``weight``; ``grad_W`` only where ``weight``
-    requires grad, e.g. not under LoRA).
+    The tiles are :func:`fused_log_probs_and_entropy`'s (``tile``; None: :func:`default_tile`)
+    and so is the arithmetic of the results, which are therefore bit-identical to its
+    (without tensor parallelism, and with two ranks). A token chunk's tiles are computed and
+    kept (``[C, V_local]`` in the weight's dtype), their statistics combined (under ``group``:
+    all-reduced, MAX then SUM, per chunk), then ``upstream_of(start, end, log_probs,
+    entropy)`` (identical on every rank of ``group``) gives the loss's gradients w.r.t. the
+    chunk's results, each tile turns into its gradient in place, and ``grad_h = dlogits @ W``,
+    ``grad_W += dlogits^T h_chunk``. Nothing is saved but the two gradients (as big as
+    ``hidden`` and ``weight``; ``grad_W`` only where ``weight`` requires grad, e.g. not under
+    LoRA).
 
     Returns:
         ``(log_probs, entropy, anchor)``: the results, float32 ``[...]`` and detached (entropy
@@ -211,13 +188,13 @@ def fused_log_probs_with_gradient(
         the results.
     """
     _check_inputs(hidden, weight, targets, group, vocab_start)
-    if chunk_tokens is not None and chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    if tile is not None and min(tile) < 1:
+        raise ValueError(f"tile sizes must be positive, got {tile}")
     flat = hidden.detach().reshape(-1, hidden.shape[-1])
     w = weight.detach()
     n_tokens, vocab_local = flat.shape[0], w.shape[0]
-    if chunk_tokens is None:
-        chunk_tokens = eager_chunk_tokens(n_tokens, vocab_local, w.device)
+    chunk, block = tile or default_tile(n_tokens, vocab_local, w.device)
+    blocks = _blocks(vocab_local, block)
     temp = max(float(temperature), MIN_TEMPERATURE)
     device, dtype, f32 = w.device, w.dtype, torch.float32
     local_targets = targets.reshape(-1) - vocab_start
@@ -226,31 +203,42 @@ def fused_log_probs_with_gradient(
     grad_h = torch.empty_like(flat) if hidden.requires_grad else None
     grad_w = torch.zeros_like(w) if weight.requires_grad else None
 
-    rows = min(chunk_tokens, n_tokens)
-    logits_buf = torch.empty(rows * vocab_local, dtype=dtype, device=device)
-    shifted_buf = torch.empty(rows * vocab_local, dtype=f32, device=device)
+    rows, columns = min(chunk, n_tokens), min(block, vocab_local)
+    rows_of_stats = 3 if compute_entropy else 2
+    kept = torch.empty(rows * vocab_local, dtype=dtype, device=device)  # a chunk's tiles
+    scratch = torch.empty(rows_of_stats, rows, dtype=f32, device=device)
+    shifted_buf = torch.empty(rows * columns, dtype=f32, device=device)
     exp_buf = torch.empty_like(shifted_buf) if compute_entropy else None
+    total = (
+        torch.empty(rows, flat.shape[1], dtype=f32, device=device) if grad_h is not None else None
+    )
     with torch.no_grad():
-        for start in range(0, n_tokens, chunk_tokens):
-            end = min(start + chunk_tokens, n_tokens)
+        for start in range(0, n_tokens, chunk):
+            end = min(start + chunk, n_tokens)
+            size = end - start
             h_chunk = flat[start:end].to(dtype)
-            logits = torch.mm(h_chunk, w.t(), out=work_view(logits_buf, end - start, vocab_local))
-            col, elsewhere = target_columns(local_targets[start:end], 0, vocab_local)
-            row_max = logits.amax(dim=-1).to(f32)
-            all_reduce_over(row_max, dist.ReduceOp.MAX, group)
-            stats = torch.empty(3 if compute_entropy else 2, end - start, dtype=f32, device=device)
-            stats[1] = logits.gather(1, col[:, None]).squeeze(1).masked_fill_(elsewhere, 0)
-            chunk_statistics(
-                logits,
-                row_max,
-                temp,
-                stats[0],
-                stats[2] if compute_entropy else None,
-                shifted_buf,
-                exp_buf,
+            chunk_stats = torch.zeros(rows_of_stats, size, dtype=f32, device=device)
+            chunk_max = torch.empty(size, dtype=f32, device=device)
+            tiles = []
+            for first, last in blocks:
+                logits = torch.mm(
+                    h_chunk,
+                    w[first:last].t(),
+                    out=kept[size * first : size * last].view(size, last - first),
+                )
+                running = (chunk_stats, chunk_max, scratch[:, :size])
+                _add_tile(
+                    logits, local_targets[start:end], first, temp, running, shifted_buf, exp_buf
+                )
+                tiles.append(logits)
+            if group is not None:  # every rank's sums relative to the global max, then added up
+                local_max = chunk_max.clone()
+                all_reduce_over(chunk_max, dist.ReduceOp.MAX, group)
+                _rebase(chunk_stats, local_max, chunk_max, temp)
+                all_reduce_over(chunk_stats, dist.ReduceOp.SUM, group)
+            chunk_log_probs, log_sum, chunk_entropy = finish_statistics(
+                chunk_stats, chunk_max, temp
             )
-            all_reduce_over(stats, dist.ReduceOp.SUM, group)
-            chunk_log_probs, log_sum, chunk_entropy = finish_statistics(stats, row_max, temp)
             log_probs[start:end] = chunk_log_probs
             if entropy is not None and chunk_entropy is not None:
                 entropy[start:end] = chunk_entropy
@@ -263,25 +251,27 @@ def fused_log_probs_with_gradient(
                 continue
             if g_h is not None and chunk_entropy is None:
                 raise ValueError("upstream_of gave an entropy gradient, but no entropy is computed")
+            _, elsewhere = target_columns(local_targets[start:end], 0, vocab_local)
             upstream = UpstreamGradients((g_lp, g_h), chunk_entropy, elsewhere, temp)
-            chunk_gradient(
-                logits,
-                slice(0, end - start),
-                upstream,
-                row_max,
-                log_sum.neg_(),
-                col[:, None],
-                upstream.target_grad,
-                temp,
-                logits,
-                None if dtype == f32 else shifted_buf,
-                exp_buf,
-            )
-            if grad_h is not None:
-                grad_h[start:end] = torch.mm(logits, w)
-            if grad_w is not None:
-                grad_w.addmm_(logits.t(), h_chunk)
-    del logits_buf, shifted_buf, exp_buf
+            tokens, per_token = slice(0, size), (chunk_max, -log_sum, local_targets[start:end])
+            here = None if total is None else total[:size].zero_()
+            for (first, last), logits in zip(blocks, tiles, strict=True):
+                _tile_gradient(
+                    logits,
+                    tokens,
+                    upstream,
+                    per_token,
+                    first,
+                    temp,
+                    (None if dtype == f32 else shifted_buf, exp_buf),
+                    here,
+                    None if grad_w is None else grad_w[first:last],
+                    h_chunk,
+                    w[first:last],
+                )
+            if grad_h is not None and here is not None:
+                grad_h[start:end] = here
+    del kept, scratch, shifted_buf, exp_buf, total
     apply: Callable[..., Any] = _PrecomputedGradients.apply
     anchor = apply(hidden, weight, grad_h, grad_w)
     shape = hidden.shape[:-1]
@@ -369,6 +359,78 @@ def _blocks(vocab_local: int, block: int) -> list[tuple[int, int]]:
     return [(start, min(start + block, vocab_local)) for start in range(0, vocab_local, block)]
 
 
+def _add_tile(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    first: int,
+    temp: float,
+    running: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    shifted_buf: torch.Tensor,
+    exp_buf: torch.Tensor | None,
+) -> None:
+    """Add a tile's logits ``[C, B]`` (vocabulary rows from ``first``; ``targets`` the chunk's
+    local target ids) to its token chunk's running statistics ``running = (stats, row_max,
+    scratch)``: ``stats`` rows ``S``, target logit (and ``W``), relative to ``row_max``, both
+    written in place; ``scratch`` a float32 ``[rows of stats, >= C]`` work array. The first
+    tile (``first == 0``) starts them; later ones are combined by rescaling to the larger
+    maximum (online softmax)."""
+    chunk_stats, chunk_max, here = running
+    with_entropy = chunk_stats.shape[0] == 3
+    col, outside = target_columns(targets, first, logits.shape[1])
+    chunk_stats[1] += logits.gather(1, col[:, None]).squeeze(1).masked_fill_(outside, 0)
+    tile_max = logits.amax(dim=-1).to(torch.float32)
+    chunk_statistics(
+        logits, tile_max, temp, here[0], here[2] if with_entropy else None, shifted_buf, exp_buf
+    )
+    if first == 0:
+        chunk_stats[0].copy_(here[0])
+        if with_entropy:
+            chunk_stats[2].copy_(here[2])
+        chunk_max.copy_(tile_max)
+        return
+    new_max = torch.maximum(chunk_max, tile_max)
+    _rebase(chunk_stats, chunk_max, new_max, temp)
+    _rebase(here, tile_max, new_max, temp)
+    chunk_stats[0].add_(here[0])
+    if with_entropy:
+        chunk_stats[2].add_(here[2])
+    chunk_max.copy_(new_max)
+
+
+def _tile_gradient(
+    logits: torch.Tensor,
+    tokens: slice,
+    upstream: UpstreamGradients,
+    per_token: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    first: int,
+    temp: float,
+    buffers: tuple[torch.Tensor | None, torch.Tensor | None],
+    total: torch.Tensor | None,
+    grad_weight: torch.Tensor | None,
+    h_chunk: torch.Tensor,
+    w_block: torch.Tensor,
+) -> None:
+    """Turn a tile's logits ``[C, B]`` (tokens ``tokens`` of the per-token arrays
+    ``per_token = (row_max, -log_sum, local targets)``, vocabulary rows from ``first``) into
+    their gradient in place, then add ``dlogits @ w_block`` to ``total`` (float32 ``[C,
+    hidden]``) and ``dlogits^T h_chunk`` to ``grad_weight`` (the tile's rows of W's gradient);
+    ``buffers``: ``chunk_gradient``'s float32 work and probability buffers."""
+    row_max, neg_log_sum, local_targets = per_token
+    col, outside = target_columns(local_targets[tokens], first, logits.shape[1])
+    one_hot = upstream.target_grad[tokens].masked_fill(outside[:, None], 0)
+    chunk_gradient(
+        logits, tokens, upstream, row_max, neg_log_sum, col[:, None], one_hot, temp, logits,
+        *buffers,
+    )  # fmt: skip
+    if total is not None:
+        if logits.dtype == torch.float32:
+            total.addmm_(logits, w_block)
+        else:
+            total.add_(torch.mm(logits, w_block))
+    if grad_weight is not None:
+        grad_weight.addmm_(logits.t(), h_chunk)
+
+
 class _FusedLogProbsAndEntropy(torch.autograd.Function):
     """Saves ``hidden``, ``weight`` (no copies) and per-token ``max``, ``log(sum exp)``, entropy
     (notation of ``vocab_parallel._LogProbsAndEntropy``)."""
@@ -411,31 +473,15 @@ class _FusedLogProbsAndEntropy(torch.autograd.Function):
                     weight[first:last].t(),
                     out=work_view(logits_buf, end - start, last - first),
                 )
-                col, outside = target_columns(local_targets[start:end], first, last - first)
-                chunk_stats[1] += logits.gather(1, col[:, None]).squeeze(1).masked_fill_(outside, 0)
-                tile_max = logits.amax(dim=-1).to(f32)
-                chunk_statistics(
+                _add_tile(
                     logits,
-                    tile_max,
+                    local_targets[start:end],
+                    first,
                     temp,
-                    here[0],
-                    here[2] if compute_entropy else None,
+                    (chunk_stats, chunk_max, here),
                     shifted_buf,
                     exp_buf,
                 )
-                if first == 0:
-                    chunk_stats[0].copy_(here[0])
-                    if compute_entropy:
-                        chunk_stats[2].copy_(here[2])
-                    chunk_max.copy_(tile_max)
-                    continue
-                new_max = torch.maximum(chunk_max, tile_max)
-                _rebase(chunk_stats, chunk_max, new_max, temp)
-                _rebase(here, tile_max, new_max, temp)
-                chunk_stats[0].add_(here[0])
-                if compute_entropy:
-                    chunk_stats[2].add_(here[2])
-                chunk_max.copy_(new_max)
         del logits_buf, shifted_buf, exp_buf, tile_stats
         if group is not None:  # every rank's sums relative to the global max, then added up
             local_max = row_max.clone()
@@ -482,36 +528,26 @@ class _FusedLogProbsAndEntropy(torch.autograd.Function):
             end = min(start + chunk, n_tokens)
             tokens = slice(start, end)
             h_chunk = flat[tokens].to(dtype)
-            if hidden_total is not None:
-                total = hidden_total[: end - start].zero_()
+            total = None if hidden_total is None else hidden_total[: end - start].zero_()
             for first, last in _blocks(vocab_local, block):
                 w_block = weight[first:last]
                 logits = torch.mm(
                     h_chunk, w_block.t(), out=work_view(logits_buf, end - start, last - first)
                 )
-                col, outside = target_columns(local_targets[tokens], first, last - first)
-                one_hot = upstream.target_grad[tokens].masked_fill(outside[:, None], 0)
-                chunk_gradient(
+                _tile_gradient(
                     logits,
                     tokens,
                     upstream,
-                    row_max,
-                    neg_log_sum,
-                    col[:, None],
-                    one_hot,
+                    (row_max, neg_log_sum, local_targets),
+                    first,
                     temp,
-                    logits,
-                    work_buf,
-                    prob_buf,
+                    (work_buf, prob_buf),
+                    total,
+                    None if grad_weight is None else grad_weight[first:last],
+                    h_chunk,
+                    w_block,
                 )
-                if hidden_total is not None:
-                    if dtype == f32:
-                        total.addmm_(logits, w_block)
-                    else:
-                        total.add_(torch.mm(logits, w_block))
-                if grad_weight is not None:
-                    grad_weight[first:last].addmm_(logits.t(), h_chunk)
-            if grad_hidden is not None:
+            if grad_hidden is not None and total is not None:
                 grad_hidden[tokens] = total
         grad_h = None if grad_hidden is None else grad_hidden.view(hidden.shape)
         return (grad_h, grad_weight, *no_grads)

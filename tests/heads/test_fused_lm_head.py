@@ -371,19 +371,27 @@ def test_with_a_token_separable_loss_the_gradient_in_forward_equals_the_unfused_
     packed: bool,
 ) -> None:
     """PPO's loss with entropy bonus and KL penalty (token-separable): the fused head computes
-    its gradient in the forward pass, in chunks of 4 tokens (boundaries inside sequences and
-    between them, in the model's layout, padded or packed); outputs, loss, gradients and the
-    step equal the unfused engine's. GSPO's (not separable) takes the recomputing path and
-    equals it too."""
+    its gradient in the forward pass, in tiles of 4 tokens x 48 vocabulary rows (chunk
+    boundaries inside sequences and between them, in the model's layout, padded or packed;
+    two tiles per chunk); outputs, loss, gradients and the step equal the unfused engine's.
+    GSPO's (not separable) takes the recomputing path and equals it too."""
     counter = CountCalls(lm_module, "fused_log_probs_with_gradient")
     monkeypatch.setattr(lm_module, "fused_log_probs_with_gradient", counter)
-    monkeypatch.setattr(fused_output, "eager_chunk_tokens", lambda *_: 4)
+    monkeypatch.setattr(fused_output, "default_tile", lambda *_: (4, 48))
     engines, seed = engine_pairs[backend, tie, packed], 11 + int(packed)
     gaps = largest_differences(engines[True], engines[False], seed, SEPARABLE_LOSS)
     micro_batches = len(engines[True].plan_micro_batches(actor_batch(seed)).groups)
     assert counter.calls == 2 * micro_batches  # forward_backward_batch, then train_batch
     assert -gaps.pop("grad_size") > 0
     assert all(gap <= TOLERANCE for gap in gaps.values()), gaps
+    # PPO's old log-probs (a forward-only pass) and new ones (training, in forward): bit for bit
+    batch, fused = actor_batch(seed), engines[True]
+    with fused.train_mode():
+        trained = fused.forward_backward_batch(batch, SEPARABLE_LOSS)["model_output"]
+        fused.optimizer_zero_grad()
+    inferred = fused.infer_batch(batch)
+    for key in ("log_probs", "entropy"):
+        assert torch.equal(flat(trained[key]), flat(inferred[key])), key
     counter.calls = 0
     gspo = ActorLoss(policy_loss="gspo", entropy_coeff=0.01)
     gaps = largest_differences(engines[True], engines[False], 13, gspo)
@@ -420,7 +428,7 @@ def test_a_loss_wrongly_declared_token_separable_is_refused_and_the_step_not_app
     """GSPO's loss declared separable (it is not: a sequence's ratio pools its tokens): the
     head's check at the end of the in-forward loop refuses the step by name, the weights stay
     as they were, and the engine trains on with a separable loss."""
-    monkeypatch.setattr(fused_output, "eager_chunk_tokens", lambda *_: 4)
+    monkeypatch.setattr(fused_output, "default_tile", lambda *_: (4, 48))
     wrong = functools.partial(ActorLoss(policy_loss="gspo", entropy_coeff=0.01))
     wrong.token_separable = True  # type: ignore[attr-defined]
     for backend, packed in (("megatron", False), ("fsdp2", True)):
@@ -610,7 +618,7 @@ def compare_fused_with_unfused(parallel: dict[str, Any]) -> dict[str, float]:
         leaf_h, leaf_w = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
         log_probs, entropy, anchor = fused_log_probs_with_gradient(
             leaf_h, leaf_w[rows], targets, upstream_of, temperature=0.8,
-            group=dist.group.WORLD, vocab_start=rank * shard, chunk_tokens=16,
+            group=dist.group.WORLD, vocab_start=rank * shard, tile=(16, 4),
         )  # fmt: skip
         assert entropy is not None
         loss = (log_probs * upstream[0]).sum() + (entropy * upstream[1]).sum() + anchor

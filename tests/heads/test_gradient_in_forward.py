@@ -18,7 +18,11 @@ from hypothesis import strategies as st
 
 from heads.base import HeadContext
 from heads.errors import ConfigError
-from heads.fused_output import eager_chunk_tokens, fused_log_probs_with_gradient
+from heads.fused_output import (
+    default_tile,
+    fused_log_probs_and_entropy,
+    fused_log_probs_with_gradient,
+)
 from heads.lm import LMHead
 from heads.vocab_parallel import log_probs_and_entropy
 from tests.heads.test_fused_lm_head import TOLERANCE, case
@@ -62,6 +66,7 @@ def upstream_from(
     hidden=st.integers(1, 12),
     vocab=st.integers(1, 90),
     chunk=st.integers(1, 80),
+    block=st.integers(1, 100),
     temperature=st.sampled_from([1.0, 0.6, 2.5]),
     with_entropy=st.booleans(),
     train_weight=st.booleans(),
@@ -72,6 +77,7 @@ def test_the_gradient_in_forward_equals_logits_then_head(
     hidden: int,
     vocab: int,
     chunk: int,
+    block: int,
     temperature: float,
     with_entropy: bool,
     train_weight: bool,
@@ -87,7 +93,7 @@ def test_the_gradient_in_forward_equals_logits_then_head(
         upstream_from(a, b, asked),
         temperature=temperature,
         compute_entropy=with_entropy,
-        chunk_tokens=chunk,
+        tile=(chunk, block),
     )
     assert not log_probs.requires_grad and anchor.item() == 0.0
     assert asked == [(s, min(s + chunk, tokens)) for s in range(0, tokens, chunk)]
@@ -121,11 +127,15 @@ def test_the_gradient_in_forward_equals_logits_then_head(
     tokens=st.integers(1, 60),
     vocab=st.integers(1, 70),
     chunk=st.integers(1, 64),
+    block=st.integers(1, 80),
     seed=st.integers(0, 2**16),
 )
-def test_its_log_probs_are_bit_identical_with_and_without_entropy(
-    tokens: int, vocab: int, chunk: int, seed: int
+def test_its_log_probs_are_bit_identical_to_the_recomputing_paths_with_or_without_entropy(
+    tokens: int, vocab: int, chunk: int, block: int, seed: int
 ) -> None:
+    """The same tiles and arithmetic as ``fused_log_probs_and_entropy``: PPO's old log-probs
+    (a forward-only pass, no entropy) and new ones (training, in forward, with entropy) agree
+    bit for bit, and so do the recomputing path's."""
     h, w, targets, (a, b) = case(seed, tokens, 5, vocab, scale=3.0)
     found = [
         fused_log_probs_with_gradient(
@@ -135,11 +145,16 @@ def test_its_log_probs_are_bit_identical_with_and_without_entropy(
             upstream_from(a, b),
             temperature=0.8,
             compute_entropy=with_entropy,
-            chunk_tokens=chunk,
-        )[0]
+            tile=(chunk, block),
+        )[:2]
         for with_entropy in (True, False)
     ]
-    assert torch.equal(found[0], found[1])
+    assert torch.equal(found[0][0], found[1][0])
+    recomputing, recomputing_entropy = fused_log_probs_and_entropy(
+        h, w, targets, temperature=0.8, tile=(chunk, block)
+    )
+    assert torch.equal(found[0][0], recomputing)
+    assert found[0][1] is not None and torch.equal(found[0][1], recomputing_entropy)
 
 
 def test_the_anchor_scales_with_its_upstream_gradient_and_hands_the_gradients_over_once() -> None:
@@ -148,7 +163,7 @@ def test_the_anchor_scales_with_its_upstream_gradient_and_hands_the_gradients_ov
     for factor in (1.0, 2.5):
         leaf_h, leaf_w = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
         _, _, anchor = fused_log_probs_with_gradient(
-            leaf_h, leaf_w, targets, upstream_from(a, b), chunk_tokens=7
+            leaf_h, leaf_w, targets, upstream_from(a, b), tile=(7, 11)
         )
         (factor * anchor).backward(retain_graph=True)
         assert leaf_h.grad is not None and leaf_w.grad is not None
@@ -163,12 +178,12 @@ def test_a_chunk_the_loss_gives_no_gradient_gets_none_and_bad_arguments_are_refu
     h, w, targets, _ = case(4, 12, 3, 10)
     leaf_h = h.clone().requires_grad_(True)
     _, _, anchor = fused_log_probs_with_gradient(
-        leaf_h, w, targets, lambda *_: (None, None), chunk_tokens=5
+        leaf_h, w, targets, lambda *_: (None, None), tile=(5, 4)
     )
     anchor.backward()
     assert leaf_h.grad is not None and not leaf_h.grad.any()
-    with pytest.raises(ValueError, match="chunk_tokens"):
-        fused_log_probs_with_gradient(h, w, targets, lambda *_: (None, None), chunk_tokens=0)
+    with pytest.raises(ValueError, match="tile sizes"):
+        fused_log_probs_with_gradient(h, w, targets, lambda *_: (None, None), tile=(0, 4))
     with pytest.raises(ValueError, match="no entropy"):
         fused_log_probs_with_gradient(
             h.clone().requires_grad_(True),
@@ -179,23 +194,6 @@ def test_a_chunk_the_loss_gives_no_gradient_gets_none_and_bad_arguments_are_refu
         )
     with pytest.raises(ValueError, match="targets shape"):
         fused_log_probs_with_gradient(h, w, targets[:3], lambda *_: (None, None))
-
-
-@pytest.mark.parametrize(
-    ("tokens", "vocab", "device", "expected"),
-    [
-        (16384, 151936, "cuda", (1 << 26) // 151936),  # 441: the accelerator's largest chunk
-        (4096, 151936, "cuda", 4096 * 151936 // 16 // 151936),  # 256: 1/16 of the logits
-        (4096, 32768, "cuda", 1024),  # 1/16 would be 256 tokens: the smallest chunk, 32M
-        (100, 32768, "cuda", 1024),  # more than the micro-batch: one chunk
-        (4096, 32768, "cpu", 128),  # 1M logits on CPU (32 tokens), but 128 tokens at least
-        (8192, 4096, "cpu", 256),  # 1M logits
-    ],
-)
-def test_chunks_are_bounded_by_memory_and_on_an_accelerator_kept_big_enough_to_hide_launches(
-    tokens: int, vocab: int, device: str, expected: int
-) -> None:
-    assert eager_chunk_tokens(tokens, vocab, torch.device(device)) == expected
 
 
 def test_outside_an_engine_a_wrong_separability_declaration_is_refused_at_once() -> None:
@@ -218,3 +216,21 @@ def test_outside_an_engine_a_wrong_separability_declaration_is_refused_at_once()
     head.postprocess_hidden_with_loss(hidden, weight, ids, HeadContext(), separable)
     with pytest.raises(ConfigError, match="not separable"):
         head.postprocess_hidden_with_loss(hidden, weight, ids, HeadContext(), pooled)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "vocab", "device", "expected"),
+    [
+        (16384, 151936, "cuda", (1024, 16384)),  # 16M logits a tile on an accelerator
+        (4096, 32768, "cuda", (512, 16384)),  # 1/16 of the micro-batch's logits
+        (100, 32768, "cuda", (128, 16384)),  # 128 tokens at least
+        (2048, 32768, "cpu", (128, 16384)),  # 1M logits on CPU (64 tokens), 128 at least
+        (8192, 4096, "cpu", (256, 4096)),  # the vocabulary whole in one block
+    ],
+)
+def test_the_tiles_both_fused_paths_share(
+    tokens: int, vocab: int, device: str, expected: tuple[int, int]
+) -> None:
+    """The gradient in forward keeps a chunk of ``C`` tokens x the whole vocabulary, so ``C``
+    is bounded: 1024 tokens a chunk at 16K x 152K on an accelerator (0.3 GiB in bfloat16)."""
+    assert default_tile(tokens, vocab, torch.device(device)) == expected
