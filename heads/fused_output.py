@@ -231,11 +231,7 @@ def fused_log_probs_with_gradient(
                     logits, local_targets[start:end], first, temp, running, shifted_buf, exp_buf
                 )
                 tiles.append(logits)
-            if group is not None:  # every rank's sums relative to the global max, then added up
-                local_max = chunk_max.clone()
-                all_reduce_over(chunk_max, dist.ReduceOp.MAX, group)
-                _rebase(chunk_stats, local_max, chunk_max, temp)
-                all_reduce_over(chunk_stats, dist.ReduceOp.SUM, group)
+            _combine_over_ranks(chunk_stats, chunk_max, temp, group)
             chunk_log_probs, log_sum, chunk_entropy = finish_statistics(
                 chunk_stats, chunk_max, temp
             )
@@ -353,6 +349,19 @@ def _rebase(stats: torch.Tensor, row_max: torch.Tensor, new_max: torch.Tensor, t
     if stats.shape[0] == 3:
         stats[2].sub_(shift * stats[0]).mul_(scale)
     stats[0].mul_(scale)
+
+
+def _combine_over_ranks(
+    stats: torch.Tensor, row_max: torch.Tensor, temp: float, group: dist.ProcessGroup | None
+) -> None:
+    """Under ``group``, in place: every rank's per-token statistics made relative to the
+    global row maximum (all-reduce MAX), then added up (all-reduce SUM)."""
+    if group is None:
+        return
+    local_max = row_max.clone()
+    all_reduce_over(row_max, dist.ReduceOp.MAX, group)
+    _rebase(stats, local_max, row_max, temp)
+    all_reduce_over(stats, dist.ReduceOp.SUM, group)
 
 
 def _blocks(vocab_local: int, block: int) -> list[tuple[int, int]]:
@@ -483,11 +492,7 @@ class _FusedLogProbsAndEntropy(torch.autograd.Function):
                     exp_buf,
                 )
         del logits_buf, shifted_buf, exp_buf, tile_stats
-        if group is not None:  # every rank's sums relative to the global max, then added up
-            local_max = row_max.clone()
-            all_reduce_over(row_max, dist.ReduceOp.MAX, group)
-            _rebase(stats, local_max, row_max, temp)
-            all_reduce_over(stats, dist.ReduceOp.SUM, group)
+        _combine_over_ranks(stats, row_max, temp, group)
         log_probs, log_sum, entropy = finish_statistics(stats, row_max, temp)
 
         ctx.temp = temp

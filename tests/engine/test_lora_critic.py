@@ -25,15 +25,13 @@ from engine import Engine
 from engine.losses import value_regression_loss
 from strategies.backends.megatron.mesh import destroy_mesh
 from strategies.lora import PEFT_PREFIX
-from tests.engine.test_lora import LORA, local
+from tests.engine.test_lora import BACKENDS, LENGTHS, LORA, local
 from tests.engine.test_lora import build as lora_build
 from tests.engine.test_lora import train as lora_train
 from tests.factories import random_batch, tiny_model
 from tests.strategies.backends.megatron.test_hf import VOCAB, save_checkpoint
 
-BACKENDS = ("megatron", "fsdp2")
 ADAPTED = 5  # q, v, o, up, down
-LENGTHS = [7, 12, 5, 9]
 STEPS = 2
 TOLERANCE = 1e-5
 HEAD = "value_head.weight"

@@ -234,10 +234,7 @@ def replay_mode(engine_config: Any) -> str:
     the routes its updates replay) or ``R3`` (the rollout's routes, replayed in every pass)."""
     mode = str(_get(_get(engine_config, "router_replay", None) or {}, "mode", "disabled"))
     if mode not in ("disabled", "R2", "R3"):
-        raise ConfigError(
-            f"verl engine setting router_replay.mode={mode!r} is not supported by the composable "
-            "engine: disabled, R2 or R3"
-        )
+        raise _refusal("engine", "router_replay.mode", mode, "disabled, R2 or R3")
     return mode
 
 
