@@ -250,8 +250,8 @@ def _lora_targets(value: Any) -> Any:
 @attrs.frozen(kw_only=True)
 class LoraConfig:
     """Low-rank adapters (LoRA, as peft does it): each target linear ``W`` computes
-    ``W x + (alpha / rank) * B A dropout(x)``; only ``A`` and ``B`` train. ``A`` is drawn like
-    peft's (Kaiming-uniform, ``a = sqrt(5)``) from (seed, name), ``B`` starts at 0."""
+    ``W x + (alpha / rank) * B A dropout(x)``; only ``A`` and ``B`` train. ``A`` is drawn from
+    (seed, name), like peft's by default, ``B`` starts at 0."""
 
     rank: int = int_field(8)
     #: The scale is ``alpha / rank`` (peft's ``lora_alpha``); None: ``alpha = rank`` (scale 1).
@@ -261,6 +261,13 @@ class LoraConfig:
     dropout: float = float_field(0.0)
     #: Hugging Face names of the linears that get adapters (default: all seven).
     target_modules: tuple[str, ...] = attrs.field(default=LORA_TARGETS, converter=_lora_targets)
+    #: How ``A`` is drawn: ``kaiming`` (peft's: uniform in ``+-1/sqrt(in_features)``) or
+    #: ``xavier`` (Megatron-Bridge's option: uniform in ``+-sqrt(6 / (in_features + rank))``).
+    a_init: str = attrs.field(default="kaiming", validator=one_of("kaiming", "xavier"))
+    #: The targets one fused linear computes (q/k/v; gate/up) share one ``A``, each keeping its
+    #: own ``B``: one adapter per fused linear, as Megatron-Bridge's ``lora`` type puts on
+    #: ``linear_qkv`` / ``linear_fc1``. False: one adapter per projection (peft's).
+    share_a: bool = bool_field(False)
 
     def __attrs_post_init__(self) -> None:
         if not self.dropout < 1.0:

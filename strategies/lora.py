@@ -4,8 +4,11 @@ initialisation, its Hugging Face / PEFT names and the PEFT adapter directory.
 An adapter is named after the Hugging Face linear it adapts, as peft names it
 (``model.layers.3.self_attn.q_proj.lora_A.weight``): both backends draw ``A`` from (seed, that
 name), so every backend and parallel layout starts from the same adapter. ``A`` is drawn as
-peft draws it (``kaiming_uniform_(a=sqrt(5))``: uniform in ``+-1/sqrt(in_features)``), ``B``
-is 0, so a new adapter leaves the model's outputs unchanged.
+peft draws it (``kaiming_uniform_(a=sqrt(5))``: uniform in ``+-1/sqrt(in_features)``) or
+Xavier-uniform, ``B`` is 0, so a new adapter leaves the model's outputs unchanged. With
+``share_a`` the projections of one fused linear use one ``A`` (one module, so one parameter,
+one gradient and one optimizer state), named after the first of them; a PEFT adapter holds a
+copy under each projection's name.
 
 A head whose output is not the vocabulary (value, reward) has a new output layer of its own:
 with LoRA it trains whole, beside the adapters (peft's ``modules_to_save``). Both backends
@@ -32,6 +35,8 @@ PEFT_PREFIX = "base_model.model."
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+#: The targets one fused linear computes (megatron's ``linear_qkv``, ``linear_fc1``).
+FUSED_TARGETS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 #: The Hugging Face export name of a non-vocabulary head's output layer (both backends').
 HEAD_LAYER = "value_head"
 #: That layer's module in a PEFT adapter (``modules_to_save``): transformers'
@@ -64,11 +69,24 @@ class LoraPair(torch.nn.Module):
             param.requires_grad_(True)
 
 
-def draw_a(shape: tuple[int, int], seed: int, name: str) -> torch.Tensor:
-    """The full float32 ``A`` (``[rank, in_features]``) of the adapter named ``name``."""
+def draw_a(shape: tuple[int, int], seed: int, name: str, init: str = "kaiming") -> torch.Tensor:
+    """The full float32 ``A`` (``[rank, in_features]``) of the adapter named ``name``, drawn as
+    ``LoraConfig.a_init`` says."""
     generator = torch.Generator().manual_seed(name_seed(seed, name))
-    bound = 1.0 / shape[1] ** 0.5
+    rank, fan_in = shape
+    bound = (6.0 / (fan_in + rank)) ** 0.5 if init == "xavier" else 1.0 / fan_in**0.5
     return torch.empty(shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
+
+
+def a_owner(target: str, config: LoraConfig) -> str:
+    """The target whose ``A`` the adapter of ``target`` uses: its own, or with
+    ``LoraConfig.share_a`` the first adapted target of its fused linear (its ``A`` is drawn
+    under that target's name)."""
+    if config.share_a:
+        for group in FUSED_TARGETS:
+            if target in group:
+                return next(name for name in group if name in config.target_modules)
+    return target
 
 
 class AdapterSwitch:

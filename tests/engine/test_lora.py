@@ -368,3 +368,60 @@ def test_recomputed_layers_train_the_same_adapters(
     adapters = dict(engine.get_per_tensor_param(adapter_only=True))
     for name, tensor in runs[backend]["adapters"].items():
         torch.testing.assert_close(adapters[name], tensor, atol=1e-6, rtol=0)
+
+
+#: Megatron-Bridge's ``lora`` type (verl's megatron default): one adapter per megatron linear,
+#: the projections of linear_qkv and linear_fc1 sharing its A, drawn Xavier-uniform.
+SHARED = {
+    "rank": 4,
+    "alpha": 8,
+    "target_modules": ["q", "k", "v", "gate", "up", "down"],
+    "share_a": True,
+    "a_init": "xavier",
+}
+
+
+def test_a_shared_a_trains_one_adapter_per_fused_linear_on_both_backends(
+    fresh_mesh: None, checkpoint: Path, tmp_path: Path
+) -> None:
+    """``share_a``: q/k/v hold one ``A``, gate/up another (one parameter each, drawn
+    Xavier-uniform from the first projection's name); both backends train the same adapters;
+    the PEFT adapter (the shared ``A`` under each projection's name) loads in peft with the
+    engine's log-probs; a checkpoint resumes the step exactly."""
+    from strategies.lora import draw_a
+
+    batch = random_batch(LENGTHS, VOCAB, seed=1)
+    found = {}
+    for backend in BACKENDS:
+        engine = build(backend, checkpoint, lora=SHARED)
+        (module,) = engine.backend.modules()
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        assert len(trainable) == 2 * (3 + 6)  # per layer: A of qkv, gate/up, down; six B
+        initial = dict(engine.get_per_tensor_param(adapter_only=True))
+        for layer in (0, 1):
+            for block, fused in (("self_attn", ("q", "k", "v")), ("mlp", ("gate", "up"))):
+                name = f"model.layers.{layer}.{block}.{fused[0]}_proj.lora_A.weight"
+                drawn = draw_a(tuple(initial[PEFT_PREFIX + name].shape), 3, name, "xavier")
+                for target in fused:
+                    copy = PEFT_PREFIX + name.replace(f"{fused[0]}_proj", f"{target}_proj")
+                    assert torch.equal(initial[copy], drawn), (backend, copy)
+        losses = train(engine)
+        engine.save_hf(tmp_path / backend, adapter_only=True)
+        found[backend] = {
+            "losses": losses,
+            "log_probs": log_probs(engine, batch),
+            "adapters": dict(engine.get_per_tensor_param(adapter_only=True)),
+        }
+        got = peft_log_probs(checkpoint, tmp_path / backend, batch)
+        assert float((got - found[backend]["log_probs"]).abs().max()) <= TOLERANCE, backend
+        engine.save_checkpoint(tmp_path / f"{backend}-checkpoint")
+        continued = train(engine, batch_seed=6, steps=1)
+        resumed = build(backend, checkpoint, lora=SHARED)
+        resumed.load_checkpoint(tmp_path / f"{backend}-checkpoint")
+        assert train(resumed, batch_seed=6, steps=1) == continued, backend
+    megatron, fsdp2 = found["megatron"], found["fsdp2"]
+    assert megatron["losses"] == pytest.approx(fsdp2["losses"], rel=TOLERANCE)
+    assert float((megatron["log_probs"] - fsdp2["log_probs"]).abs().max()) <= TOLERANCE
+    assert megatron["adapters"].keys() == fsdp2["adapters"].keys()
+    for name, tensor in megatron["adapters"].items():
+        torch.testing.assert_close(fsdp2["adapters"][name], tensor, atol=TOLERANCE, rtol=0)

@@ -7,7 +7,8 @@ losses, the gradient norms (replicated adapter tensors counted once) and every a
 and ``B`` is no longer zero. Launches: megatron TP=2 x PP=2 (4 ranks), megatron DP=2 with
 the distributed optimizer (2 ranks), fsdp2 DP=2 (2 ranks) and a LoRA critic (value head, whose
 value layer trains with the adapters) at megatron TP=2 and at DP=2 with the distributed
-optimizer (2 ranks each), each against its backend's
+optimizer (2 ranks each), and megatron TP=2 with the fused projections sharing their ``A``
+(``share_a``, Xavier-drawn: Megatron-Bridge's ``lora`` type), each against its backend's
 single-process run; each saves a checkpoint that one process loads back to exactly the
 adapters the layout trained.
 """
@@ -27,9 +28,13 @@ pytestmark = pytest.mark.multiprocess
 STEPS = 2
 LENGTHS = [6, 11, 3, 9, 14, 5, 8, 12]
 TOLERANCE = 1e-5
+LORA = {"rank": 4, "alpha": 16, "target_modules": ["q", "k", "v", "o", "gate", "up", "down"]}
+SHARED_A = {**LORA, "share_a": True, "a_init": "xavier"}
 
 
-def _config(parallel: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+def _config(
+    parallel: dict[str, Any], options: dict[str, Any], lora: dict[str, Any]
+) -> dict[str, Any]:
     from tests.factories import tiny_model
 
     return {
@@ -39,11 +44,7 @@ def _config(parallel: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]
         "micro_batch_size": 2,
         "seed": 11,
         "optimizer": {"lr": 1e-2, "clip_grad": 1.0},
-        "lora": {
-            "rank": 4,
-            "alpha": 16,
-            "target_modules": ["q", "k", "v", "o", "gate", "up", "down"],
-        },
+        "lora": lora,
     }
 
 
@@ -53,6 +54,7 @@ def train_lora(
     options: dict[str, Any],
     checkpoint: str | None = None,
     head: str = "lm",
+    lora: dict[str, Any] = LORA,
 ) -> dict[str, Any]:
     """On every rank: train a LoRA LM (or critic: ``head="value"``) on this rank's
     data-parallel shard; report the losses and the full adapter tensors this rank exports (a
@@ -62,7 +64,7 @@ def train_lora(
     from engine.losses import sft_loss, value_regression_loss
     from tests.factories import random_batch
 
-    config = _config(parallel, options)
+    config = _config(parallel, options, lora)
     loss = sft_loss if head == "lm" else value_regression_loss
     engine = Engine.build(head=head, backend=backend, device="cpu", config=config).initialize()
     dp_rank, dp_size = engine.get_data_parallel_rank(), engine.get_data_parallel_size()
@@ -88,12 +90,16 @@ def train_lora(
 
 
 def load_lora(
-    backend: str, checkpoint: str, options: dict[str, Any], head: str = "lm"
+    backend: str,
+    checkpoint: str,
+    options: dict[str, Any],
+    head: str = "lm",
+    lora: dict[str, Any] = LORA,
 ) -> dict[str, torch.Tensor]:
     """In one process: the adapters of the checkpoint, as exported after loading it."""
     from engine import Engine
 
-    config = _config({}, options)
+    config = _config({}, options, lora)
     engine = Engine.build(head=head, backend=backend, device="cpu", config=config).initialize()
     engine.load_checkpoint(checkpoint)
     return dict(engine.get_per_tensor_param(adapter_only=True))
@@ -106,13 +112,14 @@ def single_processes() -> dict[str, dict[str, Any]]:
 
 
 @pytest.mark.parametrize(
-    ("backend", "world", "parallel", "options", "head"),
+    ("backend", "world", "parallel", "options", "head", "lora"),
     [
-        ("megatron", 4, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, {}, "lm"),
-        ("megatron", 2, {}, {"use_distributed_optimizer": True}, "lm"),
-        ("fsdp2", 2, {}, {}, "lm"),
-        ("megatron", 2, {"tensor_parallel_size": 2}, {}, "value"),
-        ("megatron", 2, {}, {"use_distributed_optimizer": True}, "value"),
+        ("megatron", 4, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, {}, "lm", LORA),
+        ("megatron", 2, {}, {"use_distributed_optimizer": True}, "lm", LORA),
+        ("fsdp2", 2, {}, {}, "lm", LORA),
+        ("megatron", 2, {"tensor_parallel_size": 2}, {}, "value", LORA),
+        ("megatron", 2, {}, {"use_distributed_optimizer": True}, "value", LORA),
+        ("megatron", 2, {"tensor_parallel_size": 2}, {}, "lm", SHARED_A),
     ],
     ids=[
         "megatron-tp2xpp2",
@@ -120,6 +127,7 @@ def single_processes() -> dict[str, dict[str, Any]]:
         "fsdp2-dp2",
         "megatron-tp2-critic",
         "megatron-dp2-distributed-optimizer-critic",
+        "megatron-tp2-shared-a",
     ],
 )
 def test_lora_at_every_parallel_layout_matches_one_process(
@@ -130,11 +138,12 @@ def test_lora_at_every_parallel_layout_matches_one_process(
     parallel: dict[str, Any],
     options: dict[str, Any],
     head: str,
+    lora: dict[str, Any],
 ) -> None:
-    key = f"{backend}-{head}"
+    key = f"{backend}-{head}-{lora is SHARED_A}"
     if key not in single_processes:
         (single_processes[key],) = run_ranks(
-            train_lora, 1, backend, {}, {}, None, head, timeout=180
+            train_lora, 1, backend, {}, {}, None, head, lora, timeout=180
         )
     single_process = single_processes[key]
     expected = single_process["adapters"]
@@ -142,7 +151,7 @@ def test_lora_at_every_parallel_layout_matches_one_process(
     assert (head != "lm") == any(name.endswith("score.weight") for name in expected)
     checkpoint = str(tmp_path / "checkpoints")
     reports = run_ranks(
-        train_lora, world, backend, parallel, options, checkpoint, head, timeout=400
+        train_lora, world, backend, parallel, options, checkpoint, head, lora, timeout=400
     )
     for report in reports:  # replicated adapters count once in the norm, sharded ones whole
         assert report["grad_norms"] == pytest.approx(single_process["grad_norms"], rel=TOLERANCE)
@@ -160,6 +169,6 @@ def test_lora_at_every_parallel_layout_matches_one_process(
     for name, tensor in gathered.items():
         torch.testing.assert_close(tensor, expected[name], atol=TOLERANCE, rtol=TOLERANCE, msg=name)
     # the checkpoint holds each rank's shard where it belongs: one process reads it back whole
-    (loaded,) = run_ranks(load_lora, 1, backend, checkpoint, options, head, timeout=180)
+    (loaded,) = run_ranks(load_lora, 1, backend, checkpoint, options, head, lora, timeout=180)
     assert loaded.keys() == gathered.keys()
     assert all(torch.equal(loaded[name], gathered[name]) for name in gathered)

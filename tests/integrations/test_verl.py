@@ -9,6 +9,7 @@ import os
 import re
 import socket
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -40,6 +41,7 @@ from engine.integrations.verl.adapter import (  # noqa: E402
 from engine.losses import ActorLoss, CriticLoss  # noqa: E402
 from heads.base import per_sequence, per_token  # noqa: E402
 from heads.errors import ConfigError  # noqa: E402
+from strategies.config import LORA_TARGETS  # noqa: E402
 
 VOCAB = 96
 TOLERANCE = 1e-5
@@ -103,7 +105,7 @@ def test_every_cell_resolves_to_the_adapter(monkeypatch: pytest.MonkeyPatch) -> 
     assert {(c.model_type, c.backend) for c in cells} == {
         (m, b)
         for m in ("language_model", "value_model")
-        for b in ("megatron", "fsdp2", "composable_megatron", "composable_fsdp2")
+        for b in ("megatron", "fsdp2", "fsdp", "composable_megatron", "composable_fsdp2")
     }
     assert {c.device for c in cells} == {"cuda", "npu", "cpu"}
     for cell in cells:
@@ -114,7 +116,8 @@ def test_every_cell_resolves_to_the_adapter(monkeypatch: pytest.MonkeyPatch) -> 
     # verl's own engines keep their keys
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cuda")
     monkeypatch.delenv("VERL_ENGINE_VENDOR", raising=False)
-    assert EngineRegistry.get_engine_cls("language_model", "fsdp2") is not ComposableEngine
+    for backend in ("fsdp2", "fsdp"):
+        assert EngineRegistry.get_engine_cls("language_model", backend) is not ComposableEngine
 
 
 def test_cpu_platform() -> None:
@@ -565,11 +568,243 @@ def test_two_data_parallel_ranks_match_one_process(qwen3: str, reference: dict) 
             torch.testing.assert_close(theirs, ours, atol=TOLERANCE, rtol=0)
 
 
+# -- verl's update path: train_mini_batch, Metric.aggregate_dp, reduce_metrics ------------------
+class RecordingLoss:
+    """verl's loss function, recording each micro-batch's metrics as the loss returned them
+    (``Metric``: its aggregation and values; a plain number as it is)."""
+
+    def __init__(self, loss: object) -> None:
+        self.loss = loss
+        self.calls: list[dict[str, object]] = []
+
+    def __call__(self, model_output: dict, data: TensorDict, dp_group: object = None) -> tuple:
+        from verl.utils.metric import Metric
+
+        loss: Any = self.loss
+        value, metrics = loss(model_output=model_output, data=data, dp_group=dp_group)
+        self.calls.append(
+            {
+                name: (metric.aggregation.value, list(metric.values))
+                if isinstance(metric, Metric)
+                else float(metric)
+                for name, metric in metrics.items()
+            }
+        )
+        return value, metrics
+
+
+#: (model type, micro-batching): fixed-size micro-batches, padded; or verl's token budget with
+#: packed micro-batches (verl's use_remove_padding, its default).
+UPDATE_CASES = [
+    (model_type, strategy, dynamic)
+    for model_type in ("language_model", "value_model")
+    for strategy, _ in STRATEGIES
+    for dynamic in (False, True)
+]
+
+
+def update_through_verl(
+    path: str, model_type: str, strategy: str, dynamic: bool
+) -> dict[str, object]:
+    """One of verl's ``update_actor`` / ``update_critic`` mini-batch loops on this rank's share
+    of ``_rollout()`` (one mini-batch, 2 or 4 micro-batches), then verl's ``reduce_metrics``;
+    with what the loss returned per micro-batch, and (actor) the token-mean entropy of the
+    responses before the update, over every rank."""
+    import torch.distributed as dist
+    from verl.utils.metric import reduce_metrics
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    rows = _rollout()
+    share = len(RESPONSES) // size
+    shard = {key: values[rank * share : (rank + 1) * share] for key, values in rows.items()}
+    sizes: dict[str, object] = (
+        {"use_dynamic_bsz": True, "max_token_len_per_gpu": 14, "infer_max_token_len_per_gpu": 14}
+        if dynamic
+        else {"micro_batch_size_per_gpu": 1}
+    )
+    worker = _worker(
+        model_type, path, strategy, model_settings={"use_remove_padding": dynamic}, **sizes
+    )
+    group = worker.engine.get_data_parallel_group()
+    assert group is not None and dist.get_world_size(group) == size
+    entropy = None
+    if model_type == "language_model":
+        before = worker.infer_batch(_verl_batch(shard, compute_loss=False, calculate_entropy=True))
+        lengths = RESPONSES[rank * share : (rank + 1) * share]
+        tokens = torch.cat(_response_values(before["entropy"], lengths))
+        totals = torch.tensor([float(tokens.sum()), float(tokens.numel())], dtype=torch.float64)
+        dist.all_reduce(totals)
+        entropy = float(totals[0] / totals[1])
+    recording = RecordingLoss(worker.loss_fn)
+    worker.set_loss_fn(recording)
+    batch = _verl_batch(
+        shard,
+        global_batch_size=len(RESPONSES),
+        calculate_entropy=True,
+        mini_batch_size=len(RESPONSES),
+        epochs=1,
+    )
+    output = worker.train_mini_batch(batch)
+    return {
+        "reduced": reduce_metrics(dict(tu.get(output, "metrics"))),
+        "calls": recording.calls,
+        "entropy": entropy,
+        "engine_group_size": dist.get_world_size(worker.engine.engine.get_data_parallel_group()),
+    }
+
+
+def verls_aggregation(ranks: list[list[dict[str, object]]]) -> dict[str, float]:
+    """What verl's own engines report for these per-micro-batch metrics (one mini-batch; each
+    rank's list of its micro-batches' metrics): a ``Metric`` summed (SUM) or averaged (MEAN) over
+    the micro-batches, then averaged over the data-parallel ranks; a plain number averaged over
+    every micro-batch of every rank."""
+    expected: dict[str, float] = {}
+    for name in ranks[0][0]:
+        per_rank = [[call[name] for call in calls] for calls in ranks]
+        if isinstance(per_rank[0][0], tuple):
+            combine = sum if per_rank[0][0][0] == "sum" else (lambda v: sum(v) / len(v))
+            values = [combine([v for _, vs in rank for v in vs]) for rank in per_rank]
+            expected[name] = sum(values) / len(values)
+        else:
+            every = [float(value) for rank in per_rank for value in rank]
+            expected[name] = sum(every) / len(every)
+    return expected
+
+
+def assert_verls_numbers(ranks: list[dict[str, object]], model_type: str) -> None:
+    """Every loss metric is verl's aggregation of its per-micro-batch values; the summed loss
+    term equals the step's loss (nothing else enters it), the entropy is the responses'
+    token mean (not divided by the number of micro-batches)."""
+    reduced = ranks[0]["reduced"]
+    assert isinstance(reduced, dict)
+    calls = [result["calls"] for result in ranks]
+    counts = {len(rank_calls) for rank_calls in calls}  # type: ignore[arg-type]
+    assert len(counts) == 1 and min(counts) >= 2, counts  # the same on every rank
+    expected = verls_aggregation(calls)  # type: ignore[arg-type]
+    for name, value in expected.items():
+        assert math.isclose(reduced[name], value, rel_tol=1e-6, abs_tol=1e-7), (name, reduced)
+    loss_term = "actor/pg_loss" if model_type == "language_model" else "critic/vf_loss"
+    assert math.isclose(reduced[loss_term], reduced["loss"], rel_tol=1e-5, abs_tol=1e-6), reduced
+    if model_type == "language_model":
+        entropy = ranks[0]["entropy"]
+        assert isinstance(entropy, float)
+        assert math.isclose(reduced["actor/entropy_loss"], entropy, rel_tol=1e-5), reduced
+    for result in ranks[1:]:  # every rank reports the same numbers (but its own timings)
+        theirs = result["reduced"]
+        assert isinstance(theirs, dict)
+        assert all(theirs[name] == reduced[name] for name in [*expected, "loss"]), theirs
+
+
+@pytest.mark.parametrize(("model_type", "strategy", "dynamic"), UPDATE_CASES)
+def test_verls_mini_batch_update_reports_verls_metrics(
+    qwen3: str, distributed: None, model_type: str, strategy: str, dynamic: bool
+) -> None:
+    """``TrainingWorker.train_mini_batch`` (verl's ``update_actor`` / ``update_critic``) and
+    ``reduce_metrics`` (verl's trainer) on one process: verl's numbers for each loss metric."""
+    result = update_through_verl(qwen3, model_type, strategy, dynamic)
+    assert result["engine_group_size"] == 1
+    assert_verls_numbers([result], model_type)
+
+
+def update_every_case(path: str) -> tuple[list[dict[str, object]], str]:
+    """:func:`update_through_verl` for every update case, on one rank; and the refusal of verl's
+    default megatron config at TP=2 (sequence_parallel on: the CPU cannot run it)."""
+    import torch.distributed as dist
+    from verl.workers.config.engine import McoreEngineConfig
+
+    dist.init_process_group("gloo")  # verl's own initialisation is refused on CPU (see above)
+    results = [update_through_verl(path, *case) for case in UPDATE_CASES]
+    engine = McoreEngineConfig(tensor_model_parallel_size=2)
+    assert engine.sequence_parallel
+    model = HFModelConfig(path=path, load_tokenizer=False)
+    try:
+        ComposableEngine(model, engine, FSDPOptimizerConfig(), CheckpointConfig())
+    except ConfigError as error:
+        return results, str(error)
+    return results, "not refused"
+
+
+@pytest.mark.multiprocess
+def test_verls_mini_batch_update_reports_verls_metrics_over_two_ranks(
+    qwen3: str, distributed: None
+) -> None:
+    """The same on two data-parallel ranks: ``Metric.aggregate_dp`` averages the ranks' sums,
+    so the loss metrics equal one process's on the whole batch."""
+    from tests.multiprocess import run_ranks
+
+    ranks = run_ranks(update_every_case, 2, qwen3, timeout=280)
+    for index, (model_type, strategy, dynamic) in enumerate(UPDATE_CASES):
+        results = [rank[0][index] for rank in ranks]
+        assert results[0]["engine_group_size"] == 2
+        assert_verls_numbers(results, model_type)
+        alone = update_through_verl(qwen3, model_type, strategy, dynamic)["reduced"]
+        loss_term = "actor/pg_loss" if model_type == "language_model" else "critic/vf_loss"
+        assert math.isclose(results[0]["reduced"][loss_term], alone[loss_term], rel_tol=1e-5), (
+            strategy
+        )
+    # verl's default sequence_parallel=True at TP=2, which the CPU platform cannot run
+    refusal = ranks[0][1]
+    assert re.search(r"sequence_parallel.*verl turns sequence_parallel on by default", refusal)
+    assert "megatron.sequence_parallel=False" in refusal, refusal
+
+
+def test_verls_default_strategy_is_served_by_the_fsdp2_backend(
+    qwen3: str, distributed: None
+) -> None:
+    """``strategy: fsdp``, verl's FSDP default, resolves to the adapter on CPU and trains on the
+    fsdp2 backend."""
+    assert FSDPEngineConfig().strategy == "fsdp"
+    assert EngineRegistry.get_engine_cls("language_model", "fsdp") is ComposableEngine
+    assert EngineRegistry.get_engine_cls("value_model", "fsdp") is ComposableEngine
+    worker = _worker("language_model", qwen3, "fsdp")
+    assert worker.engine.engine.backend.name == "fsdp2"
+    assert math.isfinite(_metrics(worker.train_batch(_verl_batch(_rollout())))["loss"])
+
+
+def test_verls_trainers_and_rollout_router_import() -> None:
+    """What the ``verl`` extra installs is what verl's RL trainers import."""
+    import importlib
+
+    for module in (
+        "verl.trainer.main_ppo",
+        "verl.trainer.ppo.v1.trainer_base",
+        "verl.workers.rollout.router",
+    ):
+        importlib.import_module(module)
+
+
 def test_refuses_what_it_cannot_honour(qwen3: str, distributed: None) -> None:
     model = HFModelConfig(path=qwen3, load_tokenizer=False, use_liger=True)
     engine = FSDPEngineConfig(strategy="fsdp2", mixed_precision={"param_dtype": "fp32"})
     with pytest.raises(ConfigError, match="use_liger"):
         ComposableEngine(model, engine, FSDPOptimizerConfig(), CheckpointConfig())
+
+
+def test_every_refused_setting_is_named_in_one_error(qwen3: str, distributed: None) -> None:
+    """Five refusals from the model, engine and optimizer configs and the LoRA block: one
+    error names each with its hint, rather than one per failed start."""
+    model = HFModelConfig(
+        path=qwen3,
+        load_tokenizer=False,
+        use_liger=True,
+        lora={"rank": 4, "type": "dora", "dropout_position": "post"},
+    )
+    engine = FSDPEngineConfig(
+        strategy="fsdp2", mixed_precision={"param_dtype": "fp32"}, offload_policy=True
+    )
+    optimizer = FSDPOptimizerConfig(num_cycles=1.0)
+    with pytest.raises(ConfigError) as refused:
+        ComposableEngine(model, engine, optimizer, CheckpointConfig())
+    message = str(refused.value)
+    assert message.startswith("5 verl settings are not supported"), message
+    for setting, hint in (
+        ("model setting use_liger=True", "Liger kernels"),
+        ("model setting lora.type='dora'", "plain LoRA only"),
+        ("model setting lora.dropout_position='post'", "dropout is on the adapter's input"),
+        ("engine setting offload_policy=True", "use param_offload"),
+        ("optimizer setting num_cycles=1.0", "a half-cosine only"),
+    ):
+        assert f"- verl {setting}: {hint}" in message, (setting, message)
 
 
 @pytest.mark.parametrize(("strategy", "backend"), STRATEGIES)
@@ -777,9 +1012,34 @@ LORA_SETTINGS = [
             "alpha": 16,
             "dropout": 0.0,
             "target_modules": ("q_proj", "k_proj", "o_proj", "up_proj"),
+            "share_a": False,
+            "a_init": "kaiming",
+        },
+    ),
+    (  # verl's defaults (its hf_model.yaml) but the rank: type lora on the four megatron linears
+        "composable_megatron",
+        {"lora": "defaults"},
+        {
+            "rank": 4,
+            "alpha": 32,
+            "dropout": 0.0,
+            "target_modules": LORA_TARGETS,
+            "share_a": True,
+            "a_init": "xavier",
         },
     ),
 ]
+
+
+def verls_lora_defaults(rank: int) -> dict[str, object]:
+    """The ``lora`` block of verl's own model config (``hf_model.yaml``), with ``rank``."""
+    from omegaconf import OmegaConf
+
+    path = os.path.join(os.path.dirname(verl.__file__), "trainer", "config", "model")
+    block = OmegaConf.to_container(OmegaConf.load(os.path.join(path, "hf_model.yaml")).lora)
+    assert isinstance(block, dict) and block["type"] == "lora"
+    assert block["lora_A_init_method"] == "xavier"
+    return {**block, "rank": rank}
 
 
 @pytest.mark.parametrize(("strategy", "settings", "expected"), LORA_SETTINGS)
@@ -791,6 +1051,8 @@ def test_verl_lora_settings_train_adapters_and_the_reference_is_the_base_model(
     model's log-probs, the actor's own differ."""
     from safetensors.torch import load_file
 
+    if settings.get("lora") == "defaults":
+        settings = {"lora": verls_lora_defaults(rank=4)}
     worker = _worker("language_model", qwen3, strategy, model_settings=settings)
     lora = worker.engine.engine.config.lora
     assert lora is not None
@@ -862,10 +1124,14 @@ def test_no_lora_adapter_without_lora_is_refused(qwen3: str, distributed: None) 
         ({"lora_rank": 4, "target_parameters": ["mlp.experts"]}, "target_parameters"),
         ({"lora_rank": 4, "lora": {"rank": 4}}, "lora.rank"),
         ({"lora": {"rank": 4, "type": "dora"}}, "lora.type"),
-        ({"lora": {"rank": 4, "target_modules": ["linear_qkv"]}}, "lora.target_modules"),
+        ({"lora": {"rank": 4, "target_modules": ["linear_q"]}}, "type canonical_lora names it"),
+        (
+            {"lora": {"rank": 4, "type": "canonical_lora", "target_modules": ["linear_qkv"]}},
+            "type lora names it",
+        ),
         ({"lora": {"rank": 4, "target_modules": ["router"]}}, "lora.target_modules"),
         ({"lora": {"rank": 4, "dropout_position": "post"}}, "lora.dropout_position"),
-        ({"lora": {"rank": 4, "lora_A_init_method": "xavier"}}, "lora.lora_A_init_method"),
+        ({"lora": {"rank": 4, "lora_A_init_method": "normal"}}, "lora.lora_A_init_method"),
         ({"lora": {"rank": 4, "dropout": 1.0}}, "lora.dropout"),
         ({"lora": {"rank": 4, "adapter_path": "/adapter"}}, "lora.adapter_path"),
     ],

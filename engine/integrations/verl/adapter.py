@@ -29,9 +29,11 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_name
+from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.base import BaseEngine
 
 from engine import checkpointing
+from engine.config import EngineConfig
 from engine.data.batching import ROUTED_EXPERTS, jagged_offsets, jagged_values
 from engine.engine import Engine
 from engine.integrations.verl.config import engine_config_from_verl, replay_mode
@@ -143,7 +145,7 @@ class ComposableEngine(BaseEngine):
             world_size=world,
         )
         device = os.getenv("VERL_ENGINE_DEVICE") or get_device_name()
-        self.engine = Engine.build(head=head, backend=backend, device=device, config=config)
+        self.engine = _build(head, backend, device, config)
         #: Whether verl's ``to("cpu")`` offloads to host memory. Not on a CPU platform: there
         #: the host is the device, and verl's calls that load (``to(get_device_name())``) and
         #: those that offload (``to("cpu")``) name the same device, so every call loads.
@@ -248,7 +250,11 @@ class ComposableEngine(BaseEngine):
         self, data: TensorDict, loss_function: Callable[..., Any] | None, forward_only: bool = False
     ) -> dict[str, Any]:
         """verl's ``{"model_output": {key: jagged}, "loss": [per micro-batch], "metrics": {name:
-        [per micro-batch]}}``; ``model_output`` only when forward-only or asked for
+        per micro-batch values}}``, the metrics merged as verl's engines merge them
+        (``append_to_dict``: a loss function's ``Metric`` becomes one ``Metric`` holding every
+        micro-batch's values, a plain number a list), so that verl's ``train_mini_batch``,
+        ``Metric.aggregate_dp`` and ``reduce_metrics`` aggregate them as they do its own
+        engines'; ``model_output`` only when forward-only or asked for
         (``return_model_output``), as verl's engines do."""
         engine = self._initialized()
         self._check_flags(data)
@@ -287,10 +293,9 @@ class ComposableEngine(BaseEngine):
             }
             if record:  # aligned with input_ids, as verl's megatron engine returns them
                 output[ROUTED_EXPERTS] = result["model_output"][ROUTED_EXPERTS]
-        merged: dict[str, list[Any]] = {}
+        merged: dict[str, Any] = {}
         for index in sorted(metrics):
-            for name, value in metrics[index].items():
-                merged.setdefault(name, []).append(value)
+            append_to_dict(merged, metrics[index])
         return {
             "model_output": output,
             "loss": [losses[index] for index in sorted(losses)],
@@ -529,6 +534,28 @@ class ComposableEngine(BaseEngine):
         complete = checkpointing.complete_checkpoints(local_path)
         with self._resident() as engine:
             engine.load_checkpoint(complete[-1][1] if complete else local_path)
+
+
+def _build(head: str, backend: str, device: str, config: EngineConfig) -> Engine:
+    """The Engine; where it is refused only because of ``sequence_parallel``, which verl's
+    megatron config turns on by default with tensor parallelism, the error says so and how to
+    turn it off."""
+    try:
+        return Engine.build(head=head, backend=backend, device=device, config=config)
+    except ConfigError as error:
+        if not config.parallel.sequence_parallel:
+            raise
+        plain = config.replace(parallel=attrs.evolve(config.parallel, sequence_parallel=False))
+        try:
+            Engine.build(head=head, backend=backend, device=device, config=plain)
+        except ConfigError:
+            raise error from None
+        raise ConfigError(
+            f"{error}. verl turns sequence_parallel on by default with tensor parallelism "
+            "(megatron.sequence_parallel=True); set it to False for this engine (e.g. "
+            "actor_rollout_ref.actor.megatron.sequence_parallel=False, and likewise for the "
+            "reference and the critic)"
+        ) from error
 
 
 def _aligned_routes(routes: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

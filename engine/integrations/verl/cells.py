@@ -7,11 +7,12 @@ assertion error. Every cell below resolves to the one adapter class,
 
 - our own backend names (``composable_megatron``, ``composable_fsdp2``), plain device keys, for
   every device verl knows and ``cpu``;
-- verl's own backend names (``megatron``, ``fsdp2``), whose config classes (``McoreEngineConfig``,
-  ``FSDPEngineConfig``) only accept those strategies: on ``cuda`` / ``npu`` verl's engines hold
-  the plain device keys, so ours are ``(device, "composable")`` vendor keys, chosen with
-  ``VERL_ENGINE_VENDOR=composable``; on ``cpu`` verl has no engine, so the plain ``cpu`` key
-  is ours.
+- verl's own backend names (``megatron``, ``fsdp2``, and ``fsdp``, the default strategy of
+  verl's FSDP configs, served by the fsdp2 backend), whose config classes
+  (``McoreEngineConfig``, ``FSDPEngineConfig``) only accept those strategies: on ``cuda`` /
+  ``npu`` verl's engines hold the plain device keys, so ours are ``(device, "composable")``
+  vendor keys, chosen with ``VERL_ENGINE_VENDOR=composable``; on ``cpu`` verl has no engine, so
+  the plain ``cpu`` key is ours.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ BACKENDS = {
     "composable_fsdp2": "fsdp2",
     "megatron": "megatron",
     "fsdp2": "fsdp2",
+    "fsdp": "fsdp2",
 }
 #: The backend names verl's own engines already use (their cuda / npu keys are taken).
-VERL_OWNED_BACKENDS = ("megatron", "fsdp2")
+VERL_OWNED_BACKENDS = ("megatron", "fsdp2", "fsdp")
 #: Devices verl registers engines for, plus the CPU.
 DEVICES = ("cuda", "npu", "cpu")
 #: The vendor key under which the adapter takes verl's own backend names on accelerators.

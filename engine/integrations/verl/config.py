@@ -1,8 +1,9 @@
 """verl's config objects -> this project's ``EngineConfig`` (no verl import: read by attribute).
 
 Every verl setting is either translated, or harmless to ignore because it only chooses how
-verl's own engines compute (kernels, compilation, wrapping), or refused by name with
-``ConfigError`` when this engine cannot honour it. ``use_fused_kernels`` (model, engine and the
+verl's own engines compute (kernels, compilation, wrapping), or refused by name when this engine
+cannot honour it: every refused setting of a configuration, each with its hint, in one
+``ConfigError`` (:class:`Refusals`). ``use_fused_kernels`` (model, engine and the
 batch flag) is one to ignore: it picks verl's fused LM-head kernels; this engine's LM head
 computes log-probs and entropy from the hidden states and output weight either way (its
 ``fused`` option, on by default), the same numbers whatever verl asks.
@@ -10,7 +11,7 @@ computes log-probs and entropy from the hidden states and output weight either w
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from engine.config import EngineConfig
@@ -79,76 +80,104 @@ _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float
 _SCHEDULES = {"constant": "constant", "cosine": "cosine", "linear": "linear"}
 
 
-def refuse_unsupported(**configs: Any) -> None:
-    """ConfigError naming the first setting in ``configs`` (kind -> object) we cannot honour."""
+class Refusals:
+    """Every verl setting of one configuration that this engine cannot honour, each with its
+    hint, raised together as one ConfigError (a user learns them all from one failed start)."""
+
+    def __init__(self) -> None:
+        self.found: list[tuple[str, str, Any, str]] = []
+
+    def add(self, kind: str, setting: str, value: Any, hint: str) -> None:
+        self.found.append((kind, setting, value, hint))
+
+    def check(
+        self,
+        kind: str,
+        obj: Any,
+        checks: Sequence[tuple[str, Callable[[Any], bool], str]],
+        prefix: str = "",
+    ) -> None:
+        """Each field of ``obj`` that ``checks`` (name, accepted?, hint) does not accept, named
+        ``prefix`` + its name; a field absent from ``obj`` is fine."""
+        sentinel = object()
+        for name, accepted, hint in checks:
+            value = _get(obj, name, sentinel)
+            if value is not sentinel and not accepted(value):
+                self.add(kind, prefix + name, value, hint)
+
+    def raise_any(self) -> None:
+        if len(self.found) == 1:
+            ((kind, setting, value, hint),) = self.found
+            raise ConfigError(
+                f"verl {kind} setting {setting}={value!r} is not supported by the composable "
+                f"engine: {hint}"
+            )
+        if self.found:
+            lines = "".join(
+                f"\n  - verl {kind} setting {setting}={value!r}: {hint}"
+                for kind, setting, value, hint in self.found
+            )
+            raise ConfigError(
+                f"{len(self.found)} verl settings are not supported by the composable engine:"
+                + lines
+            )
+
+
+def refuse_unsupported(refusals: Refusals, **configs: Any) -> None:
+    """Every setting in ``configs`` (kind -> object) of the :data:`REFUSED` table."""
     for kind, name, accepted, hint in REFUSED:
         obj = configs.get(kind)
         if obj is not None:
-            _refuse_fields(kind, obj, [(name, accepted, hint)])
+            refusals.check(kind, obj, [(name, accepted, hint)])
 
 
-def _refusal(kind: str, setting: str, value: Any, hint: str) -> ConfigError:
-    return ConfigError(
-        f"verl {kind} setting {setting}={value!r} is not supported by the composable engine: {hint}"
-    )
-
-
-def _refuse_fields(
-    kind: str,
-    obj: Any,
-    checks: list[tuple[str, Callable[[Any], bool], str]],
-    prefix: str = "",
-) -> None:
-    """The first field of ``obj`` that ``checks`` (name, accepted?, hint) does not accept, as a
-    ConfigError naming ``prefix`` + its name; a field absent from ``obj`` is fine."""
-    sentinel = object()
-    for name, accepted, hint in checks:
-        value = _get(obj, name, sentinel)
-        if value is not sentinel and not accepted(value):
-            raise _refusal(kind, prefix + name, value, hint)
-
-
-#: verl's megatron LoRA module names (``model.lora.target_modules``) -> Hugging Face names: one
-#: adapter per projection (verl's ``type: canonical_lora``; ``type: lora`` for the unfused ones).
-MEGATRON_LORA_TARGETS = {
-    "linear_q": "q_proj",
-    "linear_k": "k_proj",
-    "linear_v": "v_proj",
-    "linear_proj": "o_proj",
-    "linear_fc1_gate": "gate_proj",
-    "linear_fc1_up": "up_proj",
-    "linear_fc2": "down_proj",
-}
-#: verl's megatron ``type: lora`` fuses these: one adapter (a shared ``A``) over q/k/v or gate/up.
-_FUSED_LORA_TARGETS = {
-    "linear_qkv": "linear_q, linear_k, linear_v",
-    "linear_fc1": "linear_fc1_gate, linear_fc1_up",
+#: verl's megatron LoRA module names (``model.lora.target_modules``) -> Hugging Face names, by
+#: ``lora.type`` (Megatron-Bridge's): ``canonical_lora`` puts one adapter on each projection;
+#: ``lora`` one on each megatron linear, the projections a fused one computes (q/k/v, gate/up)
+#: sharing its ``A`` (``LoraConfig.share_a``).
+MEGATRON_LORA_TARGETS: dict[str, dict[str, tuple[str, ...]]] = {
+    "canonical_lora": {
+        "linear_q": ("q_proj",),
+        "linear_k": ("k_proj",),
+        "linear_v": ("v_proj",),
+        "linear_proj": ("o_proj",),
+        "linear_fc1_gate": ("gate_proj",),
+        "linear_fc1_up": ("up_proj",),
+        "linear_fc2": ("down_proj",),
+    },
+    "lora": {
+        "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+        "linear_proj": ("o_proj",),
+        "linear_fc1": ("gate_proj", "up_proj"),
+        "linear_fc2": ("down_proj",),
+    },
 }
 
 
-def _lora_refusal(setting: str, value: Any, hint: str) -> ConfigError:
-    return _refusal("model", setting, value, hint)
-
-
-def lora_from_verl(model_config: Any) -> dict[str, Any] | None:
+def lora_from_verl(model_config: Any, refusals: Refusals) -> dict[str, Any] | None:
     """``EngineConfig.lora`` for verl's LoRA settings (None: no LoRA). verl has two spellings,
     either is read whatever the strategy: the flat fields its FSDP engine reads (``lora_rank``,
     ``lora_alpha``, ``target_modules``, ``exclude_modules``, ``target_parameters``) and the
     ``lora`` block its megatron engine reads (``rank``, ``alpha``, ``dropout``,
-    ``target_modules``, ...). What cannot be honoured is refused naming verl's field."""
+    ``target_modules``, ...). What cannot be honoured goes to ``refusals``, naming verl's
+    field."""
     flat_rank = int(_get(model_config, "lora_rank", 0) or 0)
     block = _get(model_config, "lora", None) or {}
     block_rank = int(_get(block, "rank", 0) or 0)
     if flat_rank > 0 and block_rank > 0:
-        raise ConfigError(
-            f"verl model settings lora_rank={flat_rank} and lora.rank={block_rank} are both set; "
-            "the composable engine takes one (either spelling works with every strategy)"
+        refusals.add(
+            "model",
+            "lora.rank",
+            block_rank,
+            f"lora_rank={flat_rank} is set too; the composable engine takes one (either "
+            "spelling works with every strategy)",
         )
+        return None
     if flat_rank > 0:
-        lora = _flat_lora(model_config, flat_rank)
+        lora = _flat_lora(model_config, flat_rank, refusals)
         settings = {"target_modules": "target_modules", "alpha": "lora_alpha"}
     elif block_rank > 0:
-        lora = _block_lora(block, block_rank)
+        lora = _block_lora(block, block_rank, refusals)
         settings = {field: f"lora.{field}" for field in ("target_modules", "alpha", "dropout")}
     else:
         return None
@@ -156,41 +185,44 @@ def lora_from_verl(model_config: Any) -> dict[str, Any] | None:
         LoraConfig(**lora)
     except ConfigError as error:
         field = next((field for field in settings if field in str(error)), "target_modules")
-        raise _lora_refusal(settings[field], lora.get(field), str(error)) from error
+        refusals.add("model", settings[field], lora.get(field), str(error))
     return lora
 
 
-def _flat_lora(model_config: Any, rank: int) -> dict[str, Any]:
+def _flat_lora(model_config: Any, rank: int, refusals: Refusals) -> dict[str, Any]:
     """verl's FSDP spelling, which builds a peft ``LoraConfig`` (no dropout: peft's 0)."""
-    for name in ("exclude_modules", "target_parameters"):
-        value = _get(model_config, name, None)
-        if value:
-            raise _lora_refusal(name, value, "adapters go on whole target linears only")
+    whole = "adapters go on whole target linears only"
+    checks = [(name, _off, whole) for name in ("exclude_modules", "target_parameters")]
+    refusals.check("model", model_config, checks)
     lora: dict[str, Any] = {"rank": rank, "alpha": _get(model_config, "lora_alpha", 16)}
     targets = _get(model_config, "target_modules", "all-linear")
     if isinstance(targets, str):
         if targets != "all-linear":
-            raise _lora_refusal(
-                "target_modules", targets, "'all-linear' or a list of module names (no regex)"
+            refusals.add(
+                "model",
+                "target_modules",
+                targets,
+                "'all-linear' or a list of module names (no regex)",
             )
     elif targets is not None:
         lora["target_modules"] = [str(name) for name in targets]
     return lora
 
 
-def _block_lora(block: Any, rank: int) -> dict[str, Any]:
-    """verl's megatron spelling (Megatron-Bridge's LoRA settings)."""
-    kind = _get(block, "type", "lora")
-    if kind not in ("lora", "canonical_lora"):
-        raise _lora_refusal("lora.type", kind, "plain LoRA only (lora or canonical_lora)")
+#: verl's ``lora.lora_A_init_method`` -> ``LoraConfig.a_init``.
+_A_INITS = {"kaiming": "kaiming", "xavier": "xavier"}
+
+
+def _block_lora(block: Any, rank: int, refusals: Refusals) -> dict[str, Any]:
+    """verl's megatron spelling (Megatron-Bridge's LoRA settings), its defaults included
+    (``type: lora`` on the four megatron linears, ``A`` drawn Xavier-uniform)."""
+    kind = str(_get(block, "type", "lora"))
+    if kind not in MEGATRON_LORA_TARGETS:
+        refusals.add("model", "lora.type", kind, "plain LoRA only (lora or canonical_lora)")
     checks: list[tuple[str, Callable[[Any], bool], str]] = [
         ("exclude_modules", lambda v: not v, "name the targets in lora.target_modules"),
         ("dropout_position", lambda v: v == "pre", "dropout is on the adapter's input ('pre')"),
-        (
-            "lora_A_init_method",
-            lambda v: v != "xavier",
-            "A is drawn Kaiming-uniform as peft does (lora_A_init_method=kaiming)",
-        ),
+        ("lora_A_init_method", lambda v: v in _A_INITS, "xavier or kaiming"),
         ("lora_B_init_method", lambda v: v == "zero", "B starts at zero"),
         ("a2a_experimental", lambda v: not v, "not supported"),
         ("dtype", lambda v: v is None, "adapters are kept in the weights' dtype"),
@@ -200,41 +232,45 @@ def _block_lora(block: Any, rank: int) -> dict[str, Any]:
             "an existing adapter is not loaded (give a model with it merged as model.path)",
         ),
     ]
-    _refuse_fields("model", block, checks, prefix="lora.")
+    refusals.check("model", block, checks, prefix="lora.")
     lora: dict[str, Any] = {
         "rank": rank,
         "alpha": _get(block, "alpha", 32),
         "dropout": float(_get(block, "dropout", 0.0) or 0.0),
+        "a_init": _A_INITS.get(str(_get(block, "lora_A_init_method", "xavier")), "kaiming"),
+        "share_a": kind == "lora",
     }
+    known = MEGATRON_LORA_TARGETS.get(kind, {})
     targets = _get(block, "target_modules", None)
     if targets:
-        names = []
+        names: list[str] = []
         for name in targets:
-            if kind == "lora" and name in _FUSED_LORA_TARGETS:
-                raise _lora_refusal(
-                    "lora.target_modules",
-                    list(targets),
-                    f"type lora puts one adapter on the fused {name} (an A shared by its "
-                    "projections), which is not built here; type canonical_lora with "
-                    f"{_FUSED_LORA_TARGETS[name]} gives one adapter per projection",
-                )
-            if name not in MEGATRON_LORA_TARGETS:
-                raise _lora_refusal(
-                    "lora.target_modules",
-                    list(targets),
-                    f"unknown module {name!r}; known: {', '.join(MEGATRON_LORA_TARGETS)}",
-                )
-            names.append(MEGATRON_LORA_TARGETS[name])
+            if name in known:
+                names += known[name]
+                continue
+            other = next((k for k, names in MEGATRON_LORA_TARGETS.items() if name in names), None)
+            why = f"type {other} names it, not type {kind}" if other else "unknown module"
+            refusals.add(
+                "model",
+                "lora.target_modules",
+                list(targets),
+                f"{name!r}: {why}; type {kind} takes {', '.join(known)}",
+            )
         lora["target_modules"] = names
     return lora
 
 
-def replay_mode(engine_config: Any) -> str:
+def replay_mode(engine_config: Any, refusals: Refusals | None = None) -> str:
     """verl's ``router_replay.mode``: ``disabled``, ``R2`` (the actor's old-log-prob pass records
-    the routes its updates replay) or ``R3`` (the rollout's routes, replayed in every pass)."""
+    the routes its updates replay) or ``R3`` (the rollout's routes, replayed in every pass).
+    Another is refused (into ``refusals``, else at once) and read as ``disabled``."""
     mode = str(_get(_get(engine_config, "router_replay", None) or {}, "mode", "disabled"))
     if mode not in ("disabled", "R2", "R3"):
-        raise _refusal("engine", "router_replay.mode", mode, "disabled, R2 or R3")
+        alone = Refusals() if refusals is None else refusals
+        alone.add("engine", "router_replay.mode", mode, "disabled, R2 or R3")
+        if refusals is None:
+            alone.raise_any()
+        return "disabled"
     return mode
 
 
@@ -252,7 +288,7 @@ def head_and_backend(model_type: str, strategy: str) -> tuple[str, str]:
     return HEADS[model_type], BACKENDS[strategy]
 
 
-def compute_dtype(engine_config: Any, backend: str) -> str:
+def compute_dtype(engine_config: Any, backend: str, refusals: Refusals) -> str:
     """The engine's compute dtype: FSDP's ``mixed_precision.param_dtype`` (verl's default bf16)
     for fsdp2, the engine config's ``dtype`` otherwise."""
     if backend == "fsdp2" and _get(engine_config, "mixed_precision", None) is not None:
@@ -263,10 +299,8 @@ def compute_dtype(engine_config: Any, backend: str) -> str:
     else:
         value, setting = _get(engine_config, "dtype", "bfloat16"), "dtype"
     if str(value) not in _DTYPES:
-        raise ConfigError(
-            f"verl engine setting {setting}={value!r} is not supported by the composable engine: "
-            "float32 or bfloat16"
-        )
+        refusals.add("engine", setting, value, "float32 or bfloat16")
+        return "float32"
     return _DTYPES[str(value)]
 
 
@@ -284,8 +318,17 @@ def _parallel(engine_config: Any) -> dict[str, Any]:
     }
 
 
+def packing(model_config: Any, parallel: Mapping[str, Any]) -> bool:
+    """verl's ``use_remove_padding`` (its default): each micro-batch's sequences run as one
+    packed row, as verl's engines run them, except with context parallelism (the megatron
+    backend does not cut packed rows into its chunks; padded micro-batches give the same
+    numbers)."""
+    wanted = bool(_get(model_config, "use_remove_padding", False))
+    return wanted and parallel["context_parallel_size"] == 1
+
+
 def _backend_options(
-    backend: str, model_config: Any, engine_config: Any, world_size: int
+    backend: str, model_config: Any, engine_config: Any, world_size: int, refusals: Refusals
 ) -> dict[str, Any]:
     checkpointing = bool(_get(model_config, "enable_gradient_checkpointing", False))
     if backend == "fsdp2":
@@ -296,11 +339,11 @@ def _backend_options(
         fsdp_size = _get(engine_config, "fsdp_size", -1)
         if fsdp_size not in (-1, None, world_size):
             if fsdp_size <= 0 or world_size % fsdp_size:
-                raise ConfigError(
-                    f"verl engine setting fsdp_size={fsdp_size} must divide the world size "
-                    f"({world_size})"
+                refusals.add(
+                    "engine", "fsdp_size", fsdp_size, f"must divide the world size ({world_size})"
                 )
-            options["replicate_size"] = world_size // fsdp_size
+            else:
+                options["replicate_size"] = world_size // fsdp_size
         return options
     overrides = dict(_get(engine_config, "override_transformer_config", None) or {})
     if checkpointing:
@@ -313,7 +356,9 @@ def _backend_options(
     }
 
 
-def _optimizer_and_schedule(optimizer_config: Any) -> tuple[dict[str, Any], dict[str, Any], int]:
+def _optimizer_and_schedule(
+    optimizer_config: Any, refusals: Refusals
+) -> tuple[dict[str, Any], dict[str, Any], int]:
     if optimizer_config is None:
         return {}, {}, 1000
     lr = float(_get(optimizer_config, "lr", 1e-3))
@@ -344,11 +389,11 @@ def _optimizer_and_schedule(optimizer_config: Any) -> tuple[dict[str, Any], dict
         or _get(optimizer_config, "lr_scheduler_type", "constant")
     )
     if style not in _SCHEDULES:
-        raise ConfigError(
-            f"verl optimizer setting lr_scheduler_type={style!r} is not supported by the "
-            f"composable engine: {', '.join(_SCHEDULES)}"
-        )
-    schedule: dict[str, Any] = {"warmup_steps": int(warmup), "decay_style": _SCHEDULES[style]}
+        refusals.add("optimizer", "lr_scheduler_type", style, ", ".join(_SCHEDULES))
+    schedule: dict[str, Any] = {
+        "warmup_steps": int(warmup),
+        "decay_style": _SCHEDULES.get(style, "constant"),
+    }
     decay_steps = _get(optimizer_config, "lr_decay_steps", None)
     if decay_steps:
         schedule["decay_steps"] = int(decay_steps)
@@ -364,34 +409,44 @@ def engine_config_from_verl(
     world_size: int,
 ) -> tuple[str, str, EngineConfig]:
     """``(head, backend, EngineConfig)`` for verl's config objects (``HFModelConfig``, an
-    ``EngineConfig`` subclass, an ``OptimizerConfig`` subclass, ``CheckpointConfig``)."""
+    ``EngineConfig`` subclass, an ``OptimizerConfig`` subclass, ``CheckpointConfig``); every
+    setting that cannot be honoured is named in one ConfigError."""
+    model_type = _get(model_config, "model_type", "language_model")
+    head, backend = head_and_backend(model_type, _get(engine_config, "strategy"))
+    refusals = Refusals()
     refuse_unsupported(
+        refusals,
         model=model_config,
         engine=engine_config,
         optimizer=optimizer_config,
         checkpoint=checkpoint_config,
     )
-    model_type = _get(model_config, "model_type", "language_model")
-    head, backend = head_and_backend(model_type, _get(engine_config, "strategy"))
     path = _get(model_config, "local_path", None) or _get(model_config, "path")
-    optimizer, schedule, total_steps = _optimizer_and_schedule(optimizer_config)
+    optimizer, schedule, total_steps = _optimizer_and_schedule(optimizer_config, refusals)
+    dtype = compute_dtype(engine_config, backend, refusals)
+    options = _backend_options(backend, model_config, engine_config, world_size, refusals)
+    lora = lora_from_verl(model_config, refusals)
+    replay = replay_mode(engine_config, refusals) != "disabled"
+    refusals.raise_any()
     dynamic = bool(_get(engine_config, "use_dynamic_bsz", False))
     budget = _get(engine_config, "max_token_len_per_gpu", None)
+    parallel = _parallel(engine_config)
     config = EngineConfig.from_dict(
         {
             "model": str(path),
-            "parallel": _parallel(engine_config),
+            "parallel": parallel,
+            "packing": packing(model_config, parallel),
             "optimizer": optimizer,
             "scheduler": schedule,
             "micro_batch_size": int(_get(engine_config, "micro_batch_size_per_gpu", None) or 1),
             "max_tokens_per_micro_batch": int(budget) if dynamic and budget else None,
             "forward_only": bool(_get(engine_config, "forward_only", False)),
             "seed": int(_get(engine_config, "seed", 42)),
-            "dtype": compute_dtype(engine_config, backend),
+            "dtype": dtype,
             "total_steps": total_steps,
-            "backend": _backend_options(backend, model_config, engine_config, world_size),
-            "lora": lora_from_verl(model_config),
-            "router_replay": replay_mode(engine_config) != "disabled",
+            "backend": options,
+            "lora": lora,
+            "router_replay": replay,
         }
     )
     return head, backend, config

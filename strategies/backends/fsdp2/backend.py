@@ -259,8 +259,9 @@ class Fsdp2Backend:
         return dist.get_world_size() if dist.is_initialized() else 1
 
     def data_parallel_group(self) -> dist.ProcessGroup | None:
-        """Every rank is a data-parallel rank: the default group."""
-        return dist.group.WORLD if self.data_parallel_size() > 1 else None
+        """Every rank is a data-parallel rank: the default group (one process too, as
+        megatron's data-parallel group of one); None only without a process group."""
+        return dist.group.WORLD if dist.is_initialized() else None
 
     def holds_outputs(self) -> bool:
         return True

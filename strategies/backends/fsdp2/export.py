@@ -53,7 +53,8 @@ def export_hf(
 def export_adapter(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name as peft has it, full tensor) of every LoRA adapter tensor, then of a
     non-vocabulary head's output layer, which trains with them (``value_head.weight``)."""
-    for name, param in model.named_parameters():
+    # every projection's A, a shared one (LoraConfig.share_a) under each projection's name
+    for name, param in model.named_parameters(remove_duplicate=False):
         if is_adapter_parameter(name):
             yield name, _full(param)
     for name, param in model.named_parameters():

@@ -4,7 +4,9 @@
 ``B A dropout(x) * alpha / rank`` to its output; every other parameter is frozen. ``A`` is drawn
 from (seed, that name) as the megatron backend draws it, so both backends start equal.
 A non-vocabulary head's output layer (``value_head``, value and reward heads) is new, so it
-trains whole beside the adapters (peft's ``modules_to_save``).
+trains whole beside the adapters (peft's ``modules_to_save``). With ``share_a`` the projections
+of a fused linear hold one ``lora_A`` module (one parameter); with dropout each projection's
+hook draws its own mask (the megatron backend draws one per fused linear).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from strategies.lora import (
     HEAD_LAYER,
     AdapterSwitch,
     LoraPair,
+    a_owner,
     adapter_names,
     draw_a,
     hf_module,
@@ -53,13 +56,17 @@ def attach_adapters(model: torch.nn.Module, config: PartsConfig, switch: Adapter
             assert isinstance(linear, torch.nn.Linear)
             pair = LoraPair(linear.in_features, lora.rank, linear.out_features)
             pair.to(device=linear.weight.device, dtype=linear.weight.dtype)
+            owner = a_owner(target, lora)
             with torch.no_grad():
-                a_name, _ = adapter_names(layer, target)
+                a_name, _ = adapter_names(layer, owner)
                 pair.lora_A.weight.copy_(
-                    draw_a((lora.rank, linear.in_features), config.seed, a_name)
+                    draw_a((lora.rank, linear.in_features), config.seed, a_name, lora.a_init)
                 )
                 pair.lora_B.weight.zero_()
-            linear.add_module("lora_A", pair.lora_A)
+            lora_a: torch.nn.Module = pair.lora_A
+            if owner != target:  # share_a: the fused projections' first target's A
+                lora_a = model.get_submodule(f"{hf_module(layer, owner)}.lora_A")
+            linear.add_module("lora_A", lora_a)
             linear.add_module("lora_B", pair.lora_B)
             linear.register_forward_hook(_hook(lora, switch))
 

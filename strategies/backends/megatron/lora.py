@@ -37,6 +37,7 @@ from strategies.config import PartsConfig
 from strategies.lora import (
     AdapterSwitch,
     LoraPair,
+    a_owner,
     adapter_delta,
     adapter_names,
     draw_a,
@@ -133,8 +134,9 @@ def attach_adapters(chunk: torch.nn.Module, config: PartsConfig, switch: Adapter
         adapters = LayerAdapters()
         for target in lora.target_modules:
             fan_in, fan_out, column = sizes[target]
-            a_name, _ = adapter_names(number, target)
-            full_a = draw_a((lora.rank, fan_in), config.seed, a_name)
+            owner = a_owner(target, lora)
+            a_name, _ = adapter_names(number, owner)
+            full_a = draw_a((lora.rank, fan_in), config.seed, a_name, lora.a_init)
             # column-parallel: B split over its rows; row-parallel: A over its columns
             split_name, split = ("lora_B", 0) if column else ("lora_A", 1)
             if column:
@@ -154,6 +156,9 @@ def attach_adapters(chunk: torch.nn.Module, config: PartsConfig, switch: Adapter
                     split if part == split_name else None,
                     tp_size,
                 )
+            shared = adapters.pair(owner)
+            if shared is not None:  # share_a: the fused linear's first target's A
+                pair.lora_A = shared.lora_A
             adapters.tensor_parallel_axes[f"{target}.{split_name}.weight"] = split
             adapters.add_module(target, pair)
         layer.add_module(ADAPTERS, adapters)
@@ -217,15 +222,17 @@ def _column_hook(
         out, bias = output
         x = args[0]
         pieces = []
+        lows: dict[int, torch.Tensor] = {}  # per A: a shared one (share_a) reads x once
         for target in targets:
             pair = adapters.pair(target)
             if pair is None:
                 pieces.append(out.new_zeros(*out.shape[:-1], sizes[target][1] // tp_size))
                 continue
-            low = copy_to_tensor_model_parallel_region(
-                low_rank_update(x, pair.lora_A, lora, module.training)
-            )
-            pieces.append(pair.lora_B(low) * lora.scale)
+            if id(pair.lora_A) not in lows:
+                lows[id(pair.lora_A)] = copy_to_tensor_model_parallel_region(
+                    low_rank_update(x, pair.lora_A, lora, module.training)
+                )
+            pieces.append(pair.lora_B(lows[id(pair.lora_A)]) * lora.scale)
         delta = _fuse_last(pieces, groups) if len(pieces) == 3 else torch.cat(pieces, dim=-1)
         return out + delta.to(out.dtype), bias
 
