@@ -38,6 +38,9 @@ gradients as soon as the chunk's log-probs are known, and computes the gradients
 ``W`` from the kept tiles. Three matmuls, as the unfused layer; a zero-valued anchor added to
 the loss hands the gradients over in backward. Its tiles and statistics are the forward's
 above, so both give bit-identical log-probs and entropy.
+
+:func:`fused_sum_pi_squared` gives each token's sum of squared probabilities (no gradient) from
+the same tiles, computed once more, apart from the log-probs and entropy.
 """
 
 from __future__ import annotations
@@ -54,8 +57,11 @@ from heads.vocab_parallel import (
     MIN_TEMPERATURE,
     UpstreamGradients,
     all_reduce_over,
+    check_targets,
     chunk_gradient,
+    chunk_power_sums,
     chunk_statistics,
+    finish_power_sums,
     finish_statistics,
     save_and_shape,
     target_columns,
@@ -68,6 +74,7 @@ __all__ = [
     "default_tile",
     "fused_log_probs_and_entropy",
     "fused_log_probs_with_gradient",
+    "fused_sum_pi_squared",
 ]
 
 VOCAB_BLOCK = 16384
@@ -130,10 +137,7 @@ def fused_log_probs_and_entropy(
         ``hidden`` (this rank's part under ``group``, see the module doc) and ``weight``.
     """
     _check_inputs(hidden, weight, targets, group, vocab_start)
-    if tile is not None and min(tile) < 1:
-        raise ValueError(f"tile sizes must be positive, got {tile}")
-    if tile is None:
-        tile = default_tile(targets.numel(), weight.shape[0], weight.device)
+    tile = _tile_for(tile, targets.numel(), weight)
     temp = max(float(temperature), MIN_TEMPERATURE)
     apply: Callable[..., Any] = _FusedLogProbsAndEntropy.apply
     outputs = apply(hidden, weight, targets, temp, compute_entropy, group, vocab_start, tile)
@@ -188,12 +192,10 @@ def fused_log_probs_with_gradient(
         the results.
     """
     _check_inputs(hidden, weight, targets, group, vocab_start)
-    if tile is not None and min(tile) < 1:
-        raise ValueError(f"tile sizes must be positive, got {tile}")
     flat = hidden.detach().reshape(-1, hidden.shape[-1])
     w = weight.detach()
     n_tokens, vocab_local = flat.shape[0], w.shape[0]
-    chunk, block = tile or default_tile(n_tokens, vocab_local, w.device)
+    chunk, block = _tile_for(tile, n_tokens, w)
     blocks = _blocks(vocab_local, block)
     temp = max(float(temperature), MIN_TEMPERATURE)
     device, dtype, f32 = w.device, w.dtype, torch.float32
@@ -278,6 +280,51 @@ def fused_log_probs_with_gradient(
     )
 
 
+@torch.no_grad()
+def fused_sum_pi_squared(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    group: dist.ProcessGroup | None = None,
+    tile: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """``vocab_parallel.sum_pi_squared(hidden @ weight.T, ...)`` without the logits: float32
+    ``[...]``, no gradient. One more pass over :func:`fused_log_probs_and_entropy`'s tiles (one
+    matmul each), the results of which it leaves untouched: per tile ``S = sum exp(s)`` and
+    ``S2 = sum exp(s) ** 2`` relative to the tile's row max, combined over the blocks by
+    rescaling (``exp(-d)``, ``exp(-2 d)``), then over the ranks of ``group`` as the
+    log-sum-exp is. Arguments as :func:`fused_log_probs_and_entropy`'s; the memory, its
+    forward's without the entropy."""
+    _check_hidden_and_weight(hidden, weight)
+    flat = hidden.detach().reshape(-1, hidden.shape[-1])
+    w = weight.detach()
+    n_tokens, vocab_local = flat.shape[0], w.shape[0]
+    chunk, block = _tile_for(tile, n_tokens, w)
+    temp = max(float(temperature), MIN_TEMPERATURE)
+    device, f32 = w.device, torch.float32
+    sums = torch.empty(2, n_tokens, dtype=f32, device=device)
+    row_max = torch.empty(n_tokens, dtype=f32, device=device)
+    rows, columns = min(chunk, n_tokens), min(block, vocab_local)
+    tile_sums = torch.empty(2, rows, dtype=f32, device=device)
+    logits_buf = torch.empty(rows * columns, dtype=w.dtype, device=device)
+    shifted_buf = torch.empty(rows * columns, dtype=f32, device=device)
+    for start in range(0, n_tokens, chunk):
+        end = min(start + chunk, n_tokens)
+        h_chunk = flat[start:end].to(w.dtype)
+        here = tile_sums[:, : end - start]
+        for first, last in _blocks(vocab_local, block):
+            logits = torch.mm(
+                h_chunk, w[first:last].t(), out=work_view(logits_buf, end - start, last - first)
+            )
+            tile_max = logits.amax(dim=-1).to(f32)
+            chunk_power_sums(logits, tile_max, temp, here, shifted_buf)
+            running = (sums[:, start:end], row_max[start:end])
+            _fold(running, (here, tile_max), temp, _rebase_power_sums, (0, 1), first == 0)
+    _combine_over_ranks(sums, row_max, temp, group, _rebase_power_sums)
+    return finish_power_sums(sums).view(hidden.shape[:-1])
+
+
 class _PrecomputedGradients(torch.autograd.Function):
     """A float32 zero whose backward returns gradients computed beforehand (times its own
     upstream gradient) for ``hidden`` and ``weight``; once."""
@@ -318,6 +365,11 @@ def _check_inputs(
     group: dist.ProcessGroup | None,
     vocab_start: int,
 ) -> None:
+    _check_hidden_and_weight(hidden, weight)
+    check_targets(targets, hidden.shape[:-1], "hidden", group, vocab_start)
+
+
+def _check_hidden_and_weight(hidden: torch.Tensor, weight: torch.Tensor) -> None:
     if not hidden.is_floating_point() or not weight.is_floating_point():
         raise TypeError(
             f"hidden and weight must be floating point, got {hidden.dtype}, {weight.dtype}"
@@ -329,15 +381,20 @@ def _check_inputs(
             f"hidden's last dimension must be weight's hidden size {weight.shape[1]}, got "
             f"hidden {tuple(hidden.shape)}"
         )
-    if targets.shape != hidden.shape[:-1]:
-        raise ValueError(
-            f"targets shape {tuple(targets.shape)} must equal hidden.shape[:-1] "
-            f"{tuple(hidden.shape[:-1])}"
-        )
-    if targets.dtype != torch.int64:
-        raise TypeError(f"targets must be int64, got {targets.dtype}")
-    if group is None and vocab_start != 0:
-        raise ValueError("vocab_start must be 0 when group is None (full vocabulary)")
+
+
+def _tile_for(tile: tuple[int, int] | None, n_tokens: int, weight: torch.Tensor) -> tuple[int, int]:
+    """``tile`` (ValueError unless both sizes are positive), or :func:`default_tile`."""
+    if tile is None:
+        return default_tile(n_tokens, weight.shape[0], weight.device)
+    if min(tile) < 1:
+        raise ValueError(f"tile sizes must be positive, got {tile}")
+    return tile
+
+
+Rebase = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], None]
+"""``rebase(stats, row_max, new_max, temp)``: per-token statistics relative to ``row_max``
+moved to ``new_max >= row_max``, in place."""
 
 
 def _rebase(stats: torch.Tensor, row_max: torch.Tensor, new_max: torch.Tensor, temp: float) -> None:
@@ -351,17 +408,56 @@ def _rebase(stats: torch.Tensor, row_max: torch.Tensor, new_max: torch.Tensor, t
     stats[0].mul_(scale)
 
 
+def _rebase_power_sums(
+    sums: torch.Tensor, row_max: torch.Tensor, new_max: torch.Tensor, temp: float
+) -> None:
+    """:data:`Rebase` for ``sums`` rows ``S = sum exp(s)``, ``S2 = sum exp(s) ** 2``: ``S' =
+    exp(-d) S``, ``S2' = exp(-d) ** 2 S2``."""
+    scale = torch.exp((row_max - new_max).div_(temp))
+    sums[0].mul_(scale)
+    sums[1].mul_(scale.square_())
+
+
 def _combine_over_ranks(
-    stats: torch.Tensor, row_max: torch.Tensor, temp: float, group: dist.ProcessGroup | None
+    stats: torch.Tensor,
+    row_max: torch.Tensor,
+    temp: float,
+    group: dist.ProcessGroup | None,
+    rebase: Rebase = _rebase,
 ) -> None:
     """Under ``group``, in place: every rank's per-token statistics made relative to the
-    global row maximum (all-reduce MAX), then added up (all-reduce SUM)."""
+    global row maximum (all-reduce MAX, then ``rebase``), then added up (all-reduce SUM)."""
     if group is None:
         return
     local_max = row_max.clone()
     all_reduce_over(row_max, dist.ReduceOp.MAX, group)
-    _rebase(stats, local_max, row_max, temp)
+    rebase(stats, local_max, row_max, temp)
     all_reduce_over(stats, dist.ReduceOp.SUM, group)
+
+
+def _fold(
+    running: tuple[torch.Tensor, torch.Tensor],
+    tile: tuple[torch.Tensor, torch.Tensor],
+    temp: float,
+    rebase: Rebase,
+    rows: tuple[int, ...],
+    first: bool,
+) -> None:
+    """Fold a tile's per-token statistics ``tile = (stats, row_max)`` (rows ``rows`` of
+    ``stats``) into the running ones, in place: the first tile starts them, later ones are
+    combined by rescaling both to the larger maximum (online softmax)."""
+    (stats, row_max), (tile_stats, tile_max) = running, tile
+    if first:
+        for row in rows:
+            stats[row].copy_(tile_stats[row])
+        row_max.copy_(tile_max)
+        return
+    new_max = torch.maximum(row_max, tile_max)
+    rebase(stats, row_max, new_max, temp)
+    rebase(tile_stats, tile_max, new_max, temp)
+    for row in rows:
+        stats[row].add_(tile_stats[row])
+    row_max.copy_(new_max)
 
 
 def _blocks(vocab_local: int, block: int) -> list[tuple[int, int]]:
@@ -391,19 +487,8 @@ def _add_tile(
     chunk_statistics(
         logits, tile_max, temp, here[0], here[2] if with_entropy else None, shifted_buf, exp_buf
     )
-    if first == 0:
-        chunk_stats[0].copy_(here[0])
-        if with_entropy:
-            chunk_stats[2].copy_(here[2])
-        chunk_max.copy_(tile_max)
-        return
-    new_max = torch.maximum(chunk_max, tile_max)
-    _rebase(chunk_stats, chunk_max, new_max, temp)
-    _rebase(here, tile_max, new_max, temp)
-    chunk_stats[0].add_(here[0])
-    if with_entropy:
-        chunk_stats[2].add_(here[2])
-    chunk_max.copy_(new_max)
+    rows = (0, 2) if with_entropy else (0,)
+    _fold((chunk_stats, chunk_max), (here, tile_max), temp, _rebase, rows, first == 0)
 
 
 def _tile_gradient(

@@ -1,4 +1,5 @@
-"""Language-model head: token log-probabilities (and entropy) from vocabulary logits."""
+"""Language-model head: token log-probabilities (and entropy, sum of squared probabilities) from
+vocabulary logits."""
 
 from __future__ import annotations
 
@@ -18,9 +19,13 @@ from heads.base import (
     shift_to_scored_token,
 )
 from heads.errors import ConfigError
-from heads.fused_output import fused_log_probs_and_entropy, fused_log_probs_with_gradient
+from heads.fused_output import (
+    fused_log_probs_and_entropy,
+    fused_log_probs_with_gradient,
+    fused_sum_pi_squared,
+)
 from heads.validation import bool_field, float_field, int_field, non_negative, positive
-from heads.vocab_parallel import log_probs_and_entropy
+from heads.vocab_parallel import log_probs_and_entropy, sum_pi_squared
 
 FUSED_MIN_LOGITS = 1 << 21
 """``LMHead.fused_min_logits``'s default: micro-batches with fewer logits compute them whole."""
@@ -48,19 +53,29 @@ class LMHead:
     (``heads.fused_output.fused_log_probs_with_gradient``), so the backward recomputes nothing:
     three matmuls, as the unfused layer, instead of four. Other losses (GSPO's sequence ratio,
     a custom loss that does not declare itself separable) take the recomputing path.
+
+    ``compute_sum_pi_squared``: also ``sum_pi_squared[t] = sum_v p(v | x_<t) ** 2`` at
+    ``temperature``, what verl's optimal-token-baseline advantage estimators read. It has no
+    gradient, and the other results and their gradients are the same bit for bit with it on:
+    it is computed apart from them (on the fused paths, one more pass over the tiles).
     """
 
     name: ClassVar[str] = "lm"
 
     temperature: float = float_field(1.0, positive)
     compute_entropy: bool = bool_field(False)
+    compute_sum_pi_squared: bool = bool_field(False)
     fused: bool = bool_field(True)
     fused_min_logits: int = int_field(FUSED_MIN_LOGITS, non_negative)
     gradient_in_forward: bool = bool_field(True)
 
     @property
     def outputs(self) -> dict[str, Granularity]:
-        keys = ("log_probs", "entropy") if self.compute_entropy else ("log_probs",)
+        keys = ["log_probs"]
+        if self.compute_entropy:
+            keys.append("entropy")
+        if self.compute_sum_pi_squared:
+            keys.append("sum_pi_squared")
         return dict.fromkeys(keys, PER_TOKEN)
 
     def output_spec(self) -> OutputSpec:
@@ -69,7 +84,7 @@ class LMHead:
     def postprocess(
         self, raw: torch.Tensor, input_ids: torch.Tensor, ctx: HeadContext
     ) -> dict[str, torch.Tensor]:
-        return self._scored(log_probs_and_entropy, raw, input_ids, ctx)
+        return self._scored(log_probs_and_entropy, sum_pi_squared, raw, input_ids, ctx)
 
     def postprocess_hidden(
         self, hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor, ctx: HeadContext
@@ -79,7 +94,11 @@ class LMHead:
                 torch.matmul(hidden.to(weight.dtype), weight.t()), input_ids, ctx
             )
         return self._scored(
-            functools.partial(fused_log_probs_and_entropy, weight=weight), hidden, input_ids, ctx
+            functools.partial(fused_log_probs_and_entropy, weight=weight),
+            functools.partial(fused_sum_pi_squared, weight=weight),
+            hidden,
+            input_ids,
+            ctx,
         )
 
     def postprocess_hidden_with_loss(
@@ -94,6 +113,9 @@ class LMHead:
         if not self.gradient_in_forward or logits < self.fused_min_logits:
             return self.postprocess_hidden(hidden, weight, input_ids, ctx), None
         shape, n_tokens = hidden.shape[:-1], hidden.shape[:-1].numel()
+        squares = self._sum_pi_squared(
+            functools.partial(fused_sum_pi_squared, weight=weight), hidden, ctx
+        )
         # the gradients each chunk was given, to check the loss's declaration afterwards
         given = torch.zeros(
             2 if self.compute_entropy else 1, n_tokens, dtype=torch.float32, device=hidden.device
@@ -107,7 +129,7 @@ class LMHead:
             # at the chunk's tokens does not depend on the others
             chunks.append(start)
             grads = self._loss_gradients(
-                [log_probs, entropy], start, n_tokens - end, shape, ctx, loss_of
+                [log_probs, entropy], start, n_tokens - end, shape, ctx, loss_of, squares
             )
             for row, grad in enumerate(grads):
                 if grad is not None:
@@ -125,8 +147,8 @@ class LMHead:
             vocab_start=ctx.vocab_start,
         )
         if len(chunks) > 1:
-            self._check_separable(log_probs, entropy, given, ctx, loss_of)
-        return self._results(log_probs, entropy, ctx), anchor
+            self._check_separable(log_probs, entropy, squares, given, ctx, loss_of)
+        return self._results(log_probs, entropy, squares, ctx), anchor
 
     def _loss_gradients(
         self,
@@ -136,15 +158,19 @@ class LMHead:
         shape: torch.Size,
         ctx: HeadContext,
         loss_of: LossOf,
+        squares: torch.Tensor | None,
     ) -> list[torch.Tensor | None]:
         """The gradient of ``loss_of`` w.r.t. ``values`` (flat log-probs and entropy or None)
-        laid out with ``before`` and ``after`` zeros around them, in the model's layout."""
+        laid out with ``before`` and ``after`` zeros around them, in the model's layout;
+        ``squares``: the whole micro-batch's sum of squared probabilities (no gradient) or
+        None."""
         leaves = [v.detach().requires_grad_() for v in values if v is not None]
         with torch.enable_grad():
             laid_out = [
                 torch.nn.functional.pad(leaf, (before, after)).view(shape) for leaf in leaves
             ]
-            results = self._results(laid_out[0], laid_out[1] if len(laid_out) > 1 else None, ctx)
+            entropy = laid_out[1] if len(laid_out) > 1 else None
+            results = self._results(laid_out[0], entropy, squares, ctx)
             grads = torch.autograd.grad(loss_of(results), leaves, allow_unused=True)
         return [grads[0], grads[1] if len(grads) > 1 else None]
 
@@ -152,6 +178,7 @@ class LMHead:
         self,
         log_probs: torch.Tensor,
         entropy: torch.Tensor | None,
+        squares: torch.Tensor | None,
         given: torch.Tensor,
         ctx: HeadContext,
         loss_of: LossOf,
@@ -161,7 +188,7 @@ class LMHead:
         not token-separable: ConfigError, deferred to the end of the step where the engine
         collects the checks (``ctx.deferred_checks``)."""
         values = [log_probs.reshape(-1), None if entropy is None else entropy.reshape(-1)]
-        full = self._loss_gradients(values, 0, 0, log_probs.shape, ctx, loss_of)
+        full = self._loss_gradients(values, 0, 0, log_probs.shape, ctx, loss_of, squares)
         violated = torch.zeros((), dtype=torch.bool, device=given.device)
         for row, grad in enumerate(full[: given.shape[0]]):
             expected = torch.zeros_like(given[row]) if grad is None else grad.detach()
@@ -183,6 +210,7 @@ class LMHead:
     def _scored(
         self,
         compute: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+        compute_squares: Callable[..., torch.Tensor],
         raw: torch.Tensor,
         input_ids: torch.Tensor,
         ctx: HeadContext,
@@ -197,14 +225,27 @@ class LMHead:
             group=ctx.tensor_parallel_group,
             vocab_start=ctx.vocab_start,
         )
-        return self._results(log_probs, entropy, ctx)
+        squares = self._sum_pi_squared(compute_squares, raw, ctx)
+        return self._results(log_probs, entropy, squares, ctx)
+
+    def _sum_pi_squared(
+        self, compute: Callable[..., torch.Tensor], raw: torch.Tensor, ctx: HeadContext
+    ) -> torch.Tensor | None:
+        """``compute(raw, ...)`` per position when the option is on, else None."""
+        if not self.compute_sum_pi_squared:
+            return None
+        return compute(raw, temperature=self.temperature, group=ctx.tensor_parallel_group)
 
     @staticmethod
     def _results(
-        log_probs: torch.Tensor, entropy: torch.Tensor | None, ctx: HeadContext
+        log_probs: torch.Tensor,
+        entropy: torch.Tensor | None,
+        squares: torch.Tensor | None,
+        ctx: HeadContext,
     ) -> dict[str, torch.Tensor]:
         """Per-position values moved to the token they score."""
         results = {"log_probs": shift_to_scored_token(log_probs, ctx)}
-        if entropy is not None:
-            results["entropy"] = shift_to_scored_token(entropy, ctx)
+        for key, values in (("entropy", entropy), ("sum_pi_squared", squares)):
+            if values is not None:
+                results[key] = shift_to_scored_token(values, ctx)
         return results

@@ -1,4 +1,5 @@
-"""Per-token log-probabilities and entropy from LM-head logits, memory-bounded and vocab-parallel.
+"""Per-token log-probabilities and entropy (and, apart, the sum of squared probabilities) from
+LM-head logits, memory-bounded and vocab-parallel.
 
 Why this exists: the naive ``log_softmax(logits / T).gather(...)`` plus ``-(p * logp).sum(-1)``
 materialises several float32 tensors the size of the logits (log-probs, probs, their product) and
@@ -44,10 +45,14 @@ __all__ = [
     "MIN_TEMPERATURE",
     "UpstreamGradients",
     "all_reduce_over",
+    "check_targets",
     "chunk_gradient",
+    "chunk_power_sums",
     "chunk_statistics",
+    "finish_power_sums",
     "finish_statistics",
     "log_probs_and_entropy",
+    "sum_pi_squared",
     "target_columns",
     "work_view",
 ]
@@ -101,35 +106,89 @@ def log_probs_and_entropy(
         ``(log_probs, entropy)``, both float32 of shape ``[...]`` (entropy ``None`` when not
         computed). Both are differentiable w.r.t. ``logits``; the gradient has the logits' dtype.
     """
+    _check_logits(logits)
+    check_targets(targets, logits.shape[:-1], "logits", group, vocab_start)
+    chunk = _chunk_tokens(chunk_size, logits)
+    temp = max(float(temperature), MIN_TEMPERATURE)
+    apply: Callable[..., Any] = _LogProbsAndEntropy.apply
+    outputs = apply(logits, targets, temp, compute_entropy, group, vocab_start, chunk)
+    if compute_entropy:
+        log_probs, entropy = outputs
+        return log_probs, entropy
+    return outputs, None
+
+
+@torch.no_grad()
+def sum_pi_squared(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    group: dist.ProcessGroup | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """``sum_v softmax(logits / T)_v ** 2`` per token, float32 ``[...]``, without gradient.
+
+    verl's optimal-token-baseline advantage estimators read it (its ``calculate_sum_pi_squared``).
+    With ``s = (x - M) / T``: ``S = sum exp(s)``, ``S2 = sum exp(s) ** 2`` and the result is
+    ``S2 / S ** 2``; under ``group`` the ranks combine them as the log-sum-exp is combined in
+    :func:`log_probs_and_entropy` (all-reduce MAX of ``M``, then SUM of ``S`` and ``S2``).
+    ``temperature`` and ``chunk_size``: as there; one float32 ``[chunk_size, V_local]`` work
+    buffer.
+    """
+    _check_logits(logits)
+    chunk = _chunk_tokens(chunk_size, logits)
+    temp = max(float(temperature), MIN_TEMPERATURE)
+    vocab_local = logits.shape[-1]
+    flat = logits.detach().reshape(-1, vocab_local)
+    n_tokens = flat.shape[0]
+    row_max = flat.amax(dim=-1).to(torch.float32)
+    all_reduce_over(row_max, dist.ReduceOp.MAX, group)
+    sums = torch.empty(2, n_tokens, dtype=torch.float32, device=logits.device)
+    shifted_buf = torch.empty(
+        min(chunk, n_tokens), vocab_local, dtype=torch.float32, device=logits.device
+    )
+    for start in range(0, n_tokens, chunk):
+        end = min(start + chunk, n_tokens)
+        chunk_power_sums(flat[start:end], row_max[start:end], temp, sums[:, start:end], shifted_buf)
+    all_reduce_over(sums, dist.ReduceOp.SUM, group)
+    return finish_power_sums(sums).view(logits.shape[:-1])
+
+
+def _check_logits(logits: torch.Tensor) -> None:
     if not logits.is_floating_point():
         raise TypeError(f"logits must be floating point, got {logits.dtype}")
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits need a non-empty last (vocabulary) dimension, got {logits.shape}")
-    if targets.shape != logits.shape[:-1]:
+
+
+def check_targets(
+    targets: torch.Tensor,
+    leading: torch.Size,
+    of: str,
+    group: dist.ProcessGroup | None,
+    vocab_start: int,
+) -> None:
+    """int64 ``targets`` of shape ``leading`` (the leading dims of the input named ``of``), and
+    ``vocab_start`` 0 without a group; ValueError or TypeError otherwise."""
+    if targets.shape != leading:
         raise ValueError(
-            f"targets shape {tuple(targets.shape)} must equal logits.shape[:-1] "
-            f"{tuple(logits.shape[:-1])}"
+            f"targets shape {tuple(targets.shape)} must equal {of}.shape[:-1] {tuple(leading)}"
         )
     if targets.dtype != torch.int64:
         raise TypeError(f"targets must be int64, got {targets.dtype}")
     if group is None and vocab_start != 0:
         raise ValueError("vocab_start must be 0 when group is None (full vocabulary)")
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
 
-    vocab_local = logits.shape[-1]
-    if chunk_size is None:
-        budget = (
-            DEFAULT_CPU_CHUNK_ELEMENTS if logits.device.type == "cpu" else DEFAULT_CHUNK_ELEMENTS
-        )
-        chunk_size = max(1, budget // vocab_local)
-    temp = max(float(temperature), MIN_TEMPERATURE)
-    apply: Callable[..., Any] = _LogProbsAndEntropy.apply
-    outputs = apply(logits, targets, temp, compute_entropy, group, vocab_start, chunk_size)
-    if compute_entropy:
-        log_probs, entropy = outputs
-        return log_probs, entropy
-    return outputs, None
+
+def _chunk_tokens(chunk_size: int | None, logits: torch.Tensor) -> int:
+    """``chunk_size`` (ValueError unless positive), or for None about
+    ``DEFAULT_CHUNK_ELEMENTS`` logits' worth of tokens (``DEFAULT_CPU_CHUNK_ELEMENTS`` on CPU)."""
+    if chunk_size is not None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        return chunk_size
+    budget = DEFAULT_CPU_CHUNK_ELEMENTS if logits.device.type == "cpu" else DEFAULT_CHUNK_ELEMENTS
+    return max(1, budget // logits.shape[-1])
 
 
 def all_reduce_over(tensor: torch.Tensor, op: Any, group: dist.ProcessGroup | None) -> None:
@@ -165,18 +224,45 @@ def chunk_statistics(
     ``shifted_buf`` / ``exp_buf`` are float32 ``[>= C, >= V_local]`` work buffers (``exp_buf`` only
     with the entropy). The log-probabilities come out the same with and without the entropy:
     ``exp`` of the clamped values is the same 0."""
-    rows, columns = logits.shape
-    # float32 subtraction also upcasts low-precision logits exactly
-    shifted = torch.sub(logits, row_max[:, None], out=work_view(shifted_buf, rows, columns))
-    if temp != 1.0:
-        shifted.div_(temp)
+    shifted = _scaled_shift(logits, row_max, temp, shifted_buf)
     if entropy_terms is None or exp_buf is None:
         torch.sum(shifted.exp_(), dim=-1, out=sums)
         return
     shifted.clamp_min_(_LOG_FLOOR)
-    exps = torch.exp(shifted, out=work_view(exp_buf, rows, columns))
+    exps = torch.exp(shifted, out=work_view(exp_buf, *logits.shape))
     torch.sum(exps, dim=-1, out=sums)
     torch.sum(exps.mul_(shifted), dim=-1, out=entropy_terms)
+
+
+def chunk_power_sums(
+    logits: torch.Tensor,
+    row_max: torch.Tensor,
+    temp: float,
+    sums: torch.Tensor,
+    shifted_buf: torch.Tensor,
+) -> None:
+    """Per token of a chunk of logits ``[C, V_local]``: ``sums[0] = sum exp(s)`` and ``sums[1]
+    = sum exp(s) ** 2`` (``sums``: float32 ``[2, C]``), with ``s = (x - row_max) / T``;
+    ``shifted_buf``: a float32 ``[>= C, >= V_local]`` work buffer."""
+    exps = _scaled_shift(logits, row_max, temp, shifted_buf).exp_()
+    torch.sum(exps, dim=-1, out=sums[0])
+    torch.sum(exps.square_(), dim=-1, out=sums[1])
+
+
+def finish_power_sums(sums: torch.Tensor) -> torch.Tensor:
+    """``sum p ** 2 = S2 / S ** 2`` from the global per-token ``sums`` (rows ``S``, ``S2``)."""
+    return sums[1] / sums[0].square()
+
+
+def _scaled_shift(
+    logits: torch.Tensor, row_max: torch.Tensor, temp: float, buf: torch.Tensor
+) -> torch.Tensor:
+    """``(x - row_max) / T`` of a chunk of logits ``[C, V]`` in float32, in ``buf``."""
+    # float32 subtraction also upcasts low-precision logits exactly
+    shifted = torch.sub(logits, row_max[:, None], out=work_view(buf, *logits.shape))
+    if temp != 1.0:
+        shifted.div_(temp)
+    return shifted
 
 
 def finish_statistics(

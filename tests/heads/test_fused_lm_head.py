@@ -70,17 +70,21 @@ def results_and_gradients(
     return log_probs.detach(), entropy.detach(), loss.detach(), grad_h, grad_w
 
 
+#: The function cases: shapes, tiles (tokens x vocabulary rows), temperatures, weight scales.
+FUNCTION_CASES = {
+    "tokens": st.integers(1, 70),
+    "hidden": st.integers(1, 12),
+    "vocab": st.integers(1, 90),
+    "tile_tokens": st.integers(1, 80),
+    "tile_vocab": st.integers(1, 100),
+    "temperature": st.sampled_from([1.0, 0.6, 2.5]),
+    "scale": st.sampled_from([0.3, 3.0]),
+    "seed": st.integers(0, 2**16),
+}
+
+
 @settings(max_examples=40, deadline=None)
-@given(
-    tokens=st.integers(1, 70),
-    hidden=st.integers(1, 12),
-    vocab=st.integers(1, 90),
-    tile_tokens=st.integers(1, 80),
-    tile_vocab=st.integers(1, 100),
-    temperature=st.sampled_from([1.0, 0.6, 2.5]),
-    scale=st.sampled_from([0.3, 3.0]),
-    seed=st.integers(0, 2**16),
-)
+@given(**FUNCTION_CASES)
 def test_fused_results_and_gradients_equal_the_unfused_path(
     tokens: int,
     hidden: int,

@@ -405,6 +405,39 @@ def test_training_worker_actor_matches_actor_loss(
 
 
 @pytest.mark.parametrize(("strategy", "backend"), STRATEGIES)
+def test_training_worker_returns_sum_pi_squared_when_asked(
+    qwen3: str, distributed: None, strategy: str, backend: str
+) -> None:
+    """verl's ``calculate_sum_pi_squared`` (its compute_log_prob pass, for the optimal-token-
+    baseline estimators): ``sum_pi_squared`` in verl's layout, the squared softmax of the
+    checkpoint's logits (transformers') at the batch's temperature, summed; the log-probs and
+    entropy the same bit for bit as without it, and no output unless asked."""
+    from transformers import AutoModelForCausalLM
+
+    worker = _worker("language_model", qwen3, strategy)
+    rows = _rollout()
+    flags: dict[str, object] = {
+        "compute_loss": False,
+        "calculate_entropy": True,
+        "temperature": 0.7,
+    }
+    plain = worker.infer_batch(_verl_batch(rows, **flags))
+    inferred = worker.infer_batch(_verl_batch(rows, **flags, calculate_sum_pi_squared=True))
+    assert "sum_pi_squared" not in plain.keys() and inferred["sum_pi_squared"].is_nested
+    for key in ("log_probs", "entropy"):
+        assert torch.equal(plain[key].values(), inferred[key].values()), key
+
+    model = AutoModelForCausalLM.from_pretrained(qwen3, torch_dtype=torch.float32)
+    expected = []
+    with torch.no_grad():
+        for prompt, response in zip(rows["prompts"], rows["responses"], strict=True):
+            logits = model(torch.cat([prompt, response])[None]).logits[0]
+            squares = torch.softmax(logits / 0.7, dim=-1).square().sum(-1)
+            expected.append(squares[PROMPT - 1 : PROMPT - 1 + len(response)])  # verl's alignment
+    _assert_outputs(inferred["sum_pi_squared"], expected)
+
+
+@pytest.mark.parametrize(("strategy", "backend"), STRATEGIES)
 def test_training_worker_critic_matches_critic_loss(
     qwen3: str, reference: dict, strategy: str, backend: str
 ) -> None:

@@ -47,7 +47,6 @@ ROW = "verl_row"
 NO_PADDING = "no_padding"
 #: Non-tensor flags verl's engines understand that this one cannot honour, and why.
 REFUSED_FLAGS = {
-    "calculate_sum_pi_squared": "no sum of squared probabilities output",
     "distillation_use_topk": "no top-k distillation outputs",
     "distillation_only": "no distillation outputs",
 }
@@ -273,7 +272,7 @@ class ComposableEngine(BaseEngine):
         metrics: dict[int, Any] = {}
         keep = forward_only or bool(_flag(data, "return_model_output", False))
         with self._call_settings(data, forward_only):
-            declared = self._declared()  # the head of this call (entropy on or off)
+            declared = self._declared()  # the head of this call (its optional outputs on or off)
             wrapped = None
             if loss_function is not None:
                 wrapped = self._loss(
@@ -411,16 +410,21 @@ class ComposableEngine(BaseEngine):
 
     @contextlib.contextmanager
     def _call_settings(self, data: TensorDict, forward_only: bool) -> Iterator[None]:
-        """The head (temperature, entropy) and micro-batching verl's batch asks for, for one
-        call: verl sends them with every batch, this engine fixes them at build time."""
+        """The head (temperature, entropy, sum of squared probabilities) and micro-batching
+        verl's batch asks for, for one call: verl sends them with every batch, this engine fixes
+        them at build time."""
         engine = self.engine
         head, config = engine.head, engine.config
         changes: dict[str, Any] = {}
         fields = {field.name for field in attrs.fields(type(head))}
         if "temperature" in fields and "temperature" in data.keys():
             changes["temperature"] = _temperature(data)
-        if "compute_entropy" in fields:
-            changes["compute_entropy"] = bool(_flag(data, "calculate_entropy", False))
+        for option, flag in (
+            ("compute_entropy", "calculate_entropy"),
+            ("compute_sum_pi_squared", "calculate_sum_pi_squared"),
+        ):
+            if option in fields:
+                changes[option] = bool(_flag(data, flag, False))
         settings: dict[str, int | None]
         dynamic = _flag(data, "use_dynamic_bsz", config.max_tokens_per_micro_batch is not None)
         if dynamic:
