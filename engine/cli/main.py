@@ -9,10 +9,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from engine.cli.demo.config import ALGORITHMS
+from engine.cli.demo.config import ALGORITHMS, algorithm_names
 from engine.cli.loggers import logger_flag, resolve_loggers
 from engine.cli.options import non_negative_int, parallel_flags, parallel_overrides, positive_int
 from engine.cli.train import train
+from engine.losses.registries import POLICY_LOSSES
 from engine.losses.rollout_correction import LEVELS, MODES
 from heads.errors import ConfigError, EngineError
 
@@ -34,9 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--config", help="YAML file with demo and engine settings (flags win)")
     demo.add_argument(
         "--algorithm",
-        choices=sorted(ALGORITHMS),
-        help="ppo (GAE with a critic; the default), or critic-free: grpo, rloo, reinforce_pp "
-        "(REINFORCE++ with a group-mean baseline), each sampling a group of responses per prompt",
+        help="ppo (GAE with a critic; the default); grpo, rloo, reinforce_pp (REINFORCE++ with "
+        "a group-mean baseline), each sampling a group of responses per prompt; or any "
+        f"advantage estimator by name: {', '.join(algorithm_names()[len(ALGORITHMS) :])}",
+    )
+    demo.add_argument(
+        "--policy-loss",
+        help="the actor's policy loss by name (default vanilla, PPO's clip): "
+        f"{', '.join(POLICY_LOSSES.names())}; its options go in the config file "
+        "(ppo.policy_options)",
     )
     demo.add_argument(
         "--model",
@@ -155,8 +162,13 @@ def demo(args: argparse.Namespace) -> int:
         )
         if getattr(args, flag) is not None
     }
+    ppo: dict[str, Any] = {}
     if correction:
-        overrides["ppo"] = {"rollout_correction": correction}
+        ppo["rollout_correction"] = correction
+    if args.policy_loss is not None:
+        ppo["policy_loss"] = args.policy_loss
+    if ppo:
+        overrides["ppo"] = ppo
     if args.lora_alpha is not None and args.lora_rank is None:
         raise ConfigError("--lora-alpha needs --lora-rank")
     if args.lora_rank is not None:

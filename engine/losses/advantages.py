@@ -7,14 +7,14 @@ their rewards ignored.
 
 An estimator returns ``(advantages, returns)``, both zero at masked-out positions and in float32
 or wider (float64 inputs stay float64). ``returns`` is what the advantage is measured against a
-baseline of: the lambda-return ``A + V`` (GAE), the discounted reward-to-go (REINFORCE++), or
-the outcome score broadcast to the response tokens (the group estimators).
+baseline of: the lambda-return ``A + V`` (GAE), the discounted reward-to-go (REINFORCE++,
+ReMax), or the outcome score broadcast to the response tokens (the group estimators).
 
-The group estimators compare responses to the same prompt: ``group_ids[i]`` (a ``[B]`` integer
-tensor, any labels, any order) names row ``i``'s group. A row's outcome score is the sum of its
-token rewards over the mask. Rows with no masked-in token are not responses: their advantages
-are 0 and they are left out of their group's statistics. A group with one response, or whose
-responses all scored the same, carries no signal: its advantages are exactly 0.
+This module holds the contract and the estimators of single rows (GAE, REINFORCE++, ReMax);
+those comparing the responses to one prompt are in :mod:`engine.losses.group_advantages`, the
+per-timestep optimal baselines in :mod:`engine.losses.token_baselines`. An estimator that reads
+more than rewards, mask, values and group ids names the batch fields in ``inputs`` (ReMax: the
+greedy response's score ``reward_baselines``) and takes them as keyword arguments.
 """
 
 from __future__ import annotations
@@ -25,17 +25,17 @@ import attrs
 import torch
 
 from heads.errors import BatchError, ConfigError
-from heads.validation import bool_field, float_field, positive
+from heads.validation import bool_field, float_field
 
 
-def _unit_interval(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+def unit_interval(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
     if not 0 <= value <= 1:
         raise ConfigError(
             f"{type(instance).__name__}.{attribute.name} must be in [0, 1], got {value!r}"
         )
 
 
-def _check_tokens(name: str, rewards: torch.Tensor, mask: torch.Tensor) -> None:
+def check_tokens(name: str, rewards: torch.Tensor, mask: torch.Tensor) -> None:
     if rewards.shape != mask.shape or rewards.dim() != 2:
         raise BatchError(
             f"{name} needs rewards and mask of one [batch, tokens] shape; got "
@@ -43,7 +43,7 @@ def _check_tokens(name: str, rewards: torch.Tensor, mask: torch.Tensor) -> None:
         )
 
 
-def _result_dtype(*tensors: torch.Tensor) -> torch.dtype:
+def result_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """The inputs' common floating dtype, at least float32 (float64 stays float64)."""
     dtype = torch.float32
     for tensor in tensors:
@@ -72,6 +72,23 @@ class AdvantageEstimator(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+def estimator_inputs(estimator: object) -> tuple[str, ...]:
+    """The batch fields ``estimator`` reads beyond rewards, mask, values and group ids, given to
+    it as keyword arguments of those names (its optional ``inputs`` declaration; none if
+    undeclared)."""
+    declared: tuple[str, ...] = tuple(getattr(estimator, "inputs", ()))
+    return declared
+
+
+def reward_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each masked-in token's undiscounted reward-to-go (its reward plus every later masked-in
+    one of its row), 0 elsewhere."""
+    check_tokens("reward_to_go", rewards, mask)
+    active = mask.bool()
+    masked = torch.where(active, rewards.to(result_dtype(rewards)), 0.0)
+    return torch.where(active, masked.flip(-1).cumsum(-1).flip(-1), 0.0)
+
+
 def gae_advantages(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -91,7 +108,7 @@ def gae_advantages(
             f"{tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(mask.shape)}"
         )
     active = mask.bool()
-    dtype = _result_dtype(rewards, values)
+    dtype = result_dtype(rewards, values)
     rewards, values = rewards.to(dtype), values.to(dtype)
     advantages = torch.zeros_like(values)
     running = torch.zeros_like(values[:, 0])
@@ -108,22 +125,24 @@ def gae_advantages(
 
 def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """Shift and scale the masked-in entries to mean 0 and (unbiased) standard deviation 1
-    (others 0); a lone entry becomes 0."""
+    (others 0): ``(x - mean) / sqrt(var + eps)``, as verl's ``masked_whiten``; the variance
+    floor keeps entries equal up to rounding near 0 rather than blowing the rounding up to
+    O(1). A lone entry becomes 0."""
     active = mask.bool()
-    values = torch.where(active, values.to(_result_dtype(values)), 0.0)
+    values = torch.where(active, values.to(result_dtype(values)), 0.0)
     count = int(active.sum())
     if count < 2:
         return torch.where(active, values - values[active].mean() if count else values, 0.0)
     selected = values[active]
-    normalised = (values - selected.mean()) / (selected.std() + eps)
+    normalised = (values - selected.mean()) * torch.rsqrt(selected.var() + eps)
     return torch.where(active, normalised, 0.0)
 
 
 def outcome_scores(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Each row's sum of token rewards over the mask, ``[B]``."""
-    _check_tokens("outcome_scores", rewards, mask)
+    check_tokens("outcome_scores", rewards, mask)
     active = mask.bool()
-    return torch.where(active, rewards.to(_result_dtype(rewards)), 0.0).sum(-1)
+    return torch.where(active, rewards.to(result_dtype(rewards)), 0.0).sum(-1)
 
 
 @attrs.frozen(kw_only=True)
@@ -133,8 +152,8 @@ class GAE:
 
     needs_values: ClassVar[bool] = True
     needs_groups: ClassVar[bool] = False
-    gamma: float = float_field(1.0, _unit_interval)
-    lam: float = float_field(0.95, _unit_interval)
+    gamma: float = float_field(1.0, unit_interval)
+    lam: float = float_field(0.95, unit_interval)
     whiten_advantages: bool = bool_field(True)
 
     def __call__(
@@ -154,61 +173,13 @@ class GAE:
 
 
 @attrs.frozen(kw_only=True)
-class GRPO:
-    """``grpo``: ``(score - group mean) / (group std + eps)`` with the unbiased std, for every
-    response token; ``scale_by_std=False`` gives ``score - group mean`` (Dr. GRPO)."""
-
-    needs_values: ClassVar[bool] = False
-    needs_groups: ClassVar[bool] = True
-    eps: float = float_field(1e-6, positive)
-    scale_by_std: bool = bool_field(True)
-
-    def __call__(
-        self,
-        rewards: torch.Tensor,
-        mask: torch.Tensor,
-        *,
-        values: torch.Tensor | None = None,
-        group_ids: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        groups = _GroupStatistics.of("grpo", rewards, mask, group_ids)
-        centred = groups.scores - groups.mean
-        if self.scale_by_std:
-            centred = centred / (groups.std + self.eps)
-        return groups.advantages(centred, mask), groups.per_token(groups.scores, mask)
-
-
-@attrs.frozen(kw_only=True)
-class RLOO:
-    """``rloo``: ``score - mean of the other responses' scores`` (leave-one-out baseline)."""
-
-    needs_values: ClassVar[bool] = False
-    needs_groups: ClassVar[bool] = True
-
-    def __call__(
-        self,
-        rewards: torch.Tensor,
-        mask: torch.Tensor,
-        *,
-        values: torch.Tensor | None = None,
-        group_ids: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        groups = _GroupStatistics.of("rloo", rewards, mask, group_ids)
-        others = (groups.total - groups.scores) / (groups.count - 1).clamp(min=1)
-        return (
-            groups.advantages(groups.scores - others, mask),
-            groups.per_token(groups.scores, mask),
-        )
-
-
-@attrs.frozen(kw_only=True)
 class ReinforcePlusPlus:
     """``reinforce_plus_plus``: the ``gamma``-discounted reward-to-go over each row's masked-in
     tokens, whitened over the batch's masked-in tokens (no critic, no groups)."""
 
     needs_values: ClassVar[bool] = False
     needs_groups: ClassVar[bool] = False
-    gamma: float = float_field(1.0, _unit_interval)
+    gamma: float = float_field(1.0, unit_interval)
 
     def __call__(
         self,
@@ -218,7 +189,7 @@ class ReinforcePlusPlus:
         values: torch.Tensor | None = None,
         group_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        _check_tokens("reinforce_plus_plus", rewards, mask)
+        check_tokens("reinforce_plus_plus", rewards, mask)
         # With V = 0 and lambda = 1, GAE's advantage is the discounted reward-to-go.
         returns, _ = gae_advantages(
             rewards, torch.zeros_like(rewards), mask, gamma=self.gamma, lam=1.0
@@ -227,12 +198,14 @@ class ReinforcePlusPlus:
 
 
 @attrs.frozen(kw_only=True)
-class ReinforcePlusPlusBaseline:
-    """``reinforce_plus_plus_baseline``: ``score - group mean`` on every response token, then
-    whitened over the batch's masked-in tokens."""
+class ReMax:
+    """``remax`` (Li et al. 2023): the reward-to-go minus the score of the prompt's greedy
+    response (``reward_baselines``, one per row), on every response token; ``returns`` the
+    reward-to-go. The caller samples that greedy response and scores it."""
 
     needs_values: ClassVar[bool] = False
-    needs_groups: ClassVar[bool] = True
+    needs_groups: ClassVar[bool] = False
+    inputs: ClassVar[tuple[str, ...]] = ("reward_baselines",)
 
     def __call__(
         self,
@@ -241,65 +214,14 @@ class ReinforcePlusPlusBaseline:
         *,
         values: torch.Tensor | None = None,
         group_ids: torch.Tensor | None = None,
+        reward_baselines: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        groups = _GroupStatistics.of("reinforce_plus_plus_baseline", rewards, mask, group_ids)
-        centred = groups.advantages(groups.scores - groups.mean, mask)
-        return whiten(centred, mask), groups.per_token(groups.scores, mask)
-
-
-@attrs.frozen(kw_only=True)
-class _GroupStatistics:
-    """Per row: its outcome score and its group's count, total, mean and unbiased std, over the
-    group's rows that have masked-in tokens."""
-
-    scores: torch.Tensor
-    count: torch.Tensor
-    total: torch.Tensor
-    mean: torch.Tensor
-    std: torch.Tensor
-    #: Rows whose advantage is 0 by definition: no tokens, alone, or all scores equal.
-    silent: torch.Tensor
-
-    @classmethod
-    def of(
-        cls, name: str, rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor | None
-    ) -> _GroupStatistics:
-        _check_tokens(name, rewards, mask)
-        if group_ids is None or group_ids.shape != rewards.shape[:1]:
-            found = "none" if group_ids is None else f"shape {tuple(group_ids.shape)}"
+        returns = reward_to_go(rewards, mask)
+        if reward_baselines is None or reward_baselines.shape != rewards.shape[:1]:
+            found = "none" if reward_baselines is None else f"shape {tuple(reward_baselines.shape)}"
             raise BatchError(
-                f"the {name!r} advantage estimator needs group_ids, one group label per row "
-                f"(shape ({rewards.shape[0]},)); got {found}"
+                "the 'remax' advantage estimator needs reward_baselines, the greedy response's "
+                f"score for each row (shape ({rewards.shape[0]},)); got {found}"
             )
-        scores = outcome_scores(rewards, mask)
-        responds = mask.bool().any(-1)
-        _, row_group = torch.unique(group_ids, return_inverse=True)
-        row_group = row_group.to(scores.device)
-        groups = int(row_group.max()) + 1 if row_group.numel() else 0
-
-        def per_group_sum(x: torch.Tensor) -> torch.Tensor:
-            summed = torch.zeros(groups, dtype=x.dtype, device=x.device)
-            return summed.index_add(0, row_group, torch.where(responds, x, 0.0))[row_group]
-
-        def per_group(x: torch.Tensor, reduce: str, fill: float) -> torch.Tensor:
-            start = torch.full((groups,), fill, dtype=x.dtype, device=x.device)
-            picked = torch.where(responds, x, fill)
-            return start.scatter_reduce(0, row_group, picked, reduce)[row_group]
-
-        count = per_group_sum(torch.ones_like(scores))
-        total = per_group_sum(scores)
-        mean = total / count.clamp(min=1)
-        variance = per_group_sum((scores - mean).square()) / (count - 1).clamp(min=1)
-        spread = per_group(scores, "amax", -torch.inf) - per_group(scores, "amin", torch.inf)
-        silent = ~responds | (count < 2) | (spread == 0)
-        return cls(
-            scores=scores, count=count, total=total, mean=mean, std=variance.sqrt(), silent=silent
-        )
-
-    def advantages(self, per_row: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``per_row`` advantages, 0 on silent rows, on every masked-in token of their row."""
-        return self.per_token(torch.where(self.silent, 0.0, per_row), mask)
-
-    def per_token(self, per_row: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``per_row`` on every masked-in token of its row (0 elsewhere)."""
-        return torch.where(mask.bool(), per_row[:, None], 0.0)
+        baseline = reward_baselines.to(returns.dtype)[:, None]
+        return torch.where(mask.bool(), returns - baseline, 0.0), returns

@@ -26,14 +26,21 @@ from engine.losses.contract import (
     token_separable,
 )
 from engine.losses.kl import KL_TYPES, MAX_LOG_RATIO, kl_penalty
-from engine.losses.policy import default_clip_ratio_c
+from engine.losses.policy import (
+    BypassMode,
+    PolicyLoss,
+    default_clip_ratio_c,
+    default_loss_agg_mode,
+)
 from engine.losses.registries import POLICY_LOSSES, policy_loss_field
 from engine.losses.rollout_correction import (
+    ROLLOUT_IS_WEIGHTS,
     ROLLOUT_LOG_PROBS,
     RolloutCorrection,
     rollout_metrics,
     rollout_weights,
 )
+from engine.registry import build_part
 from heads.base import PER_TOKEN, Granularity
 from heads.errors import BatchError, ConfigError
 from heads.validation import finite, non_negative, of_type, one_of, positive
@@ -73,12 +80,39 @@ def _mask_key_field() -> Any:
     return attrs.field(default=None, validator=attrs.validators.optional(of_type(str)))
 
 
-def _default_clip_ratio_c(loss: Any) -> float | None:
-    """The named policy loss's dual-clip default (None for a name the validator will refuse)."""
+def _named_policy_loss(loss: Any) -> Any:
+    """The registry's entry for ``loss.policy_loss`` (None for a name the validator refuses)."""
     name = loss.policy_loss
     if not isinstance(name, str) or name not in POLICY_LOSSES.names():
         return None
-    return default_clip_ratio_c(POLICY_LOSSES.get(name))
+    return POLICY_LOSSES.get(name)
+
+
+def _default_clip_ratio_c(loss: Any) -> float | None:
+    """The named policy loss's dual-clip default."""
+    return default_clip_ratio_c(_named_policy_loss(loss))
+
+
+def _default_loss_agg_mode(loss: Any) -> str:
+    """The named policy loss's aggregation default (``token-mean`` unless it declares one)."""
+    return default_loss_agg_mode(_named_policy_loss(loss))
+
+
+def build_policy_loss(name: str, options: Mapping[str, Any]) -> PolicyLoss:
+    """The policy loss ``name`` with ``options``: an attrs class is built from them (each
+    checked, an unknown one refused by name), a plain function takes none."""
+    factory: Any = POLICY_LOSSES.get(name)
+    if attrs.has(factory):
+        built: Any = build_part(factory, options, f"policy loss {name!r}")
+        policy: PolicyLoss = built
+        return policy
+    if options:
+        raise ConfigError(
+            f"ActorLoss.policy_options: policy loss {name!r} takes no options; got "
+            f"{', '.join(sorted(options))}"
+        )
+    function: PolicyLoss = factory
+    return function
 
 
 def _check_horizon(instance: Any) -> None:
@@ -98,8 +132,9 @@ class ActorLoss:
     (log-ratio clamped to ``[-20, 20]``) and advantage ``A``:
     ``l = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``; for ``A < 0`` and
     ``clip_ratio_c`` set, ``l = min(l, -A clip_ratio_c)`` (dual clip; by default 3.0 for
-    ``vanilla`` and off for the others); ``gspo`` clips a sequence ratio, ``cispo`` weights
-    log-probs by the clipped ratio.
+    ``vanilla``, ``dppo_tv``, ``dppo_kl`` and ``bypass_mode``, off for the others); ``gspo``
+    clips a sequence ratio, ``cispo`` weights log-probs by the clipped ratio, and so on (the
+    table in docs/rl.md); ``policy_options`` are the chosen loss's own settings.
     The loss is ``agg(l) - entropy_coeff * agg(entropy) + kl_coeff * agg(kl)``, every ``agg``
     being :func:`aggregate` with ``loss_agg_mode`` over the mask (``mask_key``, else
     ``loss_mask``, else ``response_mask``).
@@ -114,11 +149,19 @@ class ActorLoss:
     ``l`` is multiplied by the importance weights ``pi_old / pi_rollout`` (batch field
     ``rollout_log_probs``) before aggregation, whatever the policy loss; metrics
     ``rollout_is_mean``, ``rollout_is_max``, ``rollout_is_dropped``, ``rollout_is_seq_dropped``,
-    ``rollout_old_kl``, ``rollout_old_k3_kl``.
+    ``rollout_old_kl``, ``rollout_old_k3_kl``. Weights computed elsewhere (verl's trainer passes
+    its own) come as the per-token batch field ``rollout_is_weights`` and multiply ``l`` as they
+    are (metric ``rollout_is_mean``); a batch with them and a ``rollout_correction`` (or
+    ``bypass_mode``, which weights by itself) is refused rather than weighted twice.
     """
 
-    #: A name in the policy loss registry (``vanilla``, ``gspo``, ``cispo`` or registered).
+    #: A name in the policy loss registry (``vanilla``, ``gspo``, ``sapo``, ... or registered).
     policy_loss: str = policy_loss_field()
+    #: The policy loss's options, as verl names them (``sapo``: ``tau_pos``, ``tau_neg``;
+    #: ``clip_cov``: ``clip_cov_ratio``, ...); a loss without options takes none.
+    policy_options: Mapping[str, Any] = attrs.field(
+        factory=dict, converter=dict, validator=of_type(dict), hash=False
+    )
     clip_ratio_low: float = _number(0.2, non_negative, _below_one)
     clip_ratio_high: float = _number(0.2, non_negative)
     #: Dual-clip bound ``c > 1`` for negative advantages; None disables dual clipping. Unset:
@@ -128,7 +171,12 @@ class ActorLoss:
         default=attrs.Factory(_default_clip_ratio_c, takes_self=True),
         validator=attrs.validators.optional([of_type((int, float)), finite, _above_one]),
     )
-    loss_agg_mode: str = _mode_field()
+    #: Unset: the policy loss's own default (``seq-mean-token-mean`` for ``sapo`` and
+    #: ``geo_mean``, ``token-mean`` for the others).
+    loss_agg_mode: str = attrs.field(
+        default=attrs.Factory(_default_loss_agg_mode, takes_self=True),
+        validator=one_of(*AGG_MODES),
+    )
     #: Fixed token count for ``seq-mean-token-sum-norm`` (required by that mode only).
     horizon: int | None = _horizon_field()
     entropy_coeff: float = _number(0.0, non_negative)
@@ -142,8 +190,19 @@ class ActorLoss:
         default=None, validator=attrs.validators.optional(of_type(RolloutCorrection))
     )
 
+    #: The policy loss built from ``policy_loss`` and ``policy_options``.
+    _policy: PolicyLoss = attrs.field(init=False, eq=False, repr=False, hash=False)
+
     def __attrs_post_init__(self) -> None:
         _check_horizon(self)
+        policy = build_policy_loss(self.policy_loss, self.policy_options)
+        if self.rollout_correction is not None and isinstance(policy, BypassMode):
+            raise ConfigError(
+                "ActorLoss.rollout_correction with policy_loss='bypass_mode': bypass mode takes "
+                "the rollout's log-probs as old_log_probs and weights by its own rollout_is "
+                "option; drop one"
+            )
+        object.__setattr__(self, "_policy", policy)
 
     @property
     def required_fields(self) -> dict[str, Granularity | None]:
@@ -160,7 +219,7 @@ class ActorLoss:
     def token_separable(self) -> bool:
         """Whether its policy loss is (the entropy and KL terms, the aggregation and the
         rollout weights are: they weight each token by batch-only numbers)."""
-        return is_token_separable(POLICY_LOSSES.get(self.policy_loss))
+        return is_token_separable(self._policy)
 
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], batch: Any, ctx: LossContext
@@ -178,8 +237,19 @@ class ActorLoss:
         old = zero_masked(batch["old_log_probs"].to(dtype), mask)
         advantages = zero_masked(batch["advantages"].to(dtype), mask)
 
-        terms = POLICY_LOSSES.get(self.policy_loss)(log_probs, old, advantages, mask, self)
+        terms = self._policy(log_probs, old, advantages, mask, self)
         per_token, rollout = terms.per_token, {}
+        precomputed = ROLLOUT_IS_WEIGHTS in batch.keys()
+        if precomputed:  # verl's trainer hands its rollout correction's weights over
+            if self.rollout_correction is not None or isinstance(self._policy, BypassMode):
+                raise BatchError(
+                    f"the batch holds precomputed {ROLLOUT_IS_WEIGHTS!r} and ActorLoss computes "
+                    "its own (rollout_correction, or policy_loss='bypass_mode'): give one, not "
+                    "both (they would multiply)"
+                )
+            weights_field = zero_masked(batch[ROLLOUT_IS_WEIGHTS].to(dtype), mask).detach()
+            per_token = per_token * weights_field
+            rollout = {"rollout_is_mean": masked_mean(weights_field, mask)}
         if self.rollout_correction is not None:  # the one place every policy loss is weighted
             if ROLLOUT_LOG_PROBS not in batch.keys():
                 raise BatchError(
@@ -195,12 +265,14 @@ class ActorLoss:
             )
             per_token = per_token * weights.weights
             rollout = rollout_metrics(weights, mask)
-        log_ratio = torch.clamp(log_probs - old, -MAX_LOG_RATIO, MAX_LOG_RATIO)
+        ppo_kl = terms.ppo_kl
+        if ppo_kl is None:
+            ppo_kl = -torch.clamp(log_probs - old, -MAX_LOG_RATIO, MAX_LOG_RATIO)
         loss = agg(per_token, ctx)
         metrics: dict[str, float | torch.Tensor] = {
             "pg_loss": agg(per_token.detach(), local),
             "pg_clipfrac": masked_mean(terms.clipped.to(dtype), mask),
-            "ppo_kl": masked_mean(-log_ratio.detach(), mask),
+            "ppo_kl": masked_mean(ppo_kl.detach(), mask),
             "pg_clipfrac_lower": masked_mean(terms.clipped_lower.to(dtype), mask),
             **rollout,
         }

@@ -21,13 +21,25 @@ ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry(
     "composable_engine.advantage_estimators",
     {
         "gae": "engine.losses.advantages:GAE",
-        "grpo": "engine.losses.advantages:GRPO",
-        "rloo": "engine.losses.advantages:RLOO",
         "reinforce_plus_plus": "engine.losses.advantages:ReinforcePlusPlus",
-        "reinforce_plus_plus_baseline": "engine.losses.advantages:ReinforcePlusPlusBaseline",
+        "remax": "engine.losses.advantages:ReMax",
+        "grpo": "engine.losses.group_advantages:GRPO",
+        "grpo_vectorized": "engine.losses.group_advantages:GRPO",
+        "rloo": "engine.losses.group_advantages:RLOO",
+        "rloo_vectorized": "engine.losses.group_advantages:RLOO",
+        "reinforce_plus_plus_baseline": "engine.losses.group_advantages:ReinforcePlusPlusBaseline",
+        "gdpo": "engine.losses.group_advantages:GDPO",
+        "grpo_passk": "engine.losses.group_advantages:GRPOPassK",
+        "opo": "engine.losses.group_advantages:OPO",
+        "gpg": "engine.losses.group_advantages:GPG",
+        "optimal_token_baseline": "engine.losses.token_baselines:OptimalTokenBaseline",
+        "tir_optimal_token_baseline": (
+            "engine.losses.token_baselines:MultiTurnOptimalTokenBaseline"
+        ),
     },
 )
-#: Policy loss functions (:class:`~engine.losses.policy.PolicyLoss`); ``get(name)`` gives one.
+#: Policy losses (:class:`~engine.losses.policy.PolicyLoss`): functions, or attrs classes whose
+#: instances are (built from ``ActorLoss.policy_options``); ``get(name)`` gives one.
 POLICY_LOSSES: Registry[PolicyTerms] = Registry(
     "policy loss function",
     "composable_engine.policy_losses",
@@ -35,6 +47,15 @@ POLICY_LOSSES: Registry[PolicyTerms] = Registry(
         "vanilla": "engine.losses.policy:vanilla",
         "gspo": "engine.losses.policy:gspo",
         "cispo": "engine.losses.policy:cispo",
+        "sapo": "engine.losses.policy:SAPO",
+        "gpg": "engine.losses.policy:gpg",
+        "clip_cov": "engine.losses.policy:ClipCov",
+        "kl_cov": "engine.losses.policy:KLCov",
+        "geo_mean": "engine.losses.policy:geo_mean",
+        "dro": "engine.losses.policy:DRO",
+        "dppo_tv": "engine.losses.policy:dppo_tv",
+        "dppo_kl": "engine.losses.policy:dppo_kl",
+        "bypass_mode": "engine.losses.policy:BypassMode",
     },
 )
 

@@ -23,6 +23,8 @@ from heads.errors import ConfigError
 from heads.validation import finite, of_type, one_of, positive
 
 ROLLOUT_LOG_PROBS = "rollout_log_probs"
+#: Importance weights computed elsewhere (verl's trainer), applied as they are.
+ROLLOUT_IS_WEIGHTS = "rollout_is_weights"
 #: Where a weight is computed: per token, per sequence (product of its token ratios) or per
 #: sequence as the geometric mean of its token ratios (length-normalised).
 LEVELS = ("token", "sequence", "geometric")

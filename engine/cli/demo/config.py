@@ -12,21 +12,44 @@ import attrs
 
 from engine.cli.loggers import LOGGERS
 from engine.config import EngineConfig, read_yaml_mapping, structure
-from engine.losses import ADVANTAGE_ESTIMATORS, KL_TYPES, AdvantageEstimator, RolloutCorrection
+from engine.losses import (
+    ADVANTAGE_ESTIMATORS,
+    KL_TYPES,
+    AdvantageEstimator,
+    RolloutCorrection,
+    estimator_inputs,
+)
 from engine.losses.kl_control import AdaptiveKLController
+from engine.losses.ppo import build_policy_loss
 from engine.losses.registries import policy_loss_field
 from heads.errors import ConfigError
 from heads.validation import float_field, int_field, of_type, one_of, positive, seed_field
 
 ROLES = ("actor", "critic", "reference")
 HEADS = {"actor": "lm", "critic": "value", "reference": "lm"}
-#: ``--algorithm`` -> its advantage estimator; only one that reads values gets a critic.
+#: ``--algorithm`` names of the demo's own -> their advantage estimator; any registered
+#: estimator's name is an algorithm too. Only one that reads values gets a critic.
 ALGORITHMS = {
     "ppo": "gae",
     "grpo": "grpo",
     "rloo": "rloo",
     "reinforce_pp": "reinforce_plus_plus_baseline",
 }
+
+
+def algorithm_names() -> list[str]:
+    """Every ``--algorithm``: the demo's names, then the estimators'."""
+    return [*ALGORITHMS, *(n for n in ADVANTAGE_ESTIMATORS.names() if n not in ALGORITHMS)]
+
+
+def _algorithm(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value not in algorithm_names():
+        raise ConfigError(
+            f"DemoConfig.{attribute.name}: unknown algorithm {value!r}; known: "
+            f"{', '.join(algorithm_names())}"
+        )
+
+
 #: Sequences per iteration when ``task.prompts`` is not given (``prompts x group_size``).
 SEQUENCES_PER_ITERATION = 64
 #: ``task.group_size`` when not given: responses per prompt without / with a critic.
@@ -103,8 +126,10 @@ class PPOConfig:
     kl_target: float = float_field(0.1, positive)
     kl_horizon: int = int_field(10_000)
     entropy_coeff: float = float_field(0.0)
-    #: ``ActorLoss.policy_loss``: ``vanilla`` (PPO), ``gspo``, ``cispo`` or a registered one.
+    #: ``ActorLoss.policy_loss``: ``vanilla`` (PPO), ``gspo``, ``sapo``, ... or a registered one.
     policy_loss: str = policy_loss_field()
+    #: ``ActorLoss.policy_options``: the policy loss's own settings (e.g. ``{dro_beta: 0.1}``).
+    policy_options: dict[str, Any] = attrs.field(factory=dict)
     #: Options of the algorithm's advantage estimator (e.g. ``{scale_by_std: false}`` for grpo).
     estimator_options: dict[str, Any] = attrs.field(factory=dict)
     #: Importance weights ``pi_old / pi_rollout`` on the policy loss, from the generator's
@@ -120,6 +145,10 @@ class PPOConfig:
                 raise ConfigError(f"PPOConfig.{name} must be in [0, 1], got {getattr(self, name)}")
         if self.clip_ratio >= 1:
             raise ConfigError(f"PPOConfig.clip_ratio must be < 1, got {self.clip_ratio}")
+        try:
+            build_policy_loss(self.policy_loss, self.policy_options)
+        except ConfigError as error:
+            raise ConfigError(f"PPOConfig.policy_options: {error}") from None
 
 
 @attrs.frozen(kw_only=True)
@@ -135,7 +164,7 @@ class DemoConfig:
     value layer.
     """
 
-    algorithm: str = attrs.field(default="ppo", validator=one_of(*ALGORITHMS))
+    algorithm: str = attrs.field(default="ppo", validator=[of_type(str), _algorithm])
     steps: int = int_field(120)
     seed: int = seed_field(0)
     device: str = attrs.field(default="auto", validator=of_type(str))
@@ -209,13 +238,15 @@ class DemoConfig:
 
     def estimator(self) -> AdvantageEstimator:
         """The algorithm's advantage estimator, with ``ppo.estimator_options``."""
-        name = ALGORITHMS[self.algorithm]
+        name = ALGORITHMS.get(self.algorithm, self.algorithm)
         defaults = {"gamma": self.ppo.gamma, "lam": self.ppo.lam} if name == "gae" else {}
         return ADVANTAGE_ESTIMATORS.create(name, {**defaults, **self.ppo.estimator_options})
 
     def engine_config(self, role: str) -> EngineConfig:
         """The role's ``EngineConfig``: defaults <- ``engine`` <- the role's section."""
         data = _merge(ENGINE_DEFAULTS, {"seed": self.seed}, ROLE_DEFAULTS[role])
+        if role == "actor" and "sum_pi_squared" in estimator_inputs(self.estimator()):
+            data = _merge(data, {"head": {"compute_sum_pi_squared": True}})
         data = _merge(data, self.engine, getattr(self, role))
         data["total_steps"] = self.steps * self.ppo.epochs * self.ppo.mini_batches
         if role == "reference":

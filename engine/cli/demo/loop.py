@@ -67,6 +67,7 @@ from engine.losses import (
     ActorLoss,
     AdvantageEstimator,
     CriticLoss,
+    estimator_inputs,
     kl_controller,
     kl_penalized_rewards,
     masked_mean,
@@ -279,6 +280,10 @@ def _iteration(
     responses, rollout_log_probs = sample(generator, prompts, task.response_length, rng)
     scores = parity_reward(prompts, responses).cpu()
     batch = rollout_batch(prompts.cpu(), responses.cpu(), scores, rollout_log_probs.cpu())
+    needs = estimator_inputs(training.estimator)
+    if "reward_baselines" in needs:  # ReMax: each prompt's greedy response, scored
+        greedy, _ = sample(generator, prompts, task.response_length, rng, greedy=True)
+        batch["reward_baselines"] = parity_reward(prompts, greedy).cpu()
     phases["generate_s"] = time.perf_counter() - began - sum(phases.values())
 
     dp_rank, dp_size = actor.get_data_parallel_rank(), actor.get_data_parallel_size()
@@ -286,6 +291,8 @@ def _iteration(
     with actor.eval_mode():
         old = actor.infer_batch(shard)
         batch["old_log_probs"] = _gather_outputs(actor, old, "log_probs")
+        if "sum_pi_squared" in needs:  # the optimal token baselines' path variance
+            batch["sum_pi_squared"] = _gather_outputs(actor, old, "sum_pi_squared")
         if actor.config.router_replay:  # the updates route each token as this pass did
             batch[ROUTED_EXPERTS] = _gather_outputs(actor, old, ROUTED_EXPERTS, torch.long)
     without_adapter = reference.disable_adapter() if reference is actor else nullcontext()
@@ -360,7 +367,10 @@ def add_advantages(
         metrics.update(kl_coeff=controller.value, rollout_kl=rollout_kl)
         controller.update(rollout_kl, n_steps=len(rewards))
     values = batch["values"] if "values" in batch.keys() else None
-    advantages, returns = training.estimator(rewards, mask, values=values, group_ids=group_ids)
+    inputs = {name: batch[name] for name in estimator_inputs(training.estimator)}
+    advantages, returns = training.estimator(
+        rewards, mask, values=values, group_ids=group_ids, **inputs
+    )
     batch["advantages"], batch["returns"] = advantages, returns
     chosen = advantages[mask.bool()]
     metrics.update(
@@ -375,6 +385,7 @@ def add_advantages(
 def _actor_loss(ppo: PPOConfig) -> ActorLoss:
     return ActorLoss(
         policy_loss=ppo.policy_loss,
+        policy_options=ppo.policy_options,
         clip_ratio_low=ppo.clip_ratio,
         clip_ratio_high=ppo.clip_ratio,
         kl_coeff=ppo.kl_coeff if ppo.kl_placement == "loss" else 0.0,

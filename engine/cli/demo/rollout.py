@@ -94,11 +94,17 @@ def checkpoint_views(generator: torch.nn.Module, model: Any) -> dict[str, torch.
 
 @torch.no_grad()
 def sample(
-    generator: torch.nn.Module, prompts: torch.Tensor, new_tokens: int, rng: torch.Generator
+    generator: torch.nn.Module,
+    prompts: torch.Tensor,
+    new_tokens: int,
+    rng: torch.Generator,
+    *,
+    greedy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample ``new_tokens`` per prompt at temperature 1 (the actor's distribution); returns
-    the tokens ``[B, new_tokens]`` and the generator's log-probs of them (what a rollout
-    engine reports, for rollout correction)."""
+    """Sample ``new_tokens`` per prompt at temperature 1 (the actor's distribution), or the most
+    likely token each time (``greedy``: ReMax's baseline response); returns the tokens
+    ``[B, new_tokens]`` and the generator's log-probs of them (what a rollout engine reports,
+    for rollout correction)."""
     # transformers 5 calls the KV cache ``cache``; 4.x called it ``past_key_values``.
     cache = (
         "cache" if "cache" in inspect.signature(generator.forward).parameters else "past_key_values"
@@ -107,7 +113,10 @@ def sample(
     chosen, chosen_log_probs = [], []
     for index in range(new_tokens):
         log_probs = torch.log_softmax(output.logits[:, -1].float(), dim=-1)
-        token = torch.multinomial(log_probs.exp(), 1, generator=rng)
+        if greedy:
+            token = log_probs.argmax(-1, keepdim=True)
+        else:
+            token = torch.multinomial(log_probs.exp(), 1, generator=rng)
         chosen.append(token)
         chosen_log_probs.append(log_probs.gather(-1, token))
         if index + 1 < new_tokens:

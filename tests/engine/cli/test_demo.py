@@ -451,7 +451,7 @@ def test_rollout_correction_settings_reach_the_actor_loss_and_bad_ones_are_refus
 def test_critic_free_settings_that_cannot_work_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"task\.group_size must be >= 2, got 1"):
         DemoConfig.from_dict({"algorithm": "grpo", "task": {"group_size": 1}})
-    with pytest.raises(ConfigError, match="algorithm must be one of"):
+    with pytest.raises(ConfigError, match="unknown algorithm 'dpo'; known: ppo, grpo"):
         DemoConfig.from_dict({"algorithm": "dpo"})
     with pytest.raises(ConfigError, match=r"policy_loss: .*did you mean 'cispo'"):
         DemoConfig.from_dict({"ppo": {"policy_loss": "cipso"}})
@@ -547,3 +547,55 @@ def test_lora_alpha_without_rank_and_a_reference_section_with_a_lora_actor_are_r
     assert main(["demo", "--lora-alpha", "8", "--output-dir", str(tmp_path)]) == 2
     with pytest.raises(ConfigError, match="section 'reference' is unused"):
         DemoConfig.from_dict({"actor": {"lora": {"rank": 4}}, "reference": {"seed": 1}})
+
+
+def critic_free_algorithms() -> list[str]:
+    from engine.cli.demo.config import algorithm_names
+
+    return [
+        name
+        for name in algorithm_names()
+        if not DemoConfig.from_dict({"algorithm": name}).estimator().needs_values
+    ]
+
+
+def test_every_critic_free_algorithm_and_every_policy_loss_runs_an_iteration(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fresh_mesh: None
+) -> None:
+    """Each critic-free ``--algorithm`` (the demo's names and every estimator's, ReMax's greedy
+    baseline and the optimal token baselines' ``sum_pi_squared`` included), each paired with a
+    ``--policy-loss`` (all of them used), runs an iteration in process with finite numbers."""
+    from engine.losses import POLICY_LOSSES
+
+    algorithms = critic_free_algorithms()
+    losses = POLICY_LOSSES.names()
+    options = {"dro": "ppo:\n  policy_options:\n    dro_beta: 0.1\n"}
+    assert {"remax", "optimal_token_baseline", "gdpo", "grpo_passk"} <= set(algorithms)
+    for index in range(max(len(algorithms), len(losses))):
+        algorithm, loss = algorithms[index % len(algorithms)], losses[index % len(losses)]
+        config = tmp_path / f"{index}.yaml"
+        config.write_text(SHORT_GROUPS + options.get(loss, ""))
+        out = tmp_path / f"run{index}"
+        arguments = ["--algorithm", algorithm, "--policy-loss", loss, "--steps", "1"]
+        status = main(["demo", "--device", "cpu", "--config", str(config), "--output-dir", str(out),
+                       "--logger", "jsonl", *arguments])  # fmt: skip
+        assert status == 0, (algorithm, loss, capsys.readouterr().err[-2000:])
+        (record,) = records(out)
+        for key in ("reward", "pg_loss", "kl", *ADVANTAGE_STATS):
+            assert math.isfinite(record[key]), (algorithm, loss, key)
+        saved = json.loads((out / "run.json").read_text())
+        assert (saved["algorithm"], saved["ppo"]["policy_loss"]) == (algorithm, loss)
+
+
+def test_an_unknown_algorithm_or_policy_loss_is_refused_listing_the_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = str(tmp_path / "run")
+    assert main(["demo", "--algorithm", "grpo_pass", "--output-dir", out]) == 2
+    error = capsys.readouterr().err
+    assert "unknown algorithm 'grpo_pass'" in error
+    assert all(name in error for name in critic_free_algorithms())
+    assert main(["demo", "--policy-loss", "sappo", "--output-dir", out]) == 2
+    assert "did you mean 'sapo'" in capsys.readouterr().err
+    assert main(["demo", "--policy-loss", "dro", "--output-dir", out]) == 2  # dro_beta
+    assert "PPOConfig.policy_options" in capsys.readouterr().err

@@ -16,15 +16,23 @@ from hypothesis import strategies as st
 from engine.losses import (
     ADVANTAGE_ESTIMATORS,
     GAE,
+    GDPO,
+    GPG,
     GRPO,
+    OPO,
     RLOO,
+    GRPOPassK,
+    MultiTurnOptimalTokenBaseline,
+    OptimalTokenBaseline,
     ReinforcePlusPlus,
     ReinforcePlusPlusBaseline,
+    ReMax,
     gae_advantages,
+    outcome_scores,
     register_advantage_estimator,
     whiten,
 )
-from engine.losses.advantages import AdvantageEstimator
+from engine.losses.advantages import AdvantageEstimator, estimator_inputs
 from heads.errors import BatchError, ConfigError, UnknownStrategyError
 
 WHITEN_EPS = 1e-8
@@ -111,9 +119,9 @@ def reference_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(values.shape, dtype=torch.float64)
     if len(chosen) < 2:
         return out
-    mean, std = statistics.mean(chosen), statistics.stdev(chosen)
+    mean, variance = statistics.mean(chosen), statistics.variance(chosen)
     for index in mask.nonzero().tolist():
-        out[tuple(index)] = (float(values[tuple(index)]) - mean) / (std + WHITEN_EPS)
+        out[tuple(index)] = (float(values[tuple(index)]) - mean) / (variance + WHITEN_EPS) ** 0.5
     return out
 
 
@@ -132,6 +140,82 @@ def reference_rpp_baseline(rows: Rows) -> torch.Tensor:
         return rows.score(row) - statistics.mean(rows.score(peer) for peer in rows.peers(row))
 
     return reference_whiten(rows.broadcast(centred), rows.mask)
+
+
+def reference_passk(rows: Rows, eps: float, scale_by_std: bool) -> torch.Tensor:
+    def advantage(row: int) -> float:
+        peers = rows.peers(row)
+        scores = [rows.score(peer) for peer in peers]
+        best = max(scores)
+        if peers[scores.index(best)] != row:  # the first row reaching the best score
+            return 0.0
+        gap = best - max(s for peer, s in zip(peers, scores, strict=True) if peer != row)
+        return gap / (statistics.stdev(scores) + eps) if scale_by_std else gap
+
+    return rows.broadcast(advantage)
+
+
+def reference_opo(rows: Rows) -> torch.Tensor:
+    def advantage(row: int) -> float:
+        peers = rows.peers(row)
+        lengths = [len(rows.steps(peer)) for peer in peers]
+        scores = [rows.score(peer) for peer in peers]
+        baseline = sum(n * s for n, s in zip(lengths, scores, strict=True)) / sum(lengths)
+        return rows.score(row) - baseline
+
+    return rows.broadcast(advantage)
+
+
+def reference_gpg(rows: Rows, f_norm: float) -> torch.Tensor:
+    responding = [row for row in range(rows.mask.shape[0]) if rows.steps(row)]
+    scoring = [row for row in responding if rows.score(row) != 0]
+    alpha = len(responding) / max(len(scoring), 1)
+
+    def advantage(row: int) -> float:
+        mean = statistics.mean(rows.score(peer) for peer in rows.peers(row))
+        return alpha * (rows.score(row) - mean) / f_norm
+
+    return rows.broadcast(advantage)
+
+
+def reference_reward_to_go(rows: Rows) -> torch.Tensor:
+    return reference_discounted_returns(rows, 1.0)
+
+
+def reference_optimal_token_baseline(
+    rows: Rows, w: torch.Tensor, compact: bool, zero_tail: bool, eps: float = 1e-8
+) -> torch.Tensor:
+    """``G_t - sum_peers G_t W_t / (sum_peers W_t + eps)`` per step (``W`` the cumulative
+    ``w`` over the response's masked-in tokens), one row and one step at a time."""
+    returns = reference_reward_to_go(rows)
+
+    def trajectory(row: int) -> dict[int, tuple[float, float]]:
+        """Step -> (G, W) of ``row``'s masked-in tokens."""
+        steps, cumulative, first = {}, 0.0, rows.steps(row)[0]
+        for rank, t in enumerate(rows.steps(row)):
+            cumulative += float(w[row, t])
+            steps[rank if compact else t - first] = (float(returns[row, t]), cumulative)
+        return steps
+
+    out = torch.zeros(rows.mask.shape, dtype=torch.float64)
+    for row in range(rows.mask.shape[0]):
+        if not rows.steps(row):
+            continue
+        peers = rows.peers(row)
+        paths = {peer: trajectory(peer) for peer in peers}
+        lengths = sorted(len(rows.steps(peer)) for peer in peers)
+        longest_alone = len(peers) > 1 and lengths[-1] > lengths[-2]
+        mine = paths[row]
+        for (step, (g, _)), t in zip(mine.items(), rows.steps(row), strict=True):
+            baseline = 0.0
+            if len(peers) > 1:
+                seen = [path[step] for path in paths.values() if step in path]
+                baseline = sum(gp * wp for gp, wp in seen) / (sum(wp for _, wp in seen) + eps)
+                tail = longest_alone and len(rows.steps(row)) == lengths[-1]
+                if zero_tail and tail and step >= lengths[-2]:
+                    baseline = 0.0
+            out[row, t] = g - baseline
+    return out
 
 
 # -- random padded batches -------------------------------------------------------------------------
@@ -214,16 +298,104 @@ def test_reinforce_pp_baseline_whitens_the_score_minus_its_group_mean_over_the_b
     assert_matches(returns, rows.scores_per_token(), rows)
 
 
-@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
+#: Every registered estimator that compares the responses to one prompt.
+GROUP_ESTIMATORS = sorted(
+    name for name in ADVANTAGE_ESTIMATORS.names() if ADVANTAGE_ESTIMATORS.create(name).needs_groups
+)
+
+
+@group_estimators
+@given(rows=group_batches(), eps=st.sampled_from([1e-6, 0.1]), scale=st.booleans())
+def test_grpo_passk_gives_each_groups_best_response_its_lead_over_the_second(
+    rows: Rows, eps: float, scale: bool
+) -> None:
+    advantages, returns = GRPOPassK(eps=eps, scale_by_std=scale)(
+        rows.rewards, rows.mask, group_ids=rows.group_ids
+    )
+    assert_matches(advantages, reference_passk(rows, eps, scale), rows)
+    assert_matches(returns, rows.scores_per_token(), rows)
+
+
+@group_estimators
+@given(rows=group_batches())
+def test_opo_subtracts_the_length_weighted_group_mean(rows: Rows) -> None:
+    advantages, _ = OPO()(rows.rewards, rows.mask, group_ids=rows.group_ids)
+    assert_matches(advantages, reference_opo(rows), rows)
+
+
+@group_estimators
+@given(rows=group_batches(), f_norm=st.sampled_from([1.0, 2.5]))
+def test_gpg_scales_the_centred_score_by_the_share_of_non_zero_scores(
+    rows: Rows, f_norm: float
+) -> None:
+    advantages, _ = GPG(f_norm=f_norm)(rows.rewards, rows.mask, group_ids=rows.group_ids)
+    assert_matches(advantages, reference_gpg(rows, f_norm), rows)
+
+
+@group_estimators
+@given(rows=group_batches())
+def test_gdpo_of_one_component_whitens_grpo_over_the_batch(rows: Rows) -> None:
+    advantages, _ = GDPO()(rows.rewards, rows.mask, group_ids=rows.group_ids)
+    assert_matches(advantages, reference_whiten(reference_grpo(rows, 1e-6, True), rows.mask), rows)
+    scores = outcome_scores(rows.rewards, rows.mask)[:, None]
+    twice, _ = GDPO(reward_weights=[0.5, 0.5])(
+        rows.rewards, rows.mask, group_ids=rows.group_ids, reward_components=scores.repeat(1, 2)
+    )
+    torch.testing.assert_close(twice, advantages, **tolerance(rows.rewards.dtype))
+
+
+@group_estimators
+@given(rows=group_batches())
+def test_remax_subtracts_the_greedy_responses_score_from_the_reward_to_go(rows: Rows) -> None:
+    baselines = torch.linspace(-1, 1, rows.mask.shape[0], dtype=rows.rewards.dtype)
+    advantages, returns = ReMax()(rows.rewards, rows.mask, reward_baselines=baselines)
+    expected = reference_reward_to_go(rows) - baselines[:, None].double() * rows.mask
+    assert_matches(advantages, expected, rows)
+    assert_matches(returns, reference_reward_to_go(rows), rows)
+    with pytest.raises(BatchError, match="reward_baselines"):
+        ReMax()(rows.rewards, rows.mask)
+
+
+@pytest.mark.parametrize("estimator", [OptimalTokenBaseline, MultiTurnOptimalTokenBaseline])
+@group_estimators
+@given(rows=group_batches(), zero_tail=st.booleans(), seed=st.integers(0, 2**16))
+def test_optimal_token_baselines_weight_each_step_by_the_paths_accumulated_variance(
+    estimator: type, rows: Rows, zero_tail: bool, seed: int
+) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    dtype = rows.rewards.dtype
+    old = -3 * torch.rand(rows.mask.shape, generator=generator, dtype=dtype)
+    squares = torch.rand(rows.mask.shape, generator=generator, dtype=dtype)
+    advantages, returns = estimator(handle_zero_tail=zero_tail)(
+        rows.rewards, rows.mask, group_ids=rows.group_ids, old_log_probs=old, sum_pi_squared=squares
+    )
+    w = 1 - 2 * old.double().exp() + squares.double()
+    compact = estimator is MultiTurnOptimalTokenBaseline
+    expected = reference_optimal_token_baseline(rows, w, compact, zero_tail)
+    assert_matches(advantages, expected, rows)
+    assert_matches(returns, reference_reward_to_go(rows), rows)
+
+
+@pytest.mark.parametrize("name", GROUP_ESTIMATORS)
 @group_estimators
 @given(rows=group_batches(), seed=st.integers(0, 2**16))
 def test_groups_are_found_by_their_ids_not_by_row_position(
     name: str, rows: Rows, seed: int
 ) -> None:
     estimator = ADVANTAGE_ESTIMATORS.create(name)
-    order = torch.randperm(rows.mask.shape[0], generator=torch.Generator().manual_seed(seed))
-    advantages, _ = estimator(rows.rewards, rows.mask, group_ids=rows.group_ids)
-    shuffled, _ = estimator(rows.rewards[order], rows.mask[order], group_ids=rows.group_ids[order])
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(rows.mask.shape[0], generator=generator)
+    inputs = {  # per-token inputs that differ from row to row
+        key: value + torch.rand(value.shape, generator=generator, dtype=value.dtype) * 0.1
+        for key, value in inputs_for(estimator, rows.rewards).items()
+    }
+    advantages, _ = estimator(rows.rewards, rows.mask, group_ids=rows.group_ids, **inputs)
+    shuffled, _ = estimator(
+        rows.rewards[order],
+        rows.mask[order],
+        group_ids=rows.group_ids[order],
+        **{key: value[order] for key, value in inputs.items()},
+    )
     torch.testing.assert_close(shuffled, advantages[order], **tolerance(rows.rewards.dtype))
 
 
@@ -236,11 +408,22 @@ def test_the_silent_cases_give_exactly_zero_advantages() -> None:
     # group 0: equal scores (whose float mean is not exactly 0.1); group 1: one response;
     # group 2: one response and an all-masked row, which is not a response.
     group_ids = torch.tensor([0, 0, 0, 1, 2, 2])
-    for name in ("grpo", "rloo"):
-        for options in ({}, {"scale_by_std": False}) if name == "grpo" else ({},):
+    outcome = ("grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "grpo_passk", "opo", "gpg")
+    for name in outcome:
+        for options in ({}, {"scale_by_std": False}) if name.startswith("grpo") else ({},):
             estimator = ADVANTAGE_ESTIMATORS.create(name, options)
             advantages, _ = estimator(rewards, mask, group_ids=group_ids)
             assert not advantages.any(), (name, options)
+
+
+def inputs_for(estimator: object, rewards: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Plausible values of what ``estimator`` reads beyond rewards, mask, values and groups."""
+    known = {
+        "reward_baselines": torch.full(rewards.shape[:1], 0.25, dtype=rewards.dtype),
+        "old_log_probs": torch.full_like(rewards, -1.5),
+        "sum_pi_squared": torch.full_like(rewards, 0.3),
+    }
+    return {name: known[name] for name in estimator_inputs(estimator)}
 
 
 def test_float64_stays_float64_and_half_precision_is_computed_in_float32() -> None:
@@ -251,7 +434,13 @@ def test_float64_stays_float64_and_half_precision_is_computed_in_float32() -> No
     for name in ADVANTAGE_ESTIMATORS.names():
         estimator = ADVANTAGE_ESTIMATORS.create(name)
         for dtype, expected in ((torch.float64, torch.float64), (torch.bfloat16, torch.float32)):
-            outputs = estimator(rewards.to(dtype), mask, values=values.to(dtype), group_ids=groups)
+            outputs = estimator(
+                rewards.to(dtype),
+                mask,
+                values=values.to(dtype),
+                group_ids=groups,
+                **inputs_for(estimator, rewards.to(dtype)),
+            )
             assert [o.dtype for o in outputs] == [expected, expected], (name, dtype)
     assert whiten(rewards, mask).dtype == torch.float64
 
@@ -264,7 +453,11 @@ def test_all_masked_rows_and_all_masked_batches_give_finite_zeros() -> None:
         mask = torch.tensor(keep)
         for name in ADVANTAGE_ESTIMATORS.names():
             estimator = ADVANTAGE_ESTIMATORS.create(name)
-            for out in estimator(rewards, mask, values=values, group_ids=groups):
+            inputs = {  # NaN where masked out (per-token inputs)
+                field: torch.where(mask.bool(), value, float("nan")) if value.dim() == 2 else value
+                for field, value in inputs_for(estimator, rewards).items()
+            }
+            for out in estimator(rewards, mask, values=values, group_ids=groups, **inputs):
                 assert torch.isfinite(out).all(), name
                 assert not out[1].any(), name
 
@@ -398,10 +591,18 @@ def test_the_built_in_estimators_declare_whether_they_need_a_critic_and_groups()
         for name in ADVANTAGE_ESTIMATORS.names()
         for estimator in [ADVANTAGE_ESTIMATORS.create(name)]
     }
+    grouped = {"grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "gdpo", "grpo_passk"}
+    grouped |= {"opo", "gpg", "reinforce_plus_plus_baseline"}
+    grouped |= {"optimal_token_baseline", "tir_optimal_token_baseline"}
     assert needs == {
         "gae": (True, False),
-        "grpo": (False, True),
-        "rloo": (False, True),
         "reinforce_plus_plus": (False, False),
-        "reinforce_plus_plus_baseline": (False, True),
+        "remax": (False, False),
+        **dict.fromkeys(grouped, (False, True)),
+    }
+    inputs = {name: estimator_inputs(ADVANTAGE_ESTIMATORS.create(name)) for name in needs}
+    assert {name: fields for name, fields in inputs.items() if fields} == {
+        "remax": ("reward_baselines",),
+        "optimal_token_baseline": ("old_log_probs", "sum_pi_squared"),
+        "tir_optimal_token_baseline": ("old_log_probs", "sum_pi_squared"),
     }

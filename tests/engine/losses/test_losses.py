@@ -239,6 +239,47 @@ LOSSES: dict[str, Callable[[str], LossFn]] = {
         )
         for kind in ("abs", "k1+", "low_var_kl+")
     },
+    **{
+        f"actor_{name}": lambda mode, name=name, options=options: ActorLoss(
+            policy_loss=name,
+            policy_options=options,
+            loss_agg_mode=mode,
+            horizon=HORIZON,
+            clip_ratio_high=0.28,
+            entropy_coeff=0.01,
+        )
+        for name, options in (
+            ("sapo", {"tau_pos": 1.0, "tau_neg": 2.0}),
+            ("gpg", {}),
+            ("geo_mean", {}),
+            ("dro", {"dro_beta": 0.5}),
+            ("dppo_tv", {}),
+            ("dppo_kl", {}),
+            ("bypass_mode", {"loss_type": "reinforce", "rollout_is": "token"}),
+        )
+    },
+    "actor_bypass_mode_sequence": lambda mode: ActorLoss(
+        policy_loss="bypass_mode",
+        policy_options={"loss_type": "reinforce", "rollout_is": "sequence"},
+        loss_agg_mode=mode,
+        horizon=HORIZON,
+    ),
+}
+#: Policy losses whose value depends on the micro-batch's own statistics (as verl's do), so
+#: they are left out of the split-invariance properties above: Clip-Cov and KL-Cov.
+MICRO_BATCH_LOCAL = {
+    "actor_clip_cov": lambda mode: ActorLoss(
+        policy_loss="clip_cov",
+        policy_options={"clip_cov_ratio": 0.2, "clip_cov_lb": -10.0, "clip_cov_ub": 10.0},
+        loss_agg_mode=mode,
+        horizon=HORIZON,
+    ),
+    "actor_kl_cov": lambda mode: ActorLoss(
+        policy_loss="kl_cov",
+        policy_options={"kl_cov_ratio": 0.2},
+        loss_agg_mode=mode,
+        horizon=HORIZON,
+    ),
 }
 
 rollout_shapes = st.lists(st.integers(1, 9), min_size=1, max_size=6)
@@ -317,6 +358,7 @@ SEPARABLE = {
     "actor_token_tis",
     "actor_cispo_geometric_mask",
     *(f"kl_loss_{kind}" for kind in ("abs", "k1+", "low_var_kl+")),
+    *(f"actor_{name}" for name in ("sapo", "gpg", "dro", "dppo_tv", "dppo_kl", "bypass_mode")),
 }
 
 
@@ -337,7 +379,8 @@ def gradient_with_only(
 
 
 def test_the_losses_declaring_themselves_token_separable_are_the_per_token_ones() -> None:
-    declared = {name for name, make in LOSSES.items() if is_token_separable(make("token-mean"))}
+    every = {**LOSSES, **MICRO_BATCH_LOCAL}
+    declared = {name for name, make in every.items() if is_token_separable(make("token-mean"))}
     assert declared == SEPARABLE
 
 
@@ -634,7 +677,8 @@ def test_a_misspelt_policy_loss_is_refused_at_construction_with_the_closest_name
         UnknownStrategyError, match=r"ActorLoss\.policy_loss: .*did you mean 'gspo'"
     ):
         ActorLoss(policy_loss="gpso")
-    assert POLICY_LOSSES.names() == ["cispo", "gspo", "vanilla"]
+    names = ("vanilla", "gspo", "cispo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro")
+    assert POLICY_LOSSES.names() == sorted([*names, "dppo_tv", "dppo_kl", "bypass_mode"])
 
 
 def test_kl_in_the_reward_subtracts_beta_times_the_log_ratio_on_response_tokens() -> None:
