@@ -88,13 +88,16 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(9, 5))
-    for name, rewards in curves.items():
+    styles = ["-", "--", ":"]  # the colour cycle has 10 colours
+    for index, (name, rewards) in enumerate(curves.items()):
         smoothed = [
             sum(rewards[max(0, i - WINDOW + 1) : i + 1])
             / len(rewards[max(0, i - WINDOW + 1) : i + 1])
             for i in range(len(rewards))
         ]
-        axis.plot(range(1, len(rewards) + 1), smoothed, label=name)
+        axis.plot(
+            range(1, len(rewards) + 1), smoothed, label=name, linestyle=styles[index // 10 % 3]
+        )
     axis.set_xlabel("iteration")
     axis.set_ylabel(f"reward ({WINDOW}-iteration mean)")
     axis.set_title(f"critic-free algorithms on the demo's parity task (seed {args.seed})")

@@ -322,8 +322,9 @@ class GPG(_GroupEstimator):
         group_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         groups = GroupStatistics.of("gpg", rewards, mask, group_ids)
-        responses = groups.responds.sum()
-        scoring = (groups.responds & (groups.scores != 0)).sum()
+        dtype = groups.scores.dtype
+        responses = groups.responds.sum().to(dtype)
+        scoring = (groups.responds & (groups.scores != 0)).sum().to(dtype)
         alpha = responses / scoring.clamp(min=1)
         advantage = alpha * (groups.scores - groups.mean) / self.f_norm
         return groups.advantages(advantage, mask), groups.per_token(groups.scores, mask)

@@ -298,19 +298,11 @@ def policy_batches(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
-def our_loss(
-    name: str, options: dict[str, Any], mode: str | None, batch: dict[str, Any]
-) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor]:
-    rows, width = batch["mask"].shape
-    leaf = batch["log_probs"].clone().requires_grad_()
-    data = TensorDict(
-        {
-            "old_log_probs": batch["old"],
-            "advantages": batch["advantages"],
-            RESPONSE_MASK: batch["mask"],
-        },
-        batch_size=[rows],
-    )
+def whole_batch(batch: dict[str, Any], **more: torch.Tensor) -> tuple[TensorDict, LossContext]:
+    """The batch as one micro-batch (``more``: other per-token fields) and its context."""
+    rows = batch["mask"].shape[0]
+    fields = {"old_log_probs": batch["old"], "advantages": batch["advantages"], **more}
+    data = TensorDict({**fields, RESPONSE_MASK: batch["mask"]}, batch_size=[rows])
     tokens = float(batch["mask"].sum())
     ctx = LossContext(
         micro_batch_index=0,
@@ -318,6 +310,15 @@ def our_loss(
         data_parallel_size=1,
         global_counts={SCORED_TOKENS: tokens, SEQUENCES: float(rows), RESPONSE_MASK: tokens},
     )
+    return data, ctx
+
+
+def our_loss(
+    name: str, options: dict[str, Any], mode: str | None, batch: dict[str, Any]
+) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor]:
+    width = batch["mask"].shape[1]
+    leaf = batch["log_probs"].clone().requires_grad_()
+    data, ctx = whole_batch(batch)
     settings = {} if mode is None else {"loss_agg_mode": mode}
     loss_fn = ActorLoss(
         policy_loss=name,
@@ -400,22 +401,7 @@ def test_precomputed_rollout_weights_equal_verls_weighted_loss() -> None:
         config=verl_config("vanilla", {}, mode, batch),
         rollout_is_weights=weights,
     )
-    data = TensorDict(
-        {
-            "old_log_probs": batch["old"],
-            "advantages": batch["advantages"],
-            RESPONSE_MASK: batch["mask"],
-            "rollout_is_weights": weights,
-        },
-        batch_size=[rows],
-    )
-    tokens = float(batch["mask"].sum())
-    ctx = LossContext(
-        micro_batch_index=0,
-        num_micro_batches=1,
-        data_parallel_size=1,
-        global_counts={SCORED_TOKENS: tokens, SEQUENCES: float(rows), RESPONSE_MASK: tokens},
-    )
+    data, ctx = whole_batch(batch, rollout_is_weights=weights)
     got, metrics = ActorLoss(clip_ratio_high=0.28)({"log_probs": leaf.detach()}, data, ctx)
     close(got, expected.detach(), batch["mask"].numel())
     assert "rollout_is_mean" in metrics
