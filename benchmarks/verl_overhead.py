@@ -149,6 +149,8 @@ def main() -> None:
             "seed": 7,
             "optimizer": {"lr": 1e-4},
             "backend": {"activation_checkpointing": True},
+            # verl's use_remove_padding (its default) packs each micro-batch: so does this one
+            "packing": True,
         },
     ).initialize()
     loss = ActorLoss(mask_key="response_mask")

@@ -57,7 +57,7 @@ STEP_PREFIX = "global_step_"
 _STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 #: A save's temporary directory (and the aside name of a replaced checkpoint of the same step).
 _STAGING_DIR = re.compile(
-    rf"^\.tmp-{STEP_PREFIX}\d+-(?P<space>.+)-(?P<pid>\d+)-[0-9a-f]{{8}}(-replaced)?$"
+    rf"^\.tmp-{STEP_PREFIX}(?P<step>\d+)-(?P<space>.+)-(?P<pid>\d+)-[0-9a-f]{{8}}(-replaced)?$"
 )
 #: Test hook: the saving process SIGKILLs itself when it reaches the named stage
 #: (``after_state``, ``before_manifest``, ``before_rename``).
@@ -65,6 +65,8 @@ KILL_AT_ENV = "COMPOSABLE_ENGINE_CHECKPOINT_KILL_AT"
 #: What a failed write raises: torch's ``CheckpointException`` (megatron's too) is a
 #: BaseException, which ``except Exception`` lets through.
 _WRITE_FAILURES = (Exception, CheckpointException)
+#: The config sections whose settings a resume takes from the loading engine.
+_RESUMED_SETTINGS = ("optimizer", "scheduler", "total_steps")
 _MODEL_SHAPE_FIELDS = (
     "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
     "ffn_hidden_size", "head_dim", "tie_embeddings", "add_qkv_bias", "qk_layernorm",
@@ -80,7 +82,7 @@ def save_checkpoint(
 ) -> str:
     """Write ``state`` to ``root/global_step_{global_step}`` (collective); ``engine`` describes
     the engine (``head``, ``backend``, ``model``, ``parallel``, ``config``). Returns the path."""
-    target, staging = _begin_save(root, global_step, max_ckpt_to_keep)
+    target, staging = _begin_save(root, global_step, max_ckpt_to_keep, engine)
     try:
         written, failure = state.save_state(staging) or {}, None
     except _WRITE_FAILURES as raised:
@@ -109,7 +111,7 @@ def start_async_save(
     rank 0's then finishes the save, writes the manifest and publishes the directory, as a
     synchronous save does (no collectives in the background). Before its next save or load
     every rank calls :func:`finish_async_save`; a process exit waits for it too."""
-    target, staging = _begin_save(root, global_step, max_ckpt_to_keep)
+    target, staging = _begin_save(root, global_step, max_ckpt_to_keep, engine)
     staged: StagedSave | None = None
     try:
         staged, failure = state.stage_state(staging), None
@@ -309,7 +311,28 @@ def _alive(space: str, pid: int) -> bool:
         return False
 
 
-def _begin_save(root: str, global_step: int, max_ckpt_to_keep: int | None) -> tuple[str, str]:
+def _taken_by_another_engine(target: str, engine: Mapping[str, Any]) -> str | None:
+    """Why a save must not replace the checkpoint already at ``target``: one of another
+    backend or head (a same engine's re-save of a step replaces it, as it always has)."""
+    if not os.path.isfile(os.path.join(target, MANIFEST)):
+        return None
+    try:
+        saved = read_manifest(target)
+    except CheckpointError:
+        return None
+    theirs = (saved.get("backend"), saved.get("head"))
+    if theirs == (engine["backend"], engine["head"]):
+        return None
+    return (
+        f"{target} holds a checkpoint of a {theirs[1]!r} head engine on the {theirs[0]!r} "
+        f"backend; this {engine['head']!r} head engine on the {engine['backend']!r} backend "
+        "would replace it. Save under another directory (or remove that checkpoint first)"
+    )
+
+
+def _begin_save(
+    root: str, global_step: int, max_ckpt_to_keep: int | None, engine: Mapping[str, Any]
+) -> tuple[str, str]:
     """The target directory and the temporary one a save writes (made by rank 0; collective)."""
     if not _is_count(global_step) or global_step < 0:
         raise ConfigError(f"global_step must be an int >= 0; got {global_step!r}")
@@ -318,7 +341,9 @@ def _begin_save(root: str, global_step: int, max_ckpt_to_keep: int | None) -> tu
     root = os.path.abspath(os.fspath(root))
     target = os.path.join(root, f"{STEP_PREFIX}{global_step}")
     made: tuple[str, str | None] = ("", None)
-    if rank() == 0:
+    if rank() == 0 and (taken := _taken_by_another_engine(target, engine)) is not None:
+        made = ("", taken)
+    elif rank() == 0:
         try:
             os.makedirs(root, exist_ok=True)
             remove_abandoned_saves(root)
@@ -384,8 +409,41 @@ def load_checkpoint(
         raise CheckpointError(found)
     directory, manifest = found
     state.load_state(directory, same_layout=manifest.get("parallel") == engine["parallel"])
+    changed = _changed_settings(manifest.get("config"), engine["config"])
+    if changed and rank() == 0:
+        warnings.warn(
+            f"resuming {directory} with settings changed since it was saved; this engine's "
+            f"apply from the resumed step on: {', '.join(changed)}",
+            stacklevel=3,
+        )
     guard = manifest.get("non_finite")
     return directory, int(manifest["global_step"]), dict(guard) if isinstance(guard, dict) else {}
+
+
+def _changed_settings(saved: Any, ours: Mapping[str, Any]) -> list[str]:
+    """``name saved -> ours`` for each optimizer or LR-schedule setting (the ones a resume takes
+    from this engine's config, never from the checkpoint: ``strategies.resume``) that differs,
+    where both engines train; a setting the manifest does not record is not reported."""
+    if not isinstance(saved, Mapping) or saved.get("forward_only") or ours["forward_only"]:
+        return []
+    flat_saved, flat_ours = _flat_settings(saved), _flat_settings(ours)
+    return [
+        f"{name} {flat_saved[name]} -> {value}"
+        for name, value in flat_ours.items()
+        if name in flat_saved and flat_saved[name] != value
+    ]
+
+
+def _flat_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The resumed settings of a config dict, by dotted name (``optimizer.lr``)."""
+    flat = {}
+    for section in _RESUMED_SETTINGS:
+        value = config.get(section)
+        if isinstance(value, Mapping):
+            flat.update({f"{section}.{name}": inner for name, inner in value.items()})
+        elif section in config:
+            flat[section] = value
+    return flat
 
 
 def complete_checkpoints(root: str) -> list[tuple[int, str]]:
@@ -440,10 +498,18 @@ def resolve_checkpoint(path: str) -> str:
     newest, chosen = complete[-1]
     for name in sorted(os.listdir(path)):
         match = _STEP_DIR.match(name)
+        staged = _STAGING_DIR.match(name)
         if match is not None and int(match.group(1)) > newest:
             warnings.warn(
                 f"skipping {os.path.join(path, name)}: it is not a complete checkpoint (no valid "
                 f"{MANIFEST}); loading the newest complete one, {chosen}",
+                stacklevel=2,
+            )
+        elif staged is not None and not name.endswith("-replaced") and int(staged["step"]) > newest:
+            warnings.warn(
+                f"skipping the save of step {staged['step']} in {os.path.join(path, name)}: "
+                "it did not finish (interrupted, or still being written); loading the "
+                f"newest complete checkpoint, {chosen}",
                 stacklevel=2,
             )
     return chosen

@@ -27,6 +27,7 @@ from engine.data.batching import (
     first_non_finite,
     is_jagged,
     jagged_values,
+    labels_as_loss_mask,
     restore_outputs,
     sequence_lengths,
     split_into,
@@ -46,6 +47,7 @@ from engine.losses.contract import (
     is_token_separable,
     metrics_per_name,
     required_fields,
+    required_outputs,
 )
 from engine.non_finite import ZERO_GRADIENT, NonFiniteGuard
 from engine.registry import BACKENDS, DEVICES, HEADS, check_part, resolve_device
@@ -77,6 +79,7 @@ from strategies.backends.base import (
 )
 from strategies.devices.base import DevicePlatform
 from strategies.distributed import all_reduce_values, collective_device, world_size
+from strategies.hf.files import padding_token_id
 
 if TYPE_CHECKING:
     from engine.checkpointing import AsyncSave
@@ -110,6 +113,11 @@ class Engine:
         self.global_step = 0
         self._guard = NonFiniteGuard(self.config.non_finite)
         self._save_in_flight: AsyncSave | None = None
+        #: The mode context the caller is in: "train", "eval", or None (neither).
+        self._mode: str | None = None
+        #: The Hugging Face checkpoint's pad token id (to refuse unmasked left padding).
+        hf_path = self.config.model.hf_path
+        self._pad_token_id = padding_token_id(hf_path) if hf_path else None
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -185,9 +193,11 @@ class Engine:
         self._require_initialized("train_mode")
         self.to("device")
         self.backend.train()
+        outer, self._mode = self._mode, "train"
         try:
             yield self
         finally:
+            self._mode = outer
             if not self.config.forward_only and "grad" not in self._offloaded_parts():
                 self.backend.optimizer_zero_grad()
             self._offload_configured()
@@ -198,9 +208,11 @@ class Engine:
         self._require_initialized("eval_mode")
         self.to("device", optimizer=False, grad=False)
         self.backend.eval()
+        outer, self._mode = self._mode, "eval"
         try:
             yield self
         finally:
+            self._mode = outer
             self._offload_configured()
 
     @contextlib.contextmanager
@@ -260,18 +272,39 @@ class Engine:
         """Micro-batch ``batch``, run forward (and backward), return on output ranks
         ``{"model_output": the head's outputs in input order, per-token ones jagged and
         per-sequence ones ``[B]`` (None when ``return_outputs=False``), "loss": [per
-        micro-batch], "metrics": {name: [per micro-batch]}}``; other ranks get empty results."""
-        self._require_initialized("forward_backward_batch")
-        self._require_resident(
-            "forward_backward_batch", ("model",) if forward_only else OFFLOAD_PARTS
+        micro-batch], "metrics": {name: [per micro-batch]}}``; other ranks get empty results.
+        Outside ``train_mode()`` / ``eval_mode()`` the model runs in the mode the call needs
+        (training, or evaluation when ``forward_only``); a training call inside ``eval_mode()``
+        is refused."""
+        return self._forward_backward_batch(
+            "forward_backward_batch",
+            batch,
+            loss_function,
+            forward_only,
+            return_outputs=return_outputs,
         )
+
+    def _forward_backward_batch(
+        self,
+        what: str,
+        batch: TensorDict,
+        loss_function: LossFn | None,
+        forward_only: bool,
+        *,
+        return_outputs: bool,
+    ) -> dict[str, Any]:
+        """:meth:`forward_backward_batch` on behalf of the public method ``what``."""
+        self._require_initialized(what)
+        self._require_resident(what, ("model",) if forward_only else OFFLOAD_PARTS)
         if not forward_only:
-            self._require_trainable("forward_backward_batch")
-            self._require_adapters_on("forward_backward_batch")
+            self._require_trainable(what)
+            self._require_adapters_on(what)
             if loss_function is None:
                 raise ConfigError(
-                    "forward_backward_batch needs a loss_function unless forward_only"
+                    f"{what} needs a loss_function"
+                    + (" unless forward_only" if what == "forward_backward_batch" else "")
                 )
+        self._enter_call_mode(what, training=not forward_only)
         step = self._forward_backward(
             batch, loss_function, forward_only, return_outputs=return_outputs
         )
@@ -292,6 +325,7 @@ class Engine:
         the device) for :meth:`_fetch` to bring over in one transfer."""
         fields = required_fields(loss_function) if loss_function is not None else ()
         layouts = field_granularity(loss_function) if loss_function is not None else {}
+        self._check_outputs(loss_function)
         rows = self._validated(batch, fields, granularity=layouts, every_rank=True)
         plan = self._plan(rows)
         micro_batches = split_into(rows, plan.groups, packed=plan.packed)
@@ -433,13 +467,16 @@ class Engine:
         model = self.config.model
         failure: BatchError | None = None
         try:
-            rows = to_jagged(
-                validate_batch(
-                    batch,
-                    fields,
-                    granularity=granularity,
-                    vocab_size=model.vocab_size,
-                    max_length=model.max_sequence_length,
+            rows = labels_as_loss_mask(
+                to_jagged(
+                    validate_batch(
+                        batch,
+                        fields,
+                        granularity=granularity,
+                        vocab_size=model.vocab_size,
+                        max_length=model.max_sequence_length,
+                        pad_token_id=self._pad_token_id,
+                    )
                 )
             )
             check_routed_experts(rows, model, replay=self.config.router_replay)
@@ -494,6 +531,12 @@ class Engine:
         self._require_trainable("train_batch")
         self._require_adapters_on("train_batch")
         self._require_resident("train_batch", OFFLOAD_PARTS)
+        if loss_function is None:
+            raise ConfigError(
+                "train_batch needs a loss_function (forward_backward_batch(batch, None, "
+                "forward_only=True) or infer_batch runs a batch without one)"
+            )
+        self._enter_call_mode("train_batch", training=True)
         start = time.perf_counter()
         self.optimizer_zero_grad()
         step = self._forward_backward(batch, loss_function, False, return_outputs=False)
@@ -536,7 +579,9 @@ class Engine:
         """Forward only, no gradients: the head's outputs in input order, per-token ones jagged,
         per-sequence ones ``[B]`` (None on ranks that hold no outputs); with
         ``config.router_replay`` also ``routed_experts`` (jagged ``[B, tokens, layers, k]``)."""
-        result = self.forward_backward_batch(batch, loss_function, forward_only=True)
+        result = self._forward_backward_batch(
+            "infer_batch", batch, loss_function, True, return_outputs=True
+        )
         output: TensorDict = result["model_output"]
         return output
 
@@ -632,8 +677,10 @@ class Engine:
         return peft_tensors(require(self.backend, LowRankAdapters).export_adapter(self.config))
 
     def save_hf(self, directory: str | os.PathLike[str], *, adapter_only: bool = False) -> None:
-        """Write a causal-LM Hugging Face checkpoint (safetensors + config.json) to
-        ``directory``, atomically, LoRA adapters merged into their linears; with
+        """Write a Hugging Face checkpoint (safetensors + config.json) to ``directory``,
+        atomically, LoRA adapters merged into their linears: a causal LM, or for a value head
+        (per-token results) a ``...ForTokenClassification`` and for a reward head (per-sequence
+        results) a ``...ForSequenceClassification``, ``num_labels`` the head's features. With
         ``adapter_only=True`` a PEFT adapter directory instead (``adapter_config.json`` +
         ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained`` loads onto the
         base model (a value or reward head's: onto ``AutoModelForTokenClassification`` of the
@@ -652,11 +699,6 @@ class Engine:
                 tensors, lora, self.config.model, os.fspath(directory), head_layer=head_layer
             )
             return
-        if self.head.output_spec().kind != "vocab":
-            raise ConfigError(
-                f"save_hf writes a causal language model; head {self.head.name!r} is not one "
-                "(use get_per_tensor_param for its weights)"
-            )
         require(self.backend, HuggingFaceExport).save_hf(self.config, os.fspath(directory))
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -749,6 +791,37 @@ class Engine:
                 f"{'they are' if len(away) > 1 else 'it is'} offloaded; "
                 "call engine.to('device') or work inside train_mode() / eval_mode()"
             )
+
+    def _check_outputs(self, loss_function: LossFn | None) -> None:
+        """The head outputs the loss declares it reads (``required_outputs``) are the head's,
+        checked before any compute (ConfigError naming the output and the head's options)."""
+        if loss_function is None:
+            return
+        produced = declared_results(self.head)
+        missing = [name for name in required_outputs(loss_function) if name not in produced]
+        if missing:
+            owner = getattr(loss_function, "__qualname__", type(loss_function).__name__)
+            raise ConfigError(
+                f"{owner} reads the head output(s) {', '.join(map(repr, missing))}, which head "
+                f"{self.head.name!r} does not produce as configured (its outputs: "
+                f"{', '.join(produced)}); turn the output on in the head's options (an LM head's "
+                "entropy: compute_entropy=True) or use a loss that does not read it"
+            )
+
+    def _enter_call_mode(self, what: str, *, training: bool) -> None:
+        """The model's mode for one call: a training call inside ``eval_mode()`` is refused
+        (evaluation mode turns dropout off: it would train silently in the wrong mode);
+        outside both mode contexts a call runs in the mode it needs."""
+        if training and self._mode == "eval":
+            raise EngineStateError(
+                f"{what}() trains, but it is called inside eval_mode() (the model in evaluation "
+                "mode, dropout off); call it inside `with engine.train_mode():`, or outside both"
+            )
+        if self._mode is None:
+            if training:
+                self.backend.train()
+            else:
+                self.backend.eval()
 
     def _require_trainable(self, what: str) -> None:
         self._require_initialized(what)

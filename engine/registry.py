@@ -18,7 +18,13 @@ import attrs
 import cattrs
 from cattrs.v import format_exception
 
-from heads.errors import ConfigError, DeviceUnavailableError, EngineError, UnknownStrategyError
+from heads.errors import (
+    ConfigError,
+    DeviceUnavailableError,
+    EngineError,
+    UnknownStrategyError,
+    did_you_mean,
+)
 from strategies.devices.base import DevicePlatform
 
 T = TypeVar("T")
@@ -164,9 +170,12 @@ def _problems(error: BaseException, owner: str) -> Iterator[str]:
     elif isinstance(error, EngineError):
         yield str(error)
     elif isinstance(error, cattrs.ForbiddenExtraKeysError) and attrs.has(error.cl):
-        known = ", ".join(field.name for field in attrs.fields(error.cl))
+        names = [field.name for field in attrs.fields(error.cl) if field.init]
         extra = ", ".join(sorted(error.extra_fields))
-        yield f"{error.cl.__name__} has no field(s) {extra}; its fields: {known}"
+        yield (
+            f"{error.cl.__name__} has no field(s) {extra}"
+            f"{did_you_mean(error.extra_fields, names)}; its fields: {', '.join(names)}"
+        )
     elif isinstance(error, _NotExactly):
         yield " ".join(filter(None, (owner, str(error))))
     else:

@@ -1,10 +1,13 @@
 """The project's exception hierarchy (public home: ``engine.errors``).
 
 It lives in the bottom package so that every layer (engine -> strategies -> heads) can raise it
-without importing upwards.
+without importing upwards; so does :func:`did_you_mean`, the hint their messages share.
 """
 
 from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
 
 
 class EngineError(Exception):
@@ -45,3 +48,18 @@ class CheckpointError(EngineError, RuntimeError):
 
 class VersionError(EngineError, ImportError):
     """An installed dependency is outside the range this project is tested with."""
+
+
+def did_you_mean(unknown: Iterable[str], known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the known names closest to the unknown ones, or ``""``."""
+    known = list(known)
+    close = [
+        f"{wrong!r} -> {match[0]!r}"
+        for wrong in sorted(unknown)
+        if (match := difflib.get_close_matches(wrong, known, n=1, cutoff=0.6))
+    ]
+    if not close:
+        return ""
+    if len(close) == 1:
+        return f" (did you mean {close[0].split(' -> ')[1]}?)"
+    return f" (did you mean {', '.join(close)}?)"

@@ -12,11 +12,12 @@ from heads.base import PER_SEQUENCE, Granularity, HeadContext, OutputSpec, at_la
 
 @attrs.frozen(kw_only=True)
 class RewardHead:
-    """Reward model head: ``scores[b]`` from a new replicated ``hidden -> 1`` layer applied to
-    the hidden state of row ``b``'s last real token (whatever the padding or micro-batching).
+    """Reward model head: ``scores[b]`` from a replicated ``hidden -> 1`` layer applied to the
+    hidden state of row ``b``'s last real token (whatever the padding or micro-batching).
 
     Like the value head's, the layer is never tied to the embedding nor loaded from an LM
-    checkpoint's ``lm_head``; scores are float32. Train it with a pairwise Bradley-Terry loss
+    checkpoint's ``lm_head`` (it is new, or a sequence classifier checkpoint's ``score``, as
+    which it is exported); scores are float32. Train it with a pairwise Bradley-Terry loss
     (``engine.losses.bradley_terry_loss``) or a regression loss (``score_regression_loss``).
     """
 

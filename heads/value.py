@@ -12,10 +12,11 @@ from heads.base import PER_TOKEN, Granularity, HeadContext, OutputSpec, shift_to
 
 @attrs.frozen(kw_only=True)
 class ValueHead:
-    """Critic / reward head: ``values[t] = V(x_<t)``, from a new replicated ``hidden -> 1`` layer.
+    """Critic / reward head: ``values[t] = V(x_<t)``, from a replicated ``hidden -> 1`` layer.
 
     The layer is never tied to the embedding and never loaded from an LM checkpoint's
-    ``lm_head``; values are float32 whatever the model's dtype.
+    ``lm_head`` (it is new, or a token classifier checkpoint's ``score``, as which it is
+    exported); values are float32 whatever the model's dtype.
     """
 
     name: ClassVar[str] = "value"

@@ -6,6 +6,7 @@ the field name and the allowed values, never deep inside megatron.
 
 from __future__ import annotations
 
+import difflib
 import os
 from typing import Any, Protocol
 
@@ -84,6 +85,13 @@ class ModelConfig:
         default=None,
         validator=attrs.validators.optional(one_of("float32", "bfloat16", "float16")),
     )
+    #: The Hugging Face checkpoint is a classifier (``...ForTokenClassification`` /
+    #: ``...ForSequenceClassification``) with this many outputs (``num_labels``): its ``score``
+    #: layer is a value or reward head's output layer. None: a causal LM's checkpoint, or none.
+    checkpoint_labels: int | None = optional_int_field()
+    #: A value or reward head's own output layer has a bias (set where the checkpoint's
+    #: ``score`` layer has one; without it the layer and its checkpoint keys are as ever).
+    head_bias: bool = bool_field(False)
 
     def __attrs_post_init__(self) -> None:
         if self.num_experts is not None and self.experts_per_token > self.num_experts:
@@ -151,13 +159,23 @@ MODEL_PRESETS["moe"] = attrs.evolve(
 
 
 def model_preset(name: str) -> ModelConfig:
-    """The preset ``name``, or a ConfigError listing the known ones."""
+    """The preset ``name``, or a ConfigError: for a name that looks like a path, that there is
+    no such directory; otherwise the closest preset and the known ones."""
     try:
         return MODEL_PRESETS[name]
     except KeyError:
+        pass
+    if os.sep in name or name.startswith((".", "~")) or (os.altsep and os.altsep in name):
         raise ConfigError(
-            f"unknown model preset {name!r}; known presets: {', '.join(sorted(MODEL_PRESETS))}"
-        ) from None
+            f"model {name!r}: no such directory (a model is a preset name, "
+            f"{', '.join(sorted(MODEL_PRESETS))}, or a Hugging Face checkpoint directory)"
+        )
+    close = difflib.get_close_matches(name, MODEL_PRESETS, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ConfigError(
+        f"unknown model preset {name!r}{hint}; known presets: {', '.join(sorted(MODEL_PRESETS))}, "
+        "or give a Hugging Face checkpoint directory"
+    )
 
 
 @attrs.frozen(kw_only=True)

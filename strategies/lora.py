@@ -10,10 +10,11 @@ Xavier-uniform, ``B`` is 0, so a new adapter leaves the model's outputs unchange
 one gradient and one optimizer state), named after the first of them; a PEFT adapter holds a
 copy under each projection's name.
 
-A head whose output is not the vocabulary (value, reward) has a new output layer of its own:
-with LoRA it trains whole, beside the adapters (peft's ``modules_to_save``). Both backends
-export it as ``value_head.weight``; in a PEFT adapter it is transformers'
-``...ForTokenClassification`` ``score`` layer (``hidden -> features``, with a bias, written as 0).
+A head whose output is not the vocabulary (value, reward) has an output layer of its own: with
+LoRA it trains whole, beside the adapters (peft's ``modules_to_save``). Both backends export it
+as a classifier's ``score.weight`` (and ``score.bias`` where it has one); in a PEFT adapter it is
+transformers' ``...ForTokenClassification`` ``score`` layer (``hidden -> features``, with a
+bias, written as 0 where the engine's layer has none).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from strategies.config import LoraConfig, ModelConfig
 from strategies.distributed import barrier, merged_dicts, rank
+from strategies.hf.classification import SCORE, with_score_bias
 from strategies.init import name_seed
 from strategies.publish import publish_directory
 
@@ -37,11 +39,6 @@ PEFT_CONFIG = "adapter_config.json"
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 #: The targets one fused linear computes (megatron's ``linear_qkv``, ``linear_fc1``).
 FUSED_TARGETS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-#: The Hugging Face export name of a non-vocabulary head's output layer (both backends').
-HEAD_LAYER = "value_head"
-#: That layer's module in a PEFT adapter (``modules_to_save``): transformers'
-#: ``AutoModelForTokenClassification`` ``score``, as verl's critics and peft's examples have it.
-PEFT_HEAD_MODULE = "score"
 
 
 def hf_module(layer: int, target: str) -> str:
@@ -116,17 +113,17 @@ def peft_tensors(
     tensors: Iterable[tuple[str, torch.Tensor]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Exported (Hugging Face name, tensor) pairs of adapters and a head layer under peft's
-    names: ``base_model.model.`` + the adapter's name; the head layer (``value_head.weight``) as
-    ``base_model.model.score.weight`` and a zero ``score.bias`` (transformers' token
-    classification layer has one; the engine's has none)."""
+    names, ``base_model.model.`` + the name; the head layer (``score.weight``, which
+    ``export_adapter`` yields last) with a zero ``score.bias`` where the engine's layer has
+    none (the layer of transformers' token classifier, which the adapter loads onto, has one)."""
+    head_layer: dict[str, torch.Tensor] = {}
     for name, tensor in tensors:
-        module, _, leaf = name.rpartition(".")
-        if module != HEAD_LAYER:
+        if name.startswith(f"{SCORE}."):
+            head_layer[name] = tensor
+        else:
             yield PEFT_PREFIX + name, tensor
-            continue
-        yield f"{PEFT_PREFIX}{PEFT_HEAD_MODULE}.{leaf}", tensor
-        if leaf == "weight":
-            yield f"{PEFT_PREFIX}{PEFT_HEAD_MODULE}.bias", tensor.new_zeros(tensor.shape[0])
+    for name, tensor in with_score_bias(head_layer).items():
+        yield PEFT_PREFIX + name, tensor
 
 
 def peft_config(config: LoraConfig, model: ModelConfig, head_layer: bool) -> dict[str, object]:
@@ -145,7 +142,7 @@ def peft_config(config: LoraConfig, model: ModelConfig, head_layer: bool) -> dic
         "use_rslora": False,
         "init_lora_weights": True,
         "inference_mode": True,
-        "modules_to_save": [PEFT_HEAD_MODULE] if head_layer else None,
+        "modules_to_save": [SCORE] if head_layer else None,
     }
 
 

@@ -40,13 +40,13 @@ def logger_names(text: str) -> tuple[str, ...]:
     return names
 
 
-def logger_flag(parser: argparse.ArgumentParser) -> None:
+def logger_flag(parser: argparse.ArgumentParser, *, default: str) -> None:
+    """``--logger``; ``default`` says what the command does without it."""
     parser.add_argument(
         "--logger",
         type=logger_names,
-        help=f"where metrics go, comma-separated: {', '.join(LOGGERS)} "
-        f"(default {','.join(DEFAULT_LOGGERS)}); wandb runs offline unless WANDB_MODE or "
-        "WANDB_API_KEY is set",
+        help=f"where metrics go, comma-separated: {', '.join(LOGGERS)} (default {default}); "
+        "wandb runs offline unless WANDB_MODE or WANDB_API_KEY is set",
     )
 
 

@@ -9,10 +9,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
 from engine.cli.demo.config import ALGORITHMS, algorithm_names
-from engine.cli.loggers import logger_flag, resolve_loggers
+from engine.cli.loggers import DEFAULT_LOGGERS, logger_flag, resolve_loggers
 from engine.cli.options import non_negative_int, parallel_flags, parallel_overrides, positive_int
-from engine.cli.train import train
+from engine.cli.train import DEFAULT_LR, train
+from engine.config import EngineConfig
 from engine.losses.registries import POLICY_LOSSES
 from engine.losses.rollout_correction import LEVELS, MODES
 from heads.errors import ConfigError, EngineError
@@ -29,21 +32,22 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="RL (PPO, GRPO, RLOO, REINFORCE++) of an actor on a rule-rewarded task",
         description="PPO (actor, critic, reference) or a critic-free algorithm (actor, reference) "
-        "on the parity task (see engine/cli/demo/); writes metrics.jsonl, metrics.png and "
-        "checkpoints to --output-dir. Ctrl-C saves and exits; --resume goes on.",
+        "on the parity task (see engine/cli/demo/); writes metrics.jsonl, metrics.png, "
+        "checkpoints and, at the end, the trained models as Hugging Face directories "
+        "(huggingface/actor, ...) to --output-dir. Ctrl-C saves and exits; --resume goes on.",
     )
     demo.add_argument("--config", help="YAML file with demo and engine settings (flags win)")
     demo.add_argument(
         "--algorithm",
-        help="ppo (GAE with a critic; the default); grpo, rloo, reinforce_pp (REINFORCE++ with "
-        "a group-mean baseline), each sampling a group of responses per prompt; or any "
-        f"advantage estimator by name: {', '.join(algorithm_names()[len(ALGORITHMS) :])}",
+        help="ppo (GAE with a critic); grpo, rloo, reinforce_pp (REINFORCE++ with a group-mean "
+        "baseline), each sampling a group of responses per prompt; or any advantage estimator "
+        f"by name: {', '.join(algorithm_names()[len(ALGORITHMS) :])} (default ppo)",
     )
     demo.add_argument(
         "--policy-loss",
-        help="the actor's policy loss by name (default vanilla, PPO's clip): "
+        help="the actor's policy loss by name (vanilla is PPO's clip): "
         f"{', '.join(POLICY_LOSSES.names())}; its options go in the config file "
-        "(ppo.policy_options)",
+        "(ppo.policy_options) (default vanilla)",
     )
     demo.add_argument(
         "--model",
@@ -64,14 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
         "for both)",
     )
     demo.add_argument(
-        "--lora-alpha", type=float, help="LoRA alpha (scale alpha / rank; default the rank)"
+        "--lora-alpha",
+        type=float,
+        help="LoRA alpha, the scale being alpha / rank (default the rank)",
     )
     demo.add_argument("--device", help="cpu, cuda, npu or auto (default auto)")
     demo.add_argument("--backend", help="backend name (default megatron)")
     demo.add_argument("--steps", type=positive_int, help="iterations (default 120)")
     demo.add_argument("--seed", type=non_negative_int, help="random seed (default 0)")
     demo.add_argument(
-        "--output-dir", help="where metrics, plot and checkpoints go (default demo-output)"
+        "--output-dir",
+        help="where metrics, plot, checkpoints and the final Hugging Face directories go "
+        "(default demo-output)",
     )
     demo.add_argument(
         "--resume", action="store_true", help="continue the run in --output-dir from its checkpoint"
@@ -81,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=LEVELS,
         help="weight the policy loss by pi_old / pi_rollout (the generator's log-probs of the "
         "sampled tokens) per token, sequence or geometric mean (ppo.rollout_correction.level); "
-        "any --rollout-correction-* flag turns the correction on (default level token)",
+        "any --rollout-correction-* flag turns the correction on (default token)",
     )
     demo.add_argument(
         "--rollout-correction-mode",
@@ -97,20 +105,51 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="mask mode: the lower bound (default 1 / upper)",
     )
-    logger_flag(demo)
+    logger_flag(demo, default=",".join(DEFAULT_LOGGERS))
     parallel_flags(demo)
-    train = commands.add_parser("train", help="train a model on synthetic data")
-    train.add_argument("--head", default="lm", help="head name (lm, value, or a plugin's)")
-    train.add_argument("--backend", default="megatron", help="backend name")
-    train.add_argument("--device", default="auto", help="cpu, cuda, npu or auto")
-    train.add_argument("--config", help="YAML file with EngineConfig settings")
-    train.add_argument("--model", help="model preset (tiny, small, moe); overrides the config file")
-    train.add_argument("--steps", type=positive_int, default=20)
-    train.add_argument("--batch-size", type=positive_int, default=16, help="sequences per step")
-    train.add_argument(
-        "--max-length", type=positive_int, default=64, help="longest synthetic sequence"
+    engine_defaults = attrs.fields(EngineConfig)
+    train = commands.add_parser(
+        "train",
+        help="train one engine (SFT or value regression) on synthetic data or a JSON-lines file",
+        description="One engine trained with the built-in SFT (--head lm) or value-regression "
+        "(--head value) loss, on synthetic data or --data FILE.jsonl: tokenized records, or text, "
+        "prompt/response and chat records tokenized by the --model directory's tokenizer. With "
+        "--output-dir it writes metrics.jsonl, metrics.png and the final model as a Hugging Face "
+        "directory (OUTPUT_DIR/huggingface).",
     )
-    train.add_argument("--micro-batch-size", type=positive_int)
+    train.add_argument(
+        "--head", default="lm", help="head name: lm, value, or a plugin's (default %(default)s)"
+    )
+    train.add_argument("--backend", default="megatron", help="backend name (default %(default)s)")
+    train.add_argument(
+        "--device", default="auto", help="cpu, cuda, npu or auto (default %(default)s)"
+    )
+    train.add_argument("--config", help="YAML file with EngineConfig settings (flags win)")
+    train.add_argument(
+        "--model",
+        help="model preset (tiny, small, moe) or a Hugging Face checkpoint directory, whose "
+        "tokenizer reads text --data (default tiny); overrides the config file",
+    )
+    train.add_argument(
+        "--steps", type=positive_int, default=20, help="optimizer steps (default %(default)s)"
+    )
+    train.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=16,
+        help="sequences per step (default %(default)s)",
+    )
+    train.add_argument(
+        "--max-length",
+        type=positive_int,
+        default=64,
+        help="longest synthetic sequence (default %(default)s)",
+    )
+    train.add_argument(
+        "--micro-batch-size",
+        type=positive_int,
+        help=f"sequences per micro-batch (default {engine_defaults.micro_batch_size.default})",
+    )
     train.add_argument(
         "--max-tokens-per-micro-batch", type=positive_int, help="plan micro-batches by token budget"
     )
@@ -121,14 +160,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="pack each micro-batch's sequences back to back in one row (no padding computed)",
     )
     train.add_argument(
-        "--data", help="JSON lines: input_ids (+ returns for --head value, optional loss_mask)"
+        "--data",
+        help="JSON lines of one kind: {input_ids, returns (--head value), loss_mask (optional)}, "
+        "or for --head lm {text}, {prompt, response} or {messages: [{role, content}, ...]}",
     )
     train.add_argument(
-        "--output-dir", help="write metrics.jsonl, metrics.png (and the loggers' files) here"
+        "--output-dir",
+        help="write metrics.jsonl, metrics.png, the loggers' files and the final model "
+        "(huggingface/) here",
     )
-    logger_flag(train)
-    train.add_argument("--lr", type=float, help="peak learning rate")
-    train.add_argument("--seed", type=int, help="random seed")
+    logger_flag(train, default=f"{DEFAULT_LOGGERS[0]}, and {DEFAULT_LOGGERS[1]} with --output-dir")
+    train.add_argument("--lr", type=float, help=f"peak learning rate (default {DEFAULT_LR})")
+    train.add_argument(
+        "--seed", type=int, help=f"random seed (default {engine_defaults.seed.default})"
+    )
     parallel_flags(train)
     return parser
 
@@ -207,23 +252,14 @@ def _is_lead_rank() -> bool:
 
 
 def show_matrix(as_json: bool) -> int:
-    from engine.cli.matrix import backend_abilities, cells, versions
+    from engine.cli.matrix import backend_abilities, cells, text_report, versions
 
     rows, installed, backends = cells(), versions(), backend_abilities()
     if as_json:
         report = {"cells": rows, "backend_abilities": backends, "versions": installed}
         print(json.dumps(report, indent=2))
-        return 0
-    for row in rows:
-        status = "runs here" if row["runs_here"] else "unavailable"
-        cell = f"{row['head']} x {row['backend']} x {row['device']}"
-        print(f"{cell:32s} {status}")
-        for reason in row["reasons"]:
-            print(f"    {reason}")
-    for name, offered in backends.items():
-        listed = ", ".join(offered) if offered is not None else "cannot be built here"
-        print(f"backend {name} abilities: {listed or 'none'}")
-    print("versions: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in installed.items()))
+    else:
+        print("\n".join(text_report(rows, backends, installed)))
     return 0
 
 

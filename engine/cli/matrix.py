@@ -4,6 +4,7 @@ it can run on this machine and, if not, why; plus the versions that matter."""
 from __future__ import annotations
 
 import importlib.metadata
+import math
 from typing import Any
 
 from engine.registry import BACKENDS, DEVICES, HEADS
@@ -57,6 +58,49 @@ def cells() -> list[dict[str, Any]]:
                     }
                 )
     return rows
+
+
+def grouped_by_reasons(rows: list[dict[str, Any]]) -> list[tuple[list[str], list[dict[str, Any]]]]:
+    """The cells grouped by why they cannot run here (the empty reason list: they run), in the
+    order the groups first appear: a device's missing runtime is one reason for every cell."""
+    groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row["reasons"]), []).append(row)
+    return [(list(reasons), members) for reasons, members in groups.items()]
+
+
+def describe_cells(rows: list[dict[str, Any]]) -> str:
+    """``{lm, value} x {fsdp2, megatron} x cpu`` where the cells are every combination of their
+    parts; else each cell, comma-separated."""
+    axes = [
+        list(dict.fromkeys(row[part] for row in rows)) for part in ("head", "backend", "device")
+    ]
+    if math.prod(len(names) for names in axes) == len(rows):
+        return " x ".join(
+            names[0] if len(names) == 1 else f"{{{', '.join(names)}}}" for names in axes
+        )
+    return ", ".join(f"{row['head']} x {row['backend']} x {row['device']}" for row in rows)
+
+
+def text_report(
+    rows: list[dict[str, Any]],
+    backends: dict[str, list[str] | None],
+    installed: dict[str, str | None],
+) -> list[str]:
+    """The lines ``python -m engine matrix`` prints: each reason once, under the cells it
+    stops; then the backends' abilities and the versions."""
+    lines = []
+    for reasons, members in grouped_by_reasons(rows):
+        status = "unavailable" if reasons else "runs here"
+        lines.append(f"{status}: {describe_cells(members)}")
+        lines += [f"    {reason}" for reason in reasons]
+    for name, offered in backends.items():
+        listed = ", ".join(offered) if offered is not None else "cannot be built here"
+        lines.append(f"backend {name} abilities: {listed or 'none'}")
+    lines.append(
+        "versions: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in installed.items())
+    )
+    return lines
 
 
 def backend_abilities() -> dict[str, list[str] | None]:

@@ -1,4 +1,5 @@
-"""``python -m engine train``: one engine trained on synthetic data or a JSON-lines file."""
+"""``python -m engine train``: one engine trained on synthetic data or a JSON-lines file
+(tokenized, text or chat records), saved at the end as a Hugging Face directory."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from contextlib import closing
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from engine.cli.options import parallel_overrides
 from heads.errors import BatchError, ConfigError, EngineError
 
 TASKS = {"lm": "sft_loss", "value": "value_regression_loss"}
+#: The peak learning rate without --lr or a config file (tiny models learn visibly in steps).
+DEFAULT_LR = 3e-3
 
 
 def synthetic_batch(
@@ -71,7 +74,7 @@ def engine_config(args: argparse.Namespace) -> Any:
     if args.lr is not None:
         data["optimizer"] = {**data["optimizer"], "lr": args.lr}
     elif not args.config:
-        data["optimizer"] = {**data["optimizer"], "lr": 3e-3}
+        data["optimizer"] = {**data["optimizer"], "lr": DEFAULT_LR}
     return EngineConfig.from_dict(data)
 
 
@@ -93,15 +96,41 @@ def length_limits(config: Any) -> list[tuple[int, str]]:
 
 
 def read_sequences(path: str, head: str, config: Any) -> list[dict[str, list[Any]]]:
-    """Training records from a JSON-lines file: ``input_ids`` (and ``returns`` for the value
-    head; optional ``loss_mask``), every per-token list as long as ``input_ids``.
+    """Training records from a JSON-lines file of one kind: tokenized (``input_ids``, and
+    ``returns`` for the value head; optional ``loss_mask``, every per-token list as long as
+    ``input_ids``), or, for the LM head, text, prompt/response or chat records tokenized by the
+    model directory's tokenizer (:mod:`engine.data.text`).
 
     Each record is checked against ``config`` (an ``EngineConfig``) here, naming its line:
     token ids are ints in the vocabulary, the other values numbers (``loss_mask`` 0 or 1), and
     no sequence is longer than :func:`length_limits` allows. Checked only when drawn into a
     batch, a bad record would stop a run at whichever step first drew it."""
-    wanted = ["input_ids"] + (["returns"] if head == "value" else [])
-    records = []
+    from engine.data.text import TOKENS, OneKind, load_tokenizer, tokenize_record
+
+    kinds, tokenizer, records = OneKind(), None, []
+    for number, record in _json_objects(path):
+        with _located(f"{path}:{number}"):
+            kind = kinds.check(record, f"line {number}")
+            if kind == TOKENS:
+                kept = _tokenized_record(record, head)
+            elif head != "lm":
+                raise BatchError(
+                    f"{kind} records train an LM head (SFT); --head {head} needs tokenized "
+                    "records with 'input_ids' and 'returns'"
+                )
+            else:
+                if tokenizer is None:
+                    tokenizer = load_tokenizer(config.model.hf_path)
+                kept = tokenize_record(record, tokenizer)
+            _check_record(kept, config)
+        records.append(kept)
+    if not records:
+        raise BatchError(f"--data {path} holds no records")
+    return records
+
+
+def _json_objects(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Each non-blank line of ``path`` with its number, parsed and checked to be an object."""
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as error:
@@ -109,35 +138,45 @@ def read_sequences(path: str, head: str, config: Any) -> list[dict[str, list[Any
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        where = f"{path}:{number}"
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
-            raise BatchError(f"{where} is not JSON: {error}") from None
+            raise BatchError(f"{path}:{number} is not JSON: {error}") from None
         if not isinstance(record, dict):
-            raise BatchError(f"{where} must be a JSON object, got {type(record).__name__}")
-        for name in wanted:
-            if name not in record:
-                raise BatchError(f"{where} lacks {name!r} (records need {', '.join(wanted)})")
-        kept = {name: record[name] for name in (*wanted, "loss_mask") if name in record}
-        for name, values in kept.items():
-            if not isinstance(values, list) or len(values) != len(kept["input_ids"]):
-                raise BatchError(f"{where}: {name!r} must be a list as long as 'input_ids'")
-        if len(kept["input_ids"]) < 2:
-            raise BatchError(f"{where}: a sequence needs at least 2 tokens")
-        _check_record(kept, config, where)
-        records.append(kept)
-    if not records:
-        raise BatchError(f"--data {path} holds no records")
-    return records
+            kind = type(record).__name__
+            raise BatchError(f"{path}:{number} must be a JSON object, got {kind}")
+        yield number, record
 
 
-def _check_record(record: dict[str, list[Any]], config: Any, where: str) -> None:
+@contextmanager
+def _located(where: str) -> Iterator[None]:
+    """One record's errors, prefixed with where it is."""
+    try:
+        yield
+    except (BatchError, ConfigError) as error:
+        raise type(error)(f"{where}: {error}") from None
+
+
+def _tokenized_record(record: dict[str, Any], head: str) -> dict[str, list[Any]]:
+    wanted = ["input_ids"] + (["returns"] if head == "value" else [])
+    for name in wanted:
+        if name not in record:
+            raise BatchError(f"lacks {name!r} (tokenized records need {', '.join(wanted)})")
+    kept = {name: record[name] for name in (*wanted, "loss_mask") if name in record}
+    for name, values in kept.items():
+        if not isinstance(values, list) or len(values) != len(kept["input_ids"]):
+            raise BatchError(f"{name!r} must be a list as long as 'input_ids'")
+    return kept
+
+
+def _check_record(record: dict[str, list[Any]], config: Any) -> None:
     vocab_size = config.model.vocab_size
+    if len(record["input_ids"]) < 2:
+        raise BatchError("a sequence needs at least 2 tokens")
     for token in record["input_ids"]:
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
             raise BatchError(
-                f"{where}: 'input_ids' holds {token!r}; token ids are ints in [0, {vocab_size}) "
+                f"'input_ids' holds {token!r}; token ids are ints in [0, {vocab_size}) "
                 "(the model's vocab_size)"
             )
     for name, values in record.items():
@@ -146,13 +185,13 @@ def _check_record(record: dict[str, list[Any]], config: Any, where: str) -> None
             number = not isinstance(value, bool) and isinstance(value, int | float)
             if not number or (allowed is not None and value not in allowed):
                 kind = "0 or 1" if allowed is not None else "a number"
-                raise BatchError(f"{where}: {name!r} holds {value!r}; each value must be {kind}")
+                raise BatchError(f"{name!r} holds {value!r}; each value must be {kind}")
     length = len(record["input_ids"])
     for limit, limit_name in length_limits(config):
         if length > limit:
             raise BatchError(
-                f"{where}: {length} tokens, more than {limit_name} ({limit}); truncate or drop "
-                "the record, or raise the limit"
+                f"{length} tokens, more than {limit_name} ({limit}); shorten or drop the "
+                "record, or raise the limit"
             )
 
 
@@ -178,6 +217,7 @@ def _default_mask(record: dict[str, list[Any]]) -> list[float]:
 
 def train(args: argparse.Namespace) -> int:
     from engine import Engine, losses
+    from engine.cli.hf_export import HF_DIR, export_final_model
     from engine.cli.loggers import open_loggers, resolve_loggers
     from engine.cli.progress import MetricsFile, ProgressReporter, plot_metrics
     from engine.data.batching import take_rows
@@ -248,13 +288,19 @@ def train(args: argparse.Namespace) -> int:
             record = {"step": step, **engine.train_batch(batch, loss_fn)}
             loggers.log(record)
             history.append(record)
-        progress.message(f"done in {time.perf_counter() - start:.1f} s")
-    if show and output_dir is not None:
-        plot_metrics(
-            history,
-            output_dir / "metrics.png",
-            x="step",
-            panels=[("loss", ["loss"]), ("grad norm", ["grad_norm"])],
-            title=f"train --head {engine.head.name}",
-        )
+        done = [f"done in {time.perf_counter() - start:.1f} s"]
+        if output_dir is not None:
+            model = export_final_model(engine, output_dir / HF_DIR, f"model ({args.head} head)")
+            if show:
+                plot_metrics(
+                    history,
+                    output_dir / "metrics.png",
+                    x="step",
+                    panels=[("loss", ["loss"]), ("grad norm", ["grad_norm"])],
+                    title=f"train --head {engine.head.name}",
+                )
+            done += [*loggers.destinations(), f"plot in {output_dir / 'metrics.png'}", model]
+        else:
+            done.append("nothing saved (give --output-dir for the model and metrics)")
+        progress.message("; ".join(done))
     return 0

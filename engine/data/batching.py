@@ -10,8 +10,10 @@ the input order.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import logging
+import numbers
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TypeAlias
 
@@ -35,6 +37,11 @@ INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
 #: Router replay's field: the experts each token is routed to, per MoE layer.
 ROUTED_EXPERTS = "routed_experts"
+#: Hugging Face's training targets: the token ids, ``IGNORE_INDEX`` where a token is not trained.
+LABELS = "labels"
+IGNORE_INDEX = -100
+#: The per-token field the losses train on (``engine.losses.LOSS_MASK``).
+LOSS_MASK = "loss_mask"
 
 
 def jagged(rows: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -43,17 +50,42 @@ def jagged(rows: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def from_token_lists(
-    token_lists: Sequence[Sequence[int]], **per_token: Sequence[Sequence[float]]
+    token_lists: Sequence[Sequence[int]], **fields: Sequence[Sequence[float]] | Sequence[float]
 ) -> TensorDict:
-    """A jagged batch from lists of token ids (and per-token fields of the same lengths)."""
+    """A jagged batch from lists of token ids and more fields, one entry per sequence: a list
+    of the sequence's length is a per-token field (float32), a number a per-sequence one
+    (``[B]``: int64 for integers, e.g. ``group_ids``, else float32)."""
     if not token_lists:
         raise BatchError("a batch needs at least one sequence")
     ids = [_token_ids(index, tokens) for index, tokens in enumerate(token_lists)]
     columns: dict[str, torch.Tensor] = {INPUT_IDS: jagged(ids)}
-    for name, rows in per_token.items():
+    for name, rows in fields.items():
+        if len(rows) != len(ids):
+            raise BatchError(
+                f"field {name!r} has {len(rows)} entries for {len(ids)} sequences (one each)"
+            )
+        scalars = [isinstance(row, numbers.Number) for row in rows]
+        if all(scalars):
+            per_sequence = torch.as_tensor(list(rows))
+            if per_sequence.dtype.is_floating_point:
+                per_sequence = per_sequence.to(torch.float32)
+            columns[name] = per_sequence
+            continue
+        if any(scalars):
+            raise BatchError(
+                f"field {name!r} mixes numbers (per sequence) and lists (per token); give one "
+                "kind for every sequence"
+            )
         values = [torch.as_tensor(row, dtype=torch.float32) for row in rows]
-        if [len(row) for row in values] != [len(row) for row in ids]:
-            raise BatchError(f"per-token field {name!r} must have the lengths of input_ids")
+        wrong = [
+            i for i, (v, row) in enumerate(zip(values, ids, strict=True)) if len(v) != len(row)
+        ]
+        if wrong:
+            index = wrong[0]
+            raise BatchError(
+                f"per-token field {name!r} must have the lengths of input_ids; sequence {index} "
+                f"has {len(ids[index])} tokens and {len(values[index])} values"
+            )
         columns[name] = jagged(values)
     return TensorDict(columns, batch_size=[len(ids)])
 
@@ -205,6 +237,7 @@ def validate_batch(
     granularity: Mapping[str, str] | None = None,
     vocab_size: int | None = None,
     max_length: int | None = None,
+    pad_token_id: int | None = None,
 ) -> TensorDict:
     """Refuse a malformed batch before any compute; a BatchError names the field, row and value.
 
@@ -216,7 +249,9 @@ def validate_batch(
     field 0 or 1 at each real token; the ``required`` fields present, each named in
     ``granularity`` per token (``"token"``) or per sequence (``"sequence"``) as it says; no
     empty sequence; token
-    ids in ``[0, vocab_size)``; no sequence longer than ``max_length``. Non-finite values are
+    ids in ``[0, vocab_size)``; no sequence longer than ``max_length``; a padded batch without
+    ``attention_mask`` whose row starts with ``pad_token_id`` (left padding the engine would
+    take for tokens) refused, saying to give the mask. Non-finite values are
     not refused here: a loss masks out the tokens it does not score, and a non-finite loss or
     gradient never reaches the weights (the engine's non-finite guard).
     """
@@ -247,11 +282,28 @@ def validate_batch(
         raise BatchError(f"'input_ids' must be [B, L] (padded or jagged), got {shape}")
     missing = [name for name in required if name not in batch.keys()]
     if missing:
+        spare = [name for name in field_names(batch) if name not in required]
+        misspelt = [
+            f"{close[0]!r} for {name!r}"
+            for name in missing
+            if (close := difflib.get_close_matches(name, spare, n=1, cutoff=0.75))
+        ]
+        hint = f" (a misspelling: {', '.join(misspelt)}?)" if misspelt else ""
         raise BatchError(
-            f"the batch lacks field(s) {', '.join(missing)} needed here; it has: "
+            f"the batch lacks field(s) {', '.join(missing)} needed here{hint}; it has: "
             f"{', '.join(field_names(batch))}"
         )
     real = _real_tokens(batch, ids)
+    unmasked = not is_jagged(ids) and ATTENTION_MASK not in batch.keys()
+    if unmasked and pad_token_id is not None and bool((ids[:, 0] == pad_token_id).any()):
+        rows = (ids[:, 0] == pad_token_id).nonzero().flatten().tolist()
+        raise BatchError(
+            f"padded 'input_ids' row(s) {rows[:5]} start with the model's pad token id "
+            f"{pad_token_id}, and the batch has no 'attention_mask': the pads would be read as "
+            "tokens. Give attention_mask (1 for real tokens, 0 for pads), or jagged rows "
+            "(engine.data.batching.jagged / from_token_lists); a real token of that id at the "
+            "start needs an attention_mask of ones"
+        )
     for name, value in fields(batch):
         if name != INPUT_IDS:
             _check_layout(name, value, ids)
@@ -282,6 +334,37 @@ def validate_batch(
                 f"{_locate(ids, outside)}"
             )
     return batch
+
+
+def labels_as_loss_mask(batch: TensorDict) -> TensorDict:
+    """A jagged batch with Hugging Face ``labels`` and no ``loss_mask``: ``loss_mask = labels !=
+    -100`` added, so that a batch made for transformers' ``model(input_ids, labels=...)`` trains
+    the tokens its labels train. The engine scores each token as itself (``log_probs[t] = log
+    p(x_t | x_<t)``, ``labels`` unshifted as transformers takes them), so labels that differ
+    from ``input_ids`` where they are not -100 are refused, as is a batch with both fields."""
+    if LABELS not in batch.keys():
+        return batch
+    if LOSS_MASK in batch.keys():
+        raise BatchError(
+            f"the batch has both {LABELS!r} and {LOSS_MASK!r}; give one (labels: the token ids "
+            "with -100 where a token is not trained, read as the loss mask)"
+        )
+    labels, ids = _field(batch, LABELS), _field(batch, INPUT_IDS)
+    if not is_jagged(labels) or labels.dtype.is_floating_point:
+        raise BatchError(f"{LABELS!r} must be integer token ids per token, like input_ids")
+    trained = _buffer(labels) != IGNORE_INDEX
+    differs = trained & (_buffer(labels) != _buffer(ids))
+    if bool(differs.any()):
+        raise BatchError(
+            f"{LABELS!r} differ from 'input_ids' where they are not -100 "
+            f"({_locate(labels, differs)}); the engine trains each token on its own id: labels "
+            "must be input_ids with -100 at the tokens not trained (unshifted, as transformers "
+            "takes them)"
+        )
+    mask = torch.nested.nested_tensor_from_jagged(trained.to(torch.float32), jagged_offsets(ids))
+    result = batch.exclude(LABELS)
+    result[LOSS_MASK] = mask
+    return result
 
 
 def _ids_within(tokens: torch.Tensor, vocab_size: int) -> bool:

@@ -37,7 +37,9 @@ from engine.losses.contract import (
     field_granularity,
     is_token_separable,
     needs_fields,
+    needs_outputs,
     required_fields,
+    required_outputs,
     token_separable,
 )
 from engine.losses.group_advantages import (
@@ -149,10 +151,12 @@ __all__ = [
     "kl_penalty",
     "masked_mean",
     "needs_fields",
+    "needs_outputs",
     "outcome_scores",
     "register_advantage_estimator",
     "register_policy_loss",
     "required_fields",
+    "required_outputs",
     "reward_to_go",
     "rollout_metrics",
     "rollout_weights",

@@ -96,6 +96,26 @@ def required_fields(loss_fn: Any) -> tuple[str, ...]:
     return tuple(declared_fields(loss_fn))
 
 
+def needs_outputs(*names: str) -> Callable[[F], F]:
+    """Declare the head outputs a loss function reads (``log_probs``, ``entropy``, ...): the
+    engine checks them against the head's before any compute, so a missing one is refused by
+    name at the start of the step, not deep inside a backend's schedule."""
+
+    def declare(loss_fn: F) -> F:
+        loss_fn.required_outputs = tuple(names)  # type: ignore[attr-defined]
+        return loss_fn
+
+    return declare
+
+
+def required_outputs(loss_fn: Any) -> tuple[str, ...]:
+    """The head outputs ``loss_fn`` declares it reads (``required_outputs``, an attribute or
+    property; looked up through ``functools.partial``); none if undeclared."""
+    while hasattr(loss_fn, "func") and not hasattr(loss_fn, "required_outputs"):
+        loss_fn = loss_fn.func  # functools.partial
+    return tuple(getattr(loss_fn, "required_outputs", ()))
+
+
 def field_granularity(loss_fn: Any) -> dict[str, Granularity]:
     """The declared fields whose layout ``loss_fn`` fixes (``PER_TOKEN`` / ``PER_SEQUENCE``)."""
     return {name: value for name, value in declared_fields(loss_fn).items() if value is not None}

@@ -22,6 +22,7 @@ from engine.losses.contract import (
     LossResult,
     is_token_separable,
     needs_fields,
+    needs_outputs,
     scalar_output,
     token_separable,
 )
@@ -216,6 +217,11 @@ class ActorLoss:
         return dict.fromkeys(names, PER_TOKEN)
 
     @property
+    def required_outputs(self) -> tuple[str, ...]:
+        """``log_probs``, and ``entropy`` when it enters the loss (``entropy_coeff > 0``)."""
+        return ("log_probs", "entropy") if self.entropy_coeff > 0 else ("log_probs",)
+
+    @property
     def token_separable(self) -> bool:
         """Whether its policy loss is (the entropy and KL terms, the aggregation and the
         rollout weights are: they weight each token by batch-only numbers)."""
@@ -323,6 +329,9 @@ class CriticLoss:
     def __attrs_post_init__(self) -> None:
         _check_horizon(self)
 
+    #: The head output it reads.
+    required_outputs = ("values",)
+
     @property
     def required_fields(self) -> dict[str, Granularity | None]:
         names = ["returns"]
@@ -366,6 +375,7 @@ class CriticLoss:
 
 @token_separable
 @needs_fields()
+@needs_outputs("entropy")
 def entropy_bonus(
     outputs: Mapping[str, torch.Tensor],
     batch: Any,
@@ -395,6 +405,7 @@ def entropy_bonus(
 
 @token_separable
 @needs_fields(ref_log_probs=PER_TOKEN)
+@needs_outputs("log_probs")
 def kl_loss(
     outputs: Mapping[str, torch.Tensor],
     batch: Any,

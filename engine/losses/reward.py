@@ -14,6 +14,7 @@ from engine.losses.contract import (
     LossContext,
     LossResult,
     needs_fields,
+    needs_outputs,
     scalar_output,
 )
 from heads.base import PER_SEQUENCE
@@ -25,6 +26,7 @@ TARGETS = "targets"
 
 
 @needs_fields(**{PAIR_ID: PER_SEQUENCE, CHOSEN: PER_SEQUENCE})
+@needs_outputs("scores")
 def bradley_terry_loss(
     outputs: Mapping[str, torch.Tensor], batch: Any, ctx: LossContext
 ) -> LossResult:
@@ -51,6 +53,7 @@ def bradley_terry_loss(
 
 
 @needs_fields(**{TARGETS: PER_SEQUENCE})
+@needs_outputs("scores")
 def score_regression_loss(
     outputs: Mapping[str, torch.Tensor], batch: Any, ctx: LossContext
 ) -> LossResult:

@@ -67,6 +67,13 @@ class RolloutCorrection:
 
     def __attrs_post_init__(self) -> None:
         if self.lower is None:
+            if self.mode == "mask" and self.upper < 1.0:
+                raise ConfigError(
+                    f"RolloutCorrection(mode='mask', upper={self.upper!r}) keeps weights in "
+                    f"[lower, upper], and lower defaults to 1 / upper = {1 / self.upper:g}, "
+                    "above upper: every token would be dropped. Give lower (<= upper), or an "
+                    "upper >= 1"
+                )
             return
         if self.mode != "mask":
             raise ConfigError(

@@ -8,12 +8,19 @@ from typing import Any
 import torch
 
 from engine.losses.aggregation import masked_mean, scored_mask, token_mean
-from engine.losses.contract import LossContext, needs_fields, scalar_output, token_separable
+from engine.losses.contract import (
+    LossContext,
+    needs_fields,
+    needs_outputs,
+    scalar_output,
+    token_separable,
+)
 from heads.base import PER_TOKEN
 
 
 @token_separable
 @needs_fields()
+@needs_outputs("log_probs")
 def sft_loss(
     outputs: Mapping[str, torch.Tensor], batch: Any, ctx: LossContext
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -25,6 +32,7 @@ def sft_loss(
 
 
 @needs_fields(returns=PER_TOKEN)
+@needs_outputs("values")
 def value_regression_loss(
     outputs: Mapping[str, torch.Tensor], batch: Any, ctx: LossContext
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -137,7 +137,8 @@ class Checkpointing(Protocol):
 
     def load_state(self, directory: str, *, same_layout: bool) -> None:
         """Restore ``save_state``'s directory, resharded to this layout (collective); RNG
-        states only when ``same_layout``."""
+        states only when ``same_layout``. The optimizer and LR schedule take their state from
+        it (moments, step counts) but keep this engine's settings (``strategies.resume``)."""
         ...
 
 
@@ -178,7 +179,8 @@ class HuggingFaceExport(Protocol):
         ...
 
     def save_hf(self, config: PartsConfig, directory: str) -> None:
-        """Write a Hugging Face checkpoint of a causal LM (collective)."""
+        """Write a Hugging Face checkpoint (collective): a causal LM, or for a value or reward
+        head a token or sequence classifier (``strategies.hf.classification``)."""
         ...
 
 
@@ -271,7 +273,7 @@ class LowRankAdapters(Protocol):
         """This rank's adapter tensors as (Hugging Face name as peft names it, without its
         ``base_model.model.`` prefix, full tensor), one at a time (collective like
         ``export_hf``); then, where this rank holds a trained head layer (a non-vocabulary
-        head's), its tensors under their ``export_hf`` names (``value_head.weight``)."""
+        head's), its tensors under their ``export_hf`` names (``score.weight``)."""
         ...
 
 

@@ -2,9 +2,11 @@
 mixture-of-experts Qwen3-MoE and Mixtral).
 
 The family comes from ``model_type``, as transformers' ``AutoModelForCausalLM`` decides it;
-``architectures`` is not consulted (a reward model's ``...ForSequenceClassification`` entry is
-fine). Anything the engine would compute differently is rejected naming the field, never
-silently approximated; and the checkpoint's tensors must be exactly those of that model
+``architectures`` is not consulted. Anything the engine would compute differently is rejected
+naming the field, never silently approximated; and the checkpoint's tensors must be exactly
+those of that model, a causal LM or a classifier (``...ForTokenClassification`` /
+``...ForSequenceClassification``: its ``score`` layer is recorded as
+``ModelConfig.checkpoint_labels`` and ``head_bias``)
 (:func:`strategies.hf.consistency.check_checkpoint_tensors`), so a file that does not match its
 config is refused before any compute.
 """
@@ -14,6 +16,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
+
+import attrs
 
 from heads.errors import CheckpointError, ConfigError
 from strategies.config import ModelConfig
@@ -75,8 +79,10 @@ def model_config_from_hf(path: str | os.PathLike[str]) -> ModelConfig:
         checkpoint_dtype=_dtype_name(hf),
         **experts,
     )
-    check_checkpoint_tensors(os.fspath(path), hf)
-    return config
+    score = check_checkpoint_tensors(os.fspath(path), hf)
+    if score is None:
+        return config
+    return attrs.evolve(config, checkpoint_labels=score.labels, head_bias=score.bias)
 
 
 def _require(hf: Any, field: str, wanted: object) -> None:

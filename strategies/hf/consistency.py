@@ -1,4 +1,5 @@
-"""A Hugging Face checkpoint must hold exactly the tensors of the model its config describes."""
+"""A Hugging Face checkpoint must hold exactly the tensors of the model its config describes:
+a causal LM, or a classifier (its body and a ``score`` layer instead of ``lm_head``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 import torch
 
 from heads.errors import CheckpointError
+from strategies.hf.classification import SCORE_WEIGHT, ScoreLayer, read_score_layer
 from strategies.hf.experts import CheckpointLayout
 from strategies.hf.files import INDEX_FILE, SafetensorsCheckpoint
 
@@ -16,11 +18,12 @@ _HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
 _LM_HEAD, _EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 
 
-def check_checkpoint_tensors(path: str, hf_config: Any) -> None:
+def check_checkpoint_tensors(path: str, hf_config: Any) -> ScoreLayer | None:
     """The checkpoint at ``path`` holds exactly the tensors of the causal LM ``hf_config``
-    describes (as transformers builds it): each one its index names is in that file, none is
-    missing, and none is left over except known-harmless ones (rotary ``inv_freq``; an
-    ``lm_head`` equal to the tied embedding). CheckpointError naming the tensors otherwise.
+    describes (as transformers builds it), or of its classifier (``score`` instead of
+    ``lm_head``; returned): each one its index names is in that file, none is missing, and none
+    is left over except known-harmless ones (rotary ``inv_freq``; an ``lm_head`` equal to the
+    tied embedding). CheckpointError naming the tensors otherwise.
 
     A tied config whose file holds a *different* ``lm_head`` is refused: the two readings
     (tie it, or use the file's) give different models.
@@ -38,6 +41,14 @@ def check_checkpoint_tensors(path: str, hf_config: Any) -> None:
                     "which does not hold them"
                 )
         found = set(checkpoint.files)
+        score = read_score_layer(checkpoint, hf_config)
+        if score is not None:
+            if _LM_HEAD in found:
+                raise CheckpointError(
+                    f"the checkpoint {path} holds both a causal LM's {_LM_HEAD} and a "
+                    f"classifier's {SCORE_WEIGHT}; remove the one its model does not use"
+                )
+            expected = (expected - {_LM_HEAD}) | score.names
         missing = sorted(expected - found)
         if missing:
             raise CheckpointError(
@@ -60,6 +71,7 @@ def check_checkpoint_tensors(path: str, hf_config: Any) -> None:
                 f"the checkpoint {path} holds tensors its config's model does not use: "
                 f"{_listed(unused)} (does config.json's model_type match the weights?)"
             )
+    return score
 
 
 def _parameter_names(hf_config: Any) -> set[str]:

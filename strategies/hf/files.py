@@ -86,3 +86,15 @@ class SafetensorsCheckpoint(contextlib.ExitStack):
             except Exception as error:
                 raise CheckpointError(f"cannot open {full}: {error}") from error
         return self._handles[file]
+
+
+def padding_token_id(path: str) -> int | None:
+    """The checkpoint's pad token id (config.json ``pad_token_id``), or None where it has none
+    or its pad token is the beginning-of-sequence token (a row may then start with it)."""
+    try:
+        with open(os.path.join(path, "config.json")) as handle:
+            config = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    pad, bos = config.get("pad_token_id"), config.get("bos_token_id")
+    return pad if isinstance(pad, int) and pad != bos else None

@@ -100,6 +100,11 @@ def failing_loss(outputs: Any, batch: Any, ctx: Any) -> Any:
     return value_regression_loss(outputs, batch, ctx)
 
 
+def in_eval_mode(engine: Engine, call: Callable[[], Any]) -> Any:
+    with engine.eval_mode():
+        return call()
+
+
 def new_engine(call: Callable[[Engine], Any], **config: Any) -> Callable[[Engine, Path], Any]:
     """``call`` on another engine of the same model (never initialised, or forward-only)."""
     return lambda engine, _: call(
@@ -133,6 +138,27 @@ NAMES = {
 }
 
 CONFIGS = {
+    "a misspelt config key": Case(
+        build(micro_batch_sise=2), ConfigError, "did you mean 'micro_batch_size'"
+    ),
+    "a misspelt optimizer key": Case(
+        build(optimizer={"lrr": 1e-3}), ConfigError, r"OptimizerConfig has no field\(s\) lrr"
+    ),
+    "a mistyped model directory": Case(
+        build(model="./checkpoints/qwen-0.5b"), ConfigError, "no such directory"
+    ),
+    "a misspelt preset": Case(build(model="tinny"), ConfigError, "did you mean 'tiny'"),
+    "top-1 routing with normalised weights on megatron": Case(
+        build("lm", model=tiny_model(num_experts=4, experts_per_token=1)),
+        ConfigError,
+        r"experts_per_token=1 with normalize_expert_weights=True",
+        head="lm",
+    ),
+    "rollout correction masking with upper below 1": Case(
+        lambda e, _: RolloutCorrection(mode="mask", upper=0.5),
+        ConfigError,
+        r"lower defaults to 1 / upper = 2",
+    ),
     "config of the wrong type": Case(
         lambda engine, _: Engine.build(config=[1]), ConfigError, "config must be an EngineConfig"
     ),
@@ -289,7 +315,44 @@ CONFIGS = {
     ),
 }
 
+ACTOR_FIELDS = with_field(
+    "advantages",
+    jagged([torch.ones(n) for n in (3, 5, 4)]),
+    with_field("old_log_probs", jagged([torch.zeros(n) for n in (3, 5, 4)])),
+)
+
 BATCHES = {
+    "labels that differ from input_ids": Case(
+        train(
+            with_field(
+                "labels",
+                jagged([torch.full((n,), 65, dtype=torch.long) for n in (3, 5, 4)]),
+                GOOD.exclude("loss_mask"),
+            )
+        ),
+        BatchError,
+        r"'labels' differ from 'input_ids' where they are not -100",
+    ),
+    "labels beside a loss_mask": Case(
+        train(
+            with_field(
+                "labels",
+                GOOD["input_ids"].clone(),
+                with_field("loss_mask", jagged([torch.ones(n) for n in (3, 5, 4)])),
+            )
+        ),
+        BatchError,
+        "both 'labels' and 'loss_mask'",
+    ),
+    "a misspelt field the loss needs": Case(
+        train(
+            with_field(
+                "retruns", jagged([torch.zeros(n) for n in (3, 5, 4)]), GOOD.exclude("returns")
+            )
+        ),
+        BatchError,
+        r"lacks field\(s\) returns needed here \(a misspelling: 'retruns' for 'returns'\?\)",
+    ),
     "not a TensorDict": Case(train({"input_ids": [[1, 2]]}), BatchError, "tensordict.TensorDict"),
     "no sequences": Case(
         train(TensorDict({"input_ids": torch.zeros(0, 3, dtype=torch.long)}, [0])),
@@ -436,7 +499,22 @@ CALL_ORDER = {
         r"train_batch\(\) needs an initialised engine",
     ),
     "infer before initialize": Case(
-        new_engine(lambda e: e.infer_batch(GOOD)), EngineStateError, "call initialize"
+        new_engine(lambda e: e.infer_batch(GOOD)),
+        EngineStateError,
+        r"infer_batch\(\) needs an initialised engine",
+    ),
+    "train inside eval_mode": Case(
+        lambda e, _: in_eval_mode(e, lambda: e.train_batch(GOOD, value_regression_loss)),
+        EngineStateError,
+        r"train_batch\(\) trains, but it is called inside eval_mode\(\)",
+    ),
+    "forward and backward inside eval_mode": Case(
+        lambda e, _: in_eval_mode(e, lambda: e.forward_backward_batch(GOOD, value_regression_loss)),
+        EngineStateError,
+        r"forward_backward_batch\(\) trains, but it is called inside eval_mode",
+    ),
+    "train without a loss function": Case(
+        train(GOOD, None), ConfigError, "train_batch needs a loss_function"
     ),
     "step before initialize": Case(
         new_engine(lambda e: e.optimizer_step()), EngineStateError, "call initialize"
@@ -482,9 +560,6 @@ CALL_ORDER = {
         "needs a loss_function unless forward_only",
     ),
     "to an unknown place": Case(lambda e, _: e.to("gpu"), ConfigError, r"to\(\) takes 'cpu'"),
-    "save_hf of a value head": Case(
-        lambda e, tmp: e.save_hf(tmp), ConfigError, "save_hf writes a causal language model"
-    ),
     "load a checkpoint from an empty directory": Case(
         lambda e, tmp: e.load_checkpoint(tmp), CheckpointError, "no complete checkpoint under"
     ),
@@ -569,6 +644,12 @@ LOSS_FUNCTIONS = {
         train(with_field("returns", torch.zeros(3))),
         BatchError,
         "field 'returns' is per-sequence",
+    ),
+    "an entropy bonus on a head without entropy": Case(
+        train(ACTOR_FIELDS, ActorLoss(entropy_coeff=0.1)),
+        ConfigError,
+        r"ActorLoss reads the head output\(s\) 'entropy', which head 'lm' does not produce",
+        head="lm",
     ),
     "an unknown aggregation mode": Case(
         lambda e, _: ActorLoss(loss_agg_mode="token_mean"), ConfigError, "loss_agg_mode"

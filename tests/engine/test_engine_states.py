@@ -13,7 +13,7 @@ import pytest
 
 from engine import Engine
 from engine.losses import sft_loss
-from heads.errors import CheckpointError, ConfigError, EngineError, EngineStateError
+from heads.errors import CheckpointError, EngineError, EngineStateError
 from strategies.backends.base import OFFLOAD_PARTS
 from strategies.backends.megatron.mesh import destroy_mesh
 from tests.factories import random_batch, tiny_model
@@ -73,11 +73,7 @@ CALLS = {
     "get_per_tensor_param": Call(
         lambda e, _: list(e.get_per_tensor_param()), needs=frozenset({"initialized", "model"})
     ),
-    "save_hf(without hf_path)": Call(
-        lambda e, d: e.save_hf(d / "hf"),
-        needs=frozenset({"initialized", "model"}),
-        error=ConfigError,
-    ),
+    "save_hf": Call(lambda e, d: e.save_hf(d / "hf"), needs=frozenset({"initialized", "model"})),
     "save_checkpoint": Call(
         lambda e, d: e.save_checkpoint(d / "checkpoints"), needs=frozenset({"initialized", *PARTS})
     ),

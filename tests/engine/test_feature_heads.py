@@ -428,8 +428,8 @@ def test_fsdp2_runs_the_head_as_megatron_does_and_trains_it(tmp_path: Path) -> N
     # the exported layer: one hidden -> 5 matrix under one name on both backends
     exported = [dict(engine.get_per_tensor_param()) for engine in (megatron, engines[0])]
     assert exported[0].keys() == exported[1].keys()
-    assert exported[0]["value_head.weight"].shape == (VALUES + SCORES, 64)
-    assert torch.equal(exported[0]["value_head.weight"], exported[1]["value_head.weight"])
+    assert exported[0]["score.weight"].shape == (VALUES + SCORES, 64)
+    assert torch.equal(exported[0]["score.weight"], exported[1]["score.weight"])
     losses = train(engines[0], 4, batch)
     assert losses[-1] < 0.8 * losses[0]
 

@@ -34,7 +34,7 @@ from tests.strategies.backends.megatron.test_hf import VOCAB, save_checkpoint
 ADAPTED = 5  # q, v, o, up, down
 STEPS = 2
 TOLERANCE = 1e-5
-HEAD = "value_head.weight"
+HEAD = "score.weight"
 SCORE = f"{PEFT_PREFIX}score.weight"
 
 

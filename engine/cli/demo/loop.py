@@ -60,6 +60,7 @@ from engine.cli.demo.rollout import (
     rollout_batch,
     sample,
 )
+from engine.cli.hf_export import HF_DIR, export_final_model
 from engine.cli.loggers import DEFAULT_LOGGERS, open_loggers
 from engine.cli.progress import Column, MetricsFile, ProgressReporter, plot_metrics
 from engine.data.batching import ROUTED_EXPERTS, take_rows
@@ -240,7 +241,12 @@ def run(
                 ]
             )
         )
-    if stop.requested and iteration < config.steps:
+        interrupted = stop.requested and iteration < config.steps
+        for role in trained if not interrupted else ():  # a resumed run exports at its end
+            progress.message(
+                export_final_model(engines[role], out / HF_DIR / role, _role_name(role))
+            )
+    if interrupted:
         raise Interrupted(iteration)
     return summarise(history) if lead else {}
 
@@ -506,6 +512,11 @@ def _describe_engine(role: str, engine: Any) -> str:
     """The role, and its adapters' rank where it has LoRA."""
     lora = engine.config.lora
     return role if lora is None else f"{role} (LoRA rank {lora.rank})"
+
+
+def _role_name(role: str) -> str:
+    """The role and its head, as the closing message names a model."""
+    return f"{role} ({HEADS[role]} head)"
 
 
 def _describe_model(config: DemoConfig) -> str:

@@ -512,7 +512,7 @@ class ComposableEngine(BaseEngine):
                 local_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep
             )
             contents = getattr(self.checkpoint_config, "save_contents", None) or ()
-            if "hf_model" in contents and engine.head.output_spec().kind == "vocab":
+            if "hf_model" in contents:  # a critic's: a token classifier, as verl's own
                 engine.save_hf(os.path.join(local_path, "huggingface"))
         path = os.path.abspath(local_path)
         self._saved = [saved for saved in self._saved if saved != path] + [path]

@@ -40,6 +40,7 @@ from strategies.backends.fsdp2.optimizer import (
 )
 from strategies.config import ParallelConfig, PartsConfig
 from strategies.hf.architecture import hf_config_for
+from strategies.hf.classification import HeadLayer, head_layer
 from strategies.lora import AdapterSwitch
 from strategies.offload import OffloadedParts
 from strategies.packed_attention import positions_in_sequences
@@ -83,6 +84,8 @@ class Fsdp2Backend:
     _adapter_switch: AdapterSwitch = attrs.field(factory=AdapterSwitch, init=False)
     #: The head applies the output layer itself (``OutputSpec.fused``).
     _fused: bool = attrs.field(default=False, init=False)
+    #: The head's output layer: its bias, where its weights come from, what save_hf writes.
+    _head_layer: HeadLayer | None = attrs.field(default=None, init=False)
     #: Host copies of the state an asynchronous save writes, reused by the next one.
     _staging_buffers: dict[Any, torch.Tensor] = attrs.field(factory=dict, init=False)
 
@@ -132,7 +135,8 @@ class Fsdp2Backend:
         self._device = device
         spec = head.output_spec()
         self._fused = spec.fused
-        model = build_causal_model(config, spec, device, self.attention)
+        self._head_layer = head_layer(config.model, head)
+        model = build_causal_model(config, spec, self._head_layer, device, self.attention)
         if config.lora is not None:
             from strategies.backends.fsdp2.lora import attach_adapters
 
@@ -349,7 +353,9 @@ class Fsdp2Backend:
         """Write a Hugging Face checkpoint of the model (collective: every rank calls it)."""
         from strategies.backends.fsdp2.export import save_hf
 
-        save_hf(self._require_model(), config.model, directory, config.lora)
+        model = self._require_model()
+        assert self._head_layer is not None  # built with the model
+        save_hf(model, config.model, self._head_layer, directory, config.lora)
 
     # -- LoRA ----------------------------------------------------------------------------------
     def check_lora(self, config: PartsConfig) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from strategies.backends.fsdp2.optimizer import LRSchedule, materialize_optimizer_state
 from strategies.distributed import barrier, rank
+from strategies.resume import keeping_settings, saved_schedule_step, set_schedule_step
 from strategies.rng import rng_states, set_rng_states
 
 if TYPE_CHECKING:
@@ -84,8 +85,9 @@ def load_state(
     same_layout: bool,
 ) -> None:
     """Restore what ``save_state`` wrote, resharded to this layout; per-rank RNG streams only at
-    the same layout (at another one there is no rank to take them from). A forward-only
-    engine's checkpoint (weights only) leaves this engine's optimizer and LR schedule as a new
+    the same layout (at another one there is no rank to take them from). The optimizer and LR
+    schedule keep this engine's settings (``strategies.resume``). A forward-only engine's
+    checkpoint (weights only) leaves this engine's optimizer and LR schedule as a new
     engine's."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
@@ -99,17 +101,17 @@ def load_state(
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-        )
+        with keeping_settings([optimizer]):
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optimizer"],
+            )
     if restart is not None:
         _restart(*restart)
     if schedule is not None:
-        with open(scheduler_path) as handle:
-            schedule.load_state_dict(json.load(handle))
+        set_schedule_step(schedule, saved_schedule_step(scheduler_path))
     rng_path = os.path.join(directory, RNG_DIR, f"rank_{rank()}.pt")
     if same_layout and os.path.exists(rng_path):
         set_rng_states(torch.load(rng_path, weights_only=True))
@@ -132,5 +134,4 @@ def _restart(optimizer: torch.optim.Optimizer | None, schedule: LRSchedule | Non
     if optimizer is not None:
         optimizer.state.clear()
     if schedule is not None:
-        schedule.num_steps = 0
-        schedule.step(0)
+        set_schedule_step(schedule, 0)

@@ -1,11 +1,12 @@
 """The model as Hugging Face tensors, one full tensor at a time, and as a checkpoint that
-``AutoModelForCausalLM`` loads.
+transformers loads (``AutoModelForCausalLM``; a value or reward head's as a token or sequence
+classifier, ``strategies.hf.classification``).
 
 Parameters already carry Hugging Face names; each sharded parameter is all-gathered on its own
 (``DTensor.full_tensor``), so no rank ever holds more than one full tensor for export. Collective:
-every rank walks the parameters in the same order. A value head's layer is yielded as
-``value_head.weight`` (megatron's export name too). Experts that transformers fuses in memory
-are yielded per expert, under the names its checkpoints use.
+every rank walks the parameters in the same order. A value or reward head's layer is yielded as
+a classifier's ``score.weight`` (and ``score.bias`` where it has one), as megatron's. Experts
+that transformers fuses in memory are yielded per expert, under the names its checkpoints use.
 """
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ import torch
 from strategies.backends.fsdp2.lora import is_adapter_parameter, is_head_layer_parameter
 from strategies.config import LoraConfig, ModelConfig
 from strategies.distributed import barrier, rank
-from strategies.hf.architecture import hf_config_for
+from strategies.hf.classification import (
+    TOKEN_CLASSIFICATION,
+    HeadLayer,
+    score_name,
+    with_score_bias,
+)
 from strategies.hf.experts import CheckpointLayout
 from strategies.hf.files import SINGLE_FILE
 from strategies.hf.metadata import write_hf_metadata
@@ -47,19 +53,22 @@ def export_hf(
                     lora.scale,
                 )
                 full = (full.float() + delta).to(full.dtype)
-        yield from layout.split(name, full)
+        if is_head_layer_parameter(name):
+            yield score_name(name), full
+        else:
+            yield from layout.split(name, full)
 
 
 def export_adapter(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name as peft has it, full tensor) of every LoRA adapter tensor, then of a
-    non-vocabulary head's output layer, which trains with them (``value_head.weight``)."""
+    non-vocabulary head's output layer, which trains with them (``score.weight``)."""
     # every projection's A, a shared one (LoraConfig.share_a) under each projection's name
     for name, param in model.named_parameters(remove_duplicate=False):
         if is_adapter_parameter(name):
             yield name, _full(param)
     for name, param in model.named_parameters():
         if is_head_layer_parameter(name):
-            yield name, _full(param)
+            yield score_name(name), _full(param)
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:
@@ -75,13 +84,19 @@ def _full(param: torch.Tensor) -> torch.Tensor:
 
 
 def save_hf(
-    model: torch.nn.Module, config: ModelConfig, directory: str, lora: LoraConfig | None = None
+    model: torch.nn.Module,
+    config: ModelConfig,
+    layer: HeadLayer,
+    directory: str,
+    lora: LoraConfig | None = None,
 ) -> None:
-    """Write the model as a Hugging Face checkpoint in ``directory``: rank 0 gathers the
-    tensors, writes safetensors and ``config.json`` (the source checkpoint's, with its tokenizer
-    files, or the one the ModelConfig describes) into a temporary sibling and renames it."""
+    """Write the model as a Hugging Face checkpoint in ``directory`` (a causal LM, or the
+    classifier ``layer`` makes it): rank 0 gathers the tensors, writes safetensors and
+    ``config.json`` (the source checkpoint's, with its tokenizer files, or the one the
+    ModelConfig describes) into a temporary sibling and renames it."""
     from safetensors.torch import save_file
 
+    task = layer.export_task()
     directory = os.path.abspath(directory)
     staging = directory + ".saving"
     writer = rank() == 0
@@ -92,10 +107,9 @@ def save_hf(
         name: tensor.contiguous() for name, tensor in export_hf(model, config, lora) if writer
     }
     if writer:
+        if task == TOKEN_CLASSIFICATION:
+            tensors = with_score_bias(tensors)
         save_file(tensors, os.path.join(staging, SINGLE_FILE), metadata={"format": "pt"})
-        if config.hf_path is not None:
-            write_hf_metadata(config.hf_path, staging, {}, 1)
-        else:
-            hf_config_for(config).save_pretrained(staging)
+        write_hf_metadata(config, layer, staging, {}, 1)
         publish_directory(staging, directory)
     barrier()

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from heads.errors import ConfigError
+from strategies.backends.fsdp2.model import VALUE_HEAD
 from strategies.config import LoraConfig, PartsConfig
 from strategies.lora import (
-    HEAD_LAYER,
     AdapterSwitch,
     LoraPair,
     a_owner,
@@ -88,4 +88,4 @@ def is_adapter_parameter(name: str) -> bool:
 
 def is_head_layer_parameter(name: str) -> bool:
     """A parameter of a non-vocabulary head's own output layer (it trains with LoRA)."""
-    return name.startswith(f"{HEAD_LAYER}.")
+    return name.startswith(f"{VALUE_HEAD}.")

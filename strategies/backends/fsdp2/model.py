@@ -7,9 +7,11 @@ Parameters carry their Hugging Face names (``model.layers.0.self_attn.q_proj.wei
 memory: they are read, drawn and exported under the checkpoints' per-expert names
 (``strategies.hf.experts.CheckpointLayout``). transformers' body model returns no router
 load-balancing (aux) loss, so ``ModelConfig.router_aux_loss_coeff`` does not enter the loss on
-this backend. A replicated output layer (value and reward heads) is ``value_head`` and is drawn
-under megatron's name for it, ``output_layer.weight``: with the same checkpoint, both backends
-start a value or reward model from the same weights.
+this backend. A replicated output layer (value and reward heads) is ``value_head`` (the name
+engine checkpoints hold; a classifier checkpoint's and exports' is ``score``): read from a
+classifier checkpoint's ``score`` layer, or drawn under megatron's name for it,
+``output_layer.weight``, so with the same checkpoint both backends start a value or reward
+model from the same weights.
 
 Initialisation scheme (megatron's): matrices and embeddings ~ N(0, std); each layer's output
 projections (``o_proj``, ``down_proj``, each expert's ``down_proj`` / ``w2``) ~ N(0, std /
@@ -29,6 +31,7 @@ from heads.base import OutputSpec
 from strategies.backends.fsdp2.attention import packed_sdpa
 from strategies.config import PartsConfig
 from strategies.hf.architecture import hf_config_for
+from strategies.hf.classification import HeadLayer, score_name
 from strategies.hf.experts import CheckpointLayout
 from strategies.hf.files import SafetensorsCheckpoint
 from strategies.init import normal_from_name
@@ -84,9 +87,10 @@ class CausalModel(torch.nn.Module):
 
 
 def build_causal_model(
-    config: PartsConfig, spec: OutputSpec, device: torch.device, attention: str
+    config: PartsConfig, spec: OutputSpec, layer: HeadLayer, device: torch.device, attention: str
 ) -> CausalModel:
-    """The full (unsharded) model on ``device``, with its weights in place."""
+    """The full (unsharded) model on ``device``, with its weights in place (``layer``: the
+    head layer's bias and whether the checkpoint holds it)."""
     from transformers import AutoModel
 
     model_config = config.model
@@ -105,13 +109,13 @@ def build_causal_model(
             model = CausalModel(body, LM_HEAD, output)
         else:
             model = CausalModel(
-                body, VALUE_HEAD, torch.nn.Linear(hidden, spec.features, bias=False)
+                body, VALUE_HEAD, torch.nn.Linear(hidden, spec.features, bias=layer.bias)
             )
     if model_config.hf_path is None:
         initialize_parameters(model, config)
     else:
-        load_hf_weights(model, model_config.hf_path, CheckpointLayout.of(model_config))
-        if spec.kind == "replicated":  # the checkpoint brings everything else
+        load_hf_weights(model, model_config.hf_path, CheckpointLayout.of(model_config), layer)
+        if spec.kind == "replicated" and not layer.from_checkpoint:  # a causal LM's checkpoint
             initialize_parameters(model, config, only=(VALUE_HEAD,))
     return model
 
@@ -146,13 +150,17 @@ def initialize_parameters(
             param.copy_(full.to(dtype=param.dtype, device=param.device))
 
 
-def load_hf_weights(model: CausalModel, path: str, layout: CheckpointLayout) -> None:
+def load_hf_weights(
+    model: CausalModel, path: str, layout: CheckpointLayout, layer: HeadLayer
+) -> None:
     """Copy the safetensors checkpoint at ``path`` (its tensors named as ``layout`` says) into
-    ``model``, one parameter at a time (a value head's layer keeps its own initialisation: an
-    LM's ``lm_head`` is not loaded)."""
+    ``model``, one parameter at a time. A value or reward head's layer is a classifier's
+    ``score`` layer, or keeps its own initialisation (an LM's ``lm_head`` is not loaded)."""
     with torch.no_grad(), SafetensorsCheckpoint(path) as checkpoint:
         for name, param in model.named_parameters():
             if name.startswith(VALUE_HEAD):
+                if layer.from_checkpoint:
+                    param.copy_(checkpoint.read(score_name(name), param.shape).to(param.dtype))
                 continue
             parts = layout.split(name, torch.empty(param.shape, device="meta"))
             full = layout.join(

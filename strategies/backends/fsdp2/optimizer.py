@@ -97,15 +97,9 @@ class LRSchedule:
         return lr
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-ready: the settings and the step count."""
+        """JSON-ready: the settings (a record) and the step count (all a resume takes, see
+        ``strategies.resume``)."""
         return attrs.asdict(self, filter=lambda field, _: field.name != "optimizer")
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The checkpoint's settings and step count (as megatron's scheduler uses them)."""
-        for field in attrs.fields(LRSchedule):
-            if field.name != "optimizer":
-                setattr(self, field.name, state[field.name])
-        self.step(0)
 
 
 def gradient_norm(parameters: Iterable[torch.nn.Parameter]) -> float:

@@ -35,6 +35,7 @@ from strategies.backends.megatron.optimizer import (
 from strategies.backends.megatron.routing import Routing
 from strategies.config import ModelConfig, ParallelConfig, PartsConfig
 from strategies.distributed import all_reduce_values
+from strategies.hf.classification import HeadLayer, head_layer
 from strategies.lora import AdapterSwitch
 from strategies.megatron_imports import import_megatron
 from strategies.megatron_version import check_megatron_version
@@ -81,6 +82,8 @@ class MegatronBackend:
     _head_context: HeadContext = attrs.field(factory=HeadContext, init=False)
     #: The head applies the output layer itself (``OutputSpec.fused``).
     _fused: bool = attrs.field(default=False, init=False)
+    #: The head's output layer: its bias, where its weights come from, what save_hf writes.
+    _head_layer: HeadLayer | None = attrs.field(default=None, init=False)
     #: Packed rows' offsets stay on the host (the local layer spec: see ``packed_layout``).
     _host_offsets: bool = attrs.field(default=False, init=False)
     #: Host copies of the state an asynchronous save writes, reused by the next one.
@@ -152,6 +155,7 @@ class MegatronBackend:
         tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
         spec = head.output_spec()
         self._fused = spec.fused
+        self._head_layer = head_layer(config.model, head)
         self._host_offsets = not uses_transformer_engine(self.layer_spec, config.parallel)
         virtual_stages = config.parallel.virtual_pipeline_parallel_size
         self._chunks = []
@@ -161,6 +165,7 @@ class MegatronBackend:
                 build_gpt_model(
                     config,
                     spec,
+                    self._head_layer,
                     self.layer_spec,
                     pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
                     post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
@@ -174,7 +179,7 @@ class MegatronBackend:
             from strategies.backends.megatron.hf.loading import load_hf_weights
 
             for chunk in self._chunks:
-                load_hf_weights(chunk, config.model, config.model.hf_path)
+                load_hf_weights(chunk, config.model, self._head_layer)
         if config.lora is not None:
             from strategies.backends.megatron.lora import attach_adapters
 
@@ -501,7 +506,8 @@ class MegatronBackend:
 
         self._require_model()
         self._check_hf_experts(config)
-        save_hf(self._chunks, config.model, directory, config)
+        assert self._head_layer is not None  # built with the model
+        save_hf(self._chunks, config.model, self._head_layer, directory, config)
 
     # -- LoRA ----------------------------------------------------------------------------------
     def check_lora(self, config: PartsConfig) -> None:
@@ -586,6 +592,18 @@ def check_experts(config: PartsConfig, world_size: int) -> None:
             "training a mixture-of-experts model with tensor_parallel_size > 1 needs "
             "sequence_parallel (megatron's MoE layer refuses it otherwise; sequence_parallel "
             "needs the TransformerEngine layer spec); forward-only engines may use it"
+        )
+    if (
+        model.experts_per_token == 1
+        and model.router_score_function == "softmax"
+        and model.normalize_expert_weights
+    ):
+        raise ConfigError(
+            "ModelConfig.experts_per_token=1 with normalize_expert_weights=True (each token's one "
+            "expert weighted 1) is not supported by the megatron backend: megatron routes one "
+            "expert per token only with the softmax over all experts as its weight; set "
+            "normalize_expert_weights=False (the top expert's probability, as Switch "
+            "Transformer), or experts_per_token >= 2, or use the fsdp2 backend"
         )
     if model.router_score_function == "sigmoid" and not model.normalize_expert_weights:
         raise ConfigError(

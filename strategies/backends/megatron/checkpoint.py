@@ -22,6 +22,7 @@ import torch
 from heads.errors import CheckpointError
 from strategies.distributed import barrier, rank
 from strategies.publish import FileChecksums
+from strategies.resume import keeping_settings, saved_schedule_step, set_schedule_step
 from strategies.rng import rng_states, set_rng_states
 
 if TYPE_CHECKING:
@@ -152,7 +153,8 @@ def load_state(
 ) -> None:
     """Restore what ``save_state`` wrote. Model and optimizer reshard to this layout
     (``dist_checkpointing``); per-rank RNG streams are restored only at the same layout (at
-    another one there is no rank to take them from). A forward-only engine's checkpoint (no
+    another one there is no rank to take them from). The optimizer and LR schedule keep this
+    engine's settings (``strategies.resume``). A forward-only engine's checkpoint (no
     optimizer or scheduler state) leaves this engine's optimizer and LR schedule as a new
     engine's, starting from the loaded weights."""
     from megatron.core import dist_checkpointing
@@ -188,14 +190,12 @@ def load_state(
         for key, chunk in zip(_model_keys(chunks), chunks, strict=True):
             chunk.load_state_dict(loaded[key])
         if optimizer is not None:
-            _load_optimizer(optimizer, loaded["optimizer"])
+            with keeping_settings(getattr(optimizer, "chained_optimizers", [optimizer])):
+                _load_optimizer(optimizer, loaded["optimizer"])
     if restart is not None:
         _restart(*restart)
-    if scheduler is not None:
-        with open(scheduler_path) as handle:
-            saved = json.load(handle)
-        scheduler.num_steps = 0  # megatron's load_state_dict *adds* the saved step count
-        scheduler.load_state_dict(saved)
+    if scheduler is not None:  # not megatron's load_state_dict: it takes the saved settings
+        set_schedule_step(scheduler, saved_schedule_step(scheduler_path))
     rng_path = os.path.join(directory, RNG_DIR, f"rank_{rank()}.pt")
     if same_layout and os.path.exists(rng_path):
         _set_rng_states(torch.load(rng_path, weights_only=True))
@@ -300,8 +300,7 @@ def _restart(optimizer: Any, scheduler: Any) -> None:
             part.optimizer.state.clear()
         optimizer.reload_model_params()
     if scheduler is not None:
-        scheduler.num_steps = 0
-        scheduler.step(0)
+        set_schedule_step(scheduler, 0)
 
 
 def _materialize_optimizer_state(optimizer: Any) -> None:

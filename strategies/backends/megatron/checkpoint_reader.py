@@ -19,6 +19,7 @@ import mmap
 import os
 import pickle
 import struct
+import warnings
 from pathlib import Path
 from typing import Any, cast
 
@@ -73,16 +74,20 @@ class MappedLoadStrategy(TorchDistLoadShardedStrategy):
         sharded_state_dict, flat_mapping, rename_mapping = (
             _replace_state_dict_keys_with_sharded_keys(sharded_state_dict)
         )
-        pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, True)
         reader = MappedFileSystemReader(checkpoint_dir)
-        dcp_load(
-            pyt_state_dict,
-            storage_reader=reader,
-            planner=MCoreLoadPlanner(
-                shapes_validation_sharded_tensors=flexible,
-                allow_shape_mismatch_sharded_tensors=mismatch_allowed,
-            ),
-        )
+        with warnings.catch_warnings():
+            # megatron loads through torch's deprecated ShardedTensor, and torch warns for every
+            # tensor: about megatron's internals, which no user of this engine can act on
+            warnings.filterwarnings("ignore", "Please use DTensor instead", FutureWarning)
+            pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, True)
+            dcp_load(
+                pyt_state_dict,
+                storage_reader=reader,
+                planner=MCoreLoadPlanner(
+                    shapes_validation_sharded_tensors=flexible,
+                    allow_shape_mismatch_sharded_tensors=mismatch_allowed,
+                ),
+            )
         self.cached_global_metadata = reader.read_metadata()
         state = {key: _unwrap_pyt_sharded_tensor(value) for key, value in pyt_state_dict.items()}
         state = _replace_sharded_keys_with_state_dict_keys(state, flat_mapping, rename_mapping)

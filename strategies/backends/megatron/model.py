@@ -15,6 +15,7 @@ from heads.errors import ConfigError
 from strategies.backends.megatron.attention import packed_dot_product_attention
 from strategies.backends.megatron.init import initialize_parameters
 from strategies.config import ParallelConfig, PartsConfig
+from strategies.hf.classification import HeadLayer
 
 
 def transformer_config(
@@ -240,15 +241,19 @@ def layer_spec(
 
 
 class ReplicatedOutputLayer(torch.nn.Linear):
-    """A ``hidden -> features`` layer identical on every tensor-parallel rank (value heads).
+    """A ``hidden -> features`` layer identical on every tensor-parallel rank (value heads),
+    with a bias where its classifier checkpoint's ``score`` layer has one.
 
     GPTModel calls its output layer as ``layer(x, weight=..., runtime_gather_output=...)`` and
     expects ``(output, bias)``; the layer must itself be the module (no wrapper) so that
-    megatron's ``sharded_state_dict`` finds ``output_layer.weight``.
+    megatron's ``sharded_state_dict`` finds ``output_layer.weight`` (and ``.bias``). The bias
+    is added here: GPTModel discards the second element.
     """
 
-    def __init__(self, hidden_size: int, features: int, *, dtype: torch.dtype) -> None:
-        super().__init__(hidden_size, features, bias=False, dtype=dtype)
+    def __init__(
+        self, hidden_size: int, features: int, *, dtype: torch.dtype, bias: bool = False
+    ) -> None:
+        super().__init__(hidden_size, features, bias=bias, dtype=dtype)
 
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: Any = None
@@ -306,13 +311,15 @@ def output_weight(model: Any) -> torch.Tensor:
 def build_gpt_model(
     config: PartsConfig,
     spec: OutputSpec,
+    head_layer: HeadLayer,
     layer_spec_kind: str,
     pre_process: bool,
     post_process: bool,
     vp_stage: int | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> torch.nn.Module:
-    """A GPTModel chunk whose output layer follows ``spec``."""
+    """A GPTModel chunk whose output layer follows ``spec`` (a replicated one: with the bias
+    ``head_layer`` says; its weights read later where the checkpoint holds them)."""
     from megatron.core.models.gpt import GPTModel
 
     model_config = config.model
@@ -337,12 +344,12 @@ def build_gpt_model(
     if spec.kind == "replicated" and post_process:
         dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
         model.output_layer = ReplicatedOutputLayer(
-            model_config.hidden_size, spec.features, dtype=dtype
+            model_config.hidden_size, spec.features, dtype=dtype, bias=head_layer.bias
         )
     if spec.fused and post_process:
         hand_over_hidden_states(model)
     if model_config.hf_path is None:
         initialize_parameters(model, config)
-    elif spec.kind == "replicated" and post_process:  # the checkpoint brings everything else
-        initialize_parameters(model, config, only=("output_layer.",))
+    elif spec.kind == "replicated" and post_process and not head_layer.from_checkpoint:
+        initialize_parameters(model, config, only=("output_layer.",))  # an LM's checkpoint
     return model

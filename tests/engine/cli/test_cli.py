@@ -1,4 +1,6 @@
-"""``python -m engine train``: one line of metrics per step; bad input exits non-zero, named."""
+"""``python -m engine train``: one line of metrics per step, text and chat data tokenized by the
+model's tokenizer, the final model as a Hugging Face directory; ``matrix``; bad input exits
+non-zero, named."""
 
 from __future__ import annotations
 
@@ -7,10 +9,13 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
+import torch
 
+from tests.engine.data.test_text import CHAT_TEMPLATE, tiny_chat_model
 from tests.multiprocess import TORCHRUN_TWO_RANKS
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -131,6 +136,29 @@ def test_matrix_lists_every_cell_and_why_npu_cannot_run_here() -> None:
     assert report["versions"]["torch-npu"] is None
 
 
+def test_matrix_says_each_reason_once_under_the_cells_it_stops() -> None:
+    result = run("matrix")
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    reasons = [line for line in lines if line.startswith("    ")]
+    assert len(reasons) == len(set(reasons))
+    npu = lines.index("unavailable: {lm, reward, value} x {fsdp2, megatron} x npu")
+    assert "torch_npu" in lines[npu + 1]
+    assert "runs here: {lm, reward, value} x {fsdp2, megatron} x cpu" in lines
+
+
+def test_cells_are_described_as_one_product_where_they_form_one() -> None:
+    from engine.cli.matrix import describe_cells
+
+    def cell(head: str, backend: str, device: str) -> dict[str, str]:
+        return {"head": head, "backend": backend, "device": device}
+
+    square = [cell(h, b, "npu") for h in ("lm", "value") for b in ("megatron", "fsdp2")]
+    assert describe_cells(square) == "{lm, value} x {megatron, fsdp2} x npu"
+    ragged = [cell("lm", "megatron", "npu"), cell("value", "fsdp2", "npu")]
+    assert describe_cells(ragged) == "lm x megatron x npu, value x fsdp2 x npu"
+
+
 def test_matrix_picks_up_registered_parts(monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.cli.matrix import cells
     from engine.registry import HEADS
@@ -218,3 +246,130 @@ def test_train_refuses_to_overwrite_an_earlier_runs_metrics(
     assert main(["train", "--device", "cpu", "--output-dir", str(tmp_path)]) == 2
     assert "an earlier run's" in capsys.readouterr().err
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    for question, answer in [("what is one plus one", "two"), ("what is two plus two", "four")]
+] * 4
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_chat_model(tmp_path_factory.mktemp("chat-model"))
+
+
+def write_records(path: Path, records: Sequence[Mapping[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+def test_train_sft_on_chat_records_ends_with_a_model_transformers_loads(
+    chat_model: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = write_records(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    out = tmp_path / "run"
+    result = run(
+        "train", "--model", str(chat_model), "--data", str(data), "--batch-size", "4",
+        "--steps", "6", "--output-dir", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [float(m.group(3)) for m in map(STEP_LINE.match, result.stdout.splitlines()) if m]
+    assert len(losses) == 6 and sum(losses[-2:]) < sum(losses[:2])
+    exported = out / "huggingface"
+    last = result.stdout.splitlines()[-1]
+    assert last.startswith("done in ")
+    assert last.endswith(f"; model (lm head) as a Hugging Face directory in {exported}")
+    trained = AutoModelForCausalLM.from_pretrained(exported).state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(chat_model).state_dict()
+    assert trained.keys() == initial.keys()
+    assert not torch.equal(trained["model.norm.weight"], initial["model.norm.weight"])
+    assert AutoTokenizer.from_pretrained(exported).chat_template == CHAT_TEMPLATE
+
+
+def test_text_and_prompt_response_records_are_read_with_their_loss_masks(
+    chat_model: Path, tmp_path: Path
+) -> None:
+    from engine.cli.train import read_sequences
+    from engine.config import EngineConfig
+    from engine.data.text import load_tokenizer, tokenize_record
+
+    config = EngineConfig(model=str(chat_model))
+    tokenizer = load_tokenizer(chat_model)
+    for records in (
+        [{"text": "hello world"}, {"text": "what is two plus two"}],
+        [{"prompt": "what is one plus one", "response": " two", "id": 7}],
+    ):
+        data = write_records(tmp_path / "data.jsonl", records)
+        read = read_sequences(str(data), "lm", config)
+        assert read == [tokenize_record(record, tokenizer) for record in records]
+
+
+def test_train_says_where_the_model_could_not_be_exported_and_still_succeeds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine import Engine
+    from engine.cli import main
+    from heads.errors import ConfigError
+
+    def refuse(engine: Engine, directory: Path) -> None:
+        raise ConfigError(f"save_hf cannot write head {engine.head.name!r}")
+
+    monkeypatch.setattr(Engine, "save_hf", refuse)
+    out = tmp_path / "run"
+    args = ["train", "--head", "value", "--steps", "1", "--device", "cpu", "--output-dir", str(out)]
+    assert main(args) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.endswith(
+        "model (value head) not exported as a Hugging Face directory: save_hf cannot write "
+        "head 'value'"
+    )
+
+
+@pytest.mark.parametrize(
+    ("lines", "model", "message"),
+    [
+        (['{"text": "hello"}'], "tiny", ":1: text records need the model's tokenizer, and the "
+         "model is a preset"),
+        (['{"text": "hello"}'], "no-tokenizer", "holds none (no tokenizer.json"),
+        (['{"text": "hello"}', '{"messages": []}'], "chat", ":2: a record of kind messages, but "
+         "line 1 is of kind text"),
+        (['{"text": "hello"}', '{"text": ""}'], "chat", ":2: 'text' is empty"),
+        (['{"text": "hello"}', '{"input_ids": [1, 2]}'], "chat", ":2: a record of kind input_ids"),
+        (['{"prompt": "a", "text": "b"}'], "chat", ":1: the record mixes kinds"),
+        ([json.dumps({"text": "hello world " * 40})], "chat", ":1: 121 tokens, more than the "
+         "model's max_sequence_length (64); shorten or drop the record"),
+    ],
+)  # fmt: skip
+def test_train_refuses_bad_text_records_naming_the_line_and_what_to_do(
+    chat_model: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    lines: list[str],
+    model: str,
+    message: str,
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from engine.cli import main
+
+    if model == "no-tokenizer":  # the chat model's weights and config, no tokenizer files
+        AutoModelForCausalLM.from_pretrained(chat_model).save_pretrained(tmp_path / "bare")
+    directory = {"chat": str(chat_model), "no-tokenizer": str(tmp_path / "bare")}.get(model, model)
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    assert main(["train", "--data", str(data), "--model", directory, "--device", "cpu"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_text_records_are_refused_for_a_value_head(
+    chat_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from engine.cli import main
+
+    data = write_records(tmp_path / "data.jsonl", [{"text": "hello world"}])
+    args = ["train", "--head", "value", "--model", str(chat_model), "--data", str(data)]
+    assert main([*args, "--device", "cpu"]) == 2
+    assert ":1: text records train an LM head (SFT); --head value needs" in capsys.readouterr().err

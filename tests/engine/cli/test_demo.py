@@ -88,6 +88,35 @@ def test_demo_runs_ppo_and_writes_metrics_plot_and_checkpoints(
     assert f"backend {backend}," in result.stdout
     assert "mean reward: first 3 iterations " in result.stdout  # the 3 it ran, not 10
     assert ", last 3 " in result.stdout
+    # the last lines say where each trained model went as a Hugging Face directory, or why not
+    actor, critic, _ = result.stdout.splitlines()[-3:]
+    assert actor.startswith("actor (lm head) ") and critic.startswith("critic (value head) ")
+
+
+def test_the_demo_ends_with_the_trained_actor_as_a_hugging_face_directory(
+    tmp_path: Path,
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.engine.data.test_text import tiny_chat_model
+
+    model = tiny_chat_model(tmp_path / "qwen2")
+    out = tmp_path / "run"
+    config = short_config(tmp_path)
+    result = run(
+        "demo", "--config", config, "--steps", "1", "--model", str(model), "--output-dir",
+        str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    exported = out / "huggingface" / "actor"
+    assert f"actor (lm head) as a Hugging Face directory in {exported}" in result.stdout
+    critic = next(line for line in result.stdout.splitlines() if line.startswith("critic "))
+    exported_critic = f"critic (value head) as a Hugging Face directory in {exported.parent}"
+    assert critic.startswith((exported_critic, "critic (value head) not exported"))
+    trained = AutoModelForCausalLM.from_pretrained(exported).state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(model).state_dict()
+    assert not torch.equal(trained["model.norm.weight"], initial["model.norm.weight"])
+    assert AutoTokenizer.from_pretrained(exported).eos_token == "<|im_end|>"
 
 
 def test_demo_grpo_trains_the_actor_without_a_critic_and_records_advantage_statistics(

@@ -5,7 +5,8 @@ every TP rank yields the same full tensors. Under expert parallelism each local 
 all-gathered over the expert-parallel group, so every rank yields every expert, under its
 global number. Under pipeline parallelism each stage yields only its own layers (and the last
 stage not its copy of a tied embedding): the union over stages is the whole model. A value
-head's layer is yielded as ``value_head.weight``.
+or reward head's layer (replicated: every rank holds it whole) is yielded as a classifier's
+``score.weight`` (and ``score.bias`` where it has one).
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from strategies.backends.megatron.lora import (
 )
 from strategies.backends.megatron.model import ReplicatedOutputLayer
 from strategies.config import ModelConfig, PartsConfig
+from strategies.hf.classification import score_name
 
-VALUE_HEAD = "value_head.weight"
 _LAYER_WEIGHT = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.weight$")
 
 
@@ -54,11 +55,12 @@ def export_hf(
 
 def export_adapter(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, full tensor) of the chunk's LoRA adapters (peft's names), then of a
-    non-vocabulary head's output layer, which trains with them (``value_head.weight``)."""
+    non-vocabulary head's output layer, which trains with them (``score.weight``)."""
     yield from adapter_tensors(chunk, _tensor_parallel_full)
     head_layer = head_output_layer(chunk)
     if head_layer is not None:  # replicated over tensor-parallel ranks
-        yield VALUE_HEAD, head_layer.weight.detach().clone()
+        for name, param in head_layer.named_parameters():
+            yield score_name(name), param.detach().clone()
 
 
 def _full_tensors(
@@ -82,7 +84,7 @@ def _full_tensors(
         if adapters:
             full = _merged(name, full, adapters, parts)
         if value_head and head_layer:
-            yield VALUE_HEAD, full.clone()
+            yield score_name(local_name), full.clone()
         elif ep_size > 1 and (local := expert_number(local_name)) is not None:
             group = ps.get_expert_model_parallel_group()
             for ep_rank, expert in enumerate(_all_gather(full, ep_size, group)):

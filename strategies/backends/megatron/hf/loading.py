@@ -5,8 +5,8 @@ full layout, and this rank keeps its tensor-parallel shard (experts: their exper
 tensor-parallel shard), split exactly as ``init`` splits freshly drawn weights. Under expert
 parallelism a rank reads only its own experts, by their global numbers. Peak host memory is
 about one full tensor plus the local shards. Layers of other pipeline stages are never read. A
-value head's output layer keeps the engine's own initialisation: an LM checkpoint's ``lm_head``
-is not loaded into it.
+value or reward head's output layer (replicated) is a classifier checkpoint's ``score`` layer,
+or keeps the engine's own initialisation: an LM checkpoint's ``lm_head`` is not loaded into it.
 """
 
 from __future__ import annotations
@@ -17,18 +17,23 @@ from strategies.backends.megatron.hf.adapters import adapter_for
 from strategies.backends.megatron.init import _shard, global_parameters, tensor_parallel_place
 from strategies.backends.megatron.model import ReplicatedOutputLayer
 from strategies.config import ModelConfig
+from strategies.hf.classification import HeadLayer, score_name
 from strategies.hf.files import SafetensorsCheckpoint
 
 
-def load_hf_weights(chunk: torch.nn.Module, config: ModelConfig, path: str) -> None:
-    """Copy the checkpoint at ``path`` into ``chunk`` (this rank's stage, experts and TP
-    shard)."""
+def load_hf_weights(chunk: torch.nn.Module, config: ModelConfig, head_layer: HeadLayer) -> None:
+    """Copy the checkpoint at ``config.hf_path`` into ``chunk`` (this rank's stage, experts and
+    TP shard; the head's own layer where ``head_layer`` says the checkpoint holds it)."""
+    assert config.hf_path is not None
     adapter = adapter_for(config)
     value_head = isinstance(getattr(chunk, "output_layer", None), ReplicatedOutputLayer)
     local_names = [name for name, _ in chunk.named_parameters()]
-    with torch.no_grad(), SafetensorsCheckpoint(path) as checkpoint:
+    with torch.no_grad(), SafetensorsCheckpoint(config.hf_path) as checkpoint:
         for local_name, (name, param) in zip(local_names, global_parameters(chunk), strict=True):
             if value_head and local_name.startswith("output_layer."):
+                if head_layer.from_checkpoint:  # replicated: every rank holds all of it
+                    score = checkpoint.read(score_name(local_name), param.shape)
+                    param.copy_(score.to(dtype=param.dtype, device=param.device))
                 continue
             tp_rank, tp_size = tensor_parallel_place(name)
             parallel = bool(getattr(param, "tensor_model_parallel", False)) and tp_size > 1

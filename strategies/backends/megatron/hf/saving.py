@@ -1,4 +1,6 @@
-"""Write the model as a Hugging Face checkpoint that ``AutoModelForCausalLM`` loads.
+"""Write the model as a Hugging Face checkpoint that transformers loads: ``AutoModelForCausalLM``,
+or a value or reward head's ``AutoModelForTokenClassification`` /
+``AutoModelForSequenceClassification`` (``strategies.hf.classification``).
 
 Every rank takes part (tensor-parallel shards are all-gathered); one rank per pipeline stage
 writes that stage's safetensors file into a temporary sibling directory, and global rank 0 adds
@@ -15,10 +17,10 @@ from collections.abc import Iterable
 
 import torch
 
-from heads.errors import ConfigError
 from strategies.backends.megatron.hf.export import export_hf
 from strategies.config import ModelConfig, PartsConfig
 from strategies.distributed import barrier, merged_dicts, rank
+from strategies.hf.classification import TOKEN_CLASSIFICATION, HeadLayer, with_score_bias
 from strategies.hf.files import SINGLE_FILE
 from strategies.hf.metadata import write_hf_metadata
 from strategies.publish import publish_directory
@@ -27,19 +29,17 @@ from strategies.publish import publish_directory
 def save_hf(
     chunks: Iterable[torch.nn.Module],
     config: ModelConfig,
+    layer: HeadLayer,
     directory: str,
     parts: PartsConfig | None = None,
 ) -> None:
-    """Save ``chunks`` (this rank's part of the model) as an HF checkpoint in ``directory``
-    (LoRA adapters merged into their linears, see ``export_hf``)."""
+    """Save ``chunks`` (this rank's part of the model) as an HF checkpoint in ``directory``, a
+    causal LM or the classifier ``layer`` makes it (LoRA adapters merged into their linears,
+    see ``export_hf``)."""
     from megatron.core import parallel_state as ps
     from safetensors.torch import save_file
 
-    if config.hf_path is None:
-        raise ConfigError(
-            "save_hf needs ModelConfig.hf_path: the source checkpoint's config.json is what it "
-            "writes next to the weights"
-        )
+    task = layer.export_task()
     directory = os.path.abspath(directory)
     staging = directory + ".saving"
     stages = ps.get_pipeline_model_parallel_world_size()
@@ -54,11 +54,13 @@ def save_hf(
     tensors = {
         name: t.contiguous() for chunk in chunks for name, t in export_hf(chunk, config, parts)
     }
+    if task == TOKEN_CLASSIFICATION:
+        tensors = with_score_bias(tensors)
     if writer:
         save_file(tensors, os.path.join(staging, file), metadata={"format": "pt"})
     names = dict.fromkeys(tensors, file) if writer else {}
     weight_map = merged_dicts(names)
     if rank() == 0:
-        write_hf_metadata(config.hf_path, staging, weight_map, stages)
+        write_hf_metadata(config, layer, staging, weight_map, stages)
         publish_directory(staging, directory)
     barrier()

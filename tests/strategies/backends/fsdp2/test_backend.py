@@ -114,12 +114,12 @@ def test_weights_are_drawn_from_the_seed_and_their_name(fresh_mesh: None) -> Non
         normal_from_name((32, 64), scaled, 7, "model.layers.0.mlp.down_proj.weight"),
     )
     assert torch.equal(drawn["model.norm.weight"], torch.ones(32))
-    value = weights(critic)["value_head.weight"]
+    value = weights(critic)["score.weight"]
     assert torch.equal(value, normal_from_name((1, 32), std, 7, REPLICATED_INIT_NAME))
     megatron = Engine.build(
         head="value", backend="megatron", device="cpu", config={"model": model, "seed": 7}
     ).initialize()
-    assert torch.equal(value, dict(megatron.get_per_tensor_param())["value_head.weight"])
+    assert torch.equal(value, dict(megatron.get_per_tensor_param())["score.weight"])
 
 
 def test_an_lm_ties_its_output_layer_when_asked_and_a_value_model_never_does() -> None:
@@ -128,7 +128,7 @@ def test_an_lm_ties_its_output_layer_when_asked_and_a_value_model_never_does() -
     assert "lm_head.weight" not in weights(actor)
     lm = actor.backend.modules()[0]
     assert lm.get_parameter("lm_head.weight") is lm.get_parameter("model.embed_tokens.weight")
-    assert weights(critic)["value_head.weight"].shape == (1, 32)
+    assert weights(critic)["score.weight"].shape == (1, 32)
 
 
 def test_norms_and_biases_get_no_weight_decay() -> None:
@@ -407,4 +407,4 @@ def test_exported_tensors_are_copies_one_at_a_time() -> None:
     assert name == "model.embed_tokens.weight"
     tensor.zero_()
     assert float(weights(engine)["model.embed_tokens.weight"].abs().sum()) > 0
-    assert list(weights(engine))[-1] == "value_head.weight"
+    assert list(weights(engine))[-1] == "score.weight"
