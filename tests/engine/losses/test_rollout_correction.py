@@ -56,13 +56,18 @@ def direct_weights(
     return weights, dropped
 
 
+def _correction(level: str, mode: str, upper: float, lower: float | None) -> RolloutCorrection:
+    """A valid correction: mask mode's default lower (1 / upper) exceeds an upper below 1, which
+    is refused (every token dropped), so such an upper gets an explicit lower <= upper."""
+    if mode == "truncate":
+        lower = None
+    elif lower is not None or upper < 1.0:
+        lower = min(lower if lower is not None else upper / 2, upper)
+    return RolloutCorrection(level=level, mode=mode, upper=upper, lower=lower)
+
+
 corrections = st.builds(
-    lambda level, mode, upper, lower: RolloutCorrection(
-        level=level,
-        mode=mode,
-        upper=upper,
-        lower=None if mode == "truncate" or lower is None else min(lower, upper),
-    ),
+    _correction,
     st.sampled_from(LEVELS),
     st.sampled_from(MODES),
     st.floats(0.5, 4.0),
