@@ -294,10 +294,6 @@ def test_routes_given_to_an_engine_without_router_replay_are_refused(
             r"expert_parallel_size=2 needs a mixture-of-experts model",
         ),
         ({"model": tiny_model(), "router_replay": True}, r"router_replay needs a mixture-of-exp"),
-        (
-            {"model": moe_model(), "router_replay": True, "parallel": {"sequence_parallel": True}},
-            r"sequence_parallel",
-        ),
         ({"model": moe_model(num_experts=3), "parallel": {"expert_parallel_size": 2}}, "divisible"),
         (
             {"model": moe_model(), "parallel": {"tensor_parallel_size": 2}},

@@ -1,5 +1,5 @@
-"""Mixture-of-experts engines across processes match one process: expert and pipeline parallel
-layouts train to the same losses and weights (1e-5 after 3 steps, aux and z losses
+"""Mixture-of-experts engines across processes match one process: expert, pipeline and
+sequence parallel layouts train to the same losses and weights (1e-5 after 3 steps, aux and z losses
 on), record the same routes and replay them, and a checkpoint saved at EP=2 loads at EP=1.
 
 Each step records the routes of the rank's shard (``infer_batch``) and trains on them replayed,
@@ -24,19 +24,22 @@ LENGTHS = [6, 11, 3, 9, 14, 5, 8, 12]
 VOCAB = 64
 
 
-def _config(parallel: dict[str, Any], backend: dict[str, Any], layers: int = 2) -> dict[str, Any]:
+def _config(
+    parallel: dict[str, Any], backend: dict[str, Any], layers: int = 2, **model: Any
+) -> dict[str, Any]:
     """Every layout uses megatron's distributed optimizer (checkpoints of one optimizer kind
     load only into the same kind)."""
     from tests.factories import tiny_model
 
-    model = tiny_model(
-        num_layers=layers,
-        num_experts=4,
-        experts_per_token=2,
-        expert_ffn_hidden_size=32,
-        router_aux_loss_coeff=0.01,
-        router_z_loss_coeff=0.001,
-    )
+    settings = {
+        "num_layers": layers,
+        "num_experts": 4,
+        "experts_per_token": 2,
+        "expert_ffn_hidden_size": 32,
+        "router_aux_loss_coeff": 0.01,
+        "router_z_loss_coeff": 0.001,
+    }
+    model = tiny_model(**{**settings, **model})
     return {
         "model": model,
         "parallel": parallel,
@@ -221,3 +224,55 @@ def test_virtual_pipeline_stages_match_one_process() -> None:
     (expected,) = run_ranks(train_moe, 1, {}, {}, None, None, 4, timeout=180)
     parallel = {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}
     _assert_matches(run_ranks(train_moe, 2, parallel, {}, None, None, 4, timeout=240), expected)
+
+
+def train_on_drawn_routes(parallel: dict[str, Any]) -> dict[str, Any]:
+    """On every rank (a model with query / key norms): record the router's own routes of a
+    batch, then train on routes drawn at random (never the router's), each step's the same on
+    every rank; report the recorded routes, the losses and the weights."""
+    from megatron.core import parallel_state as ps
+
+    from engine import Engine
+    from engine.data.batching import jagged
+    from engine.losses import sft_loss
+    from tests.factories import random_batch
+
+    config = _config(parallel, {}, qk_layernorm=True)
+    engine = Engine.build(head="lm", device="cpu", config=config).initialize()
+    recorded = engine.infer_batch(random_batch(LENGTHS, VOCAB, seed=0))
+    losses = []
+    for seed in range(STEPS):
+        rows = random_batch(LENGTHS, VOCAB, seed=seed)
+        draw = torch.Generator().manual_seed(seed)
+        rows["routed_experts"] = jagged(  # every token of every layer: 2 distinct experts of 4
+            [torch.rand(length, 2, 4, generator=draw).argsort(-1)[..., :2] for length in LENGTHS]
+        )
+        losses.append(engine.train_batch(rows, sft_loss).get("loss"))
+    return {
+        "recorded": None if recorded is None else recorded["routed_experts"].values(),
+        "losses": losses,
+        "params": _parameters(engine),
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "dp": engine.get_data_parallel_rank(),
+        "output_rank": engine.holds_outputs(),
+    }
+
+
+@pytest.mark.timeout(300)
+def test_sequence_parallel_moe_forces_and_records_each_ranks_part_of_the_routes() -> None:
+    """TP=2 with sequence parallelism, aux and z losses on: each rank routes half of every
+    sequence. The routes it records join into the one process's, and training on drawn routes
+    (a wrong part forced anywhere changes the loss) gives the one process's losses and
+    weights."""
+    (expected,) = run_ranks(train_on_drawn_routes, 1, {}, timeout=180)
+    parallel = {"tensor_parallel_size": 2, "sequence_parallel": True}
+    reports = run_ranks(train_on_drawn_routes, 2, parallel, timeout=240)
+    outputs = [report for report in reports if report["output_rank"]]
+    assert outputs, "no rank reported outputs"
+    for report in outputs:
+        assert torch.equal(report["recorded"], expected["recorded"])
+        assert report["losses"] == pytest.approx(expected["losses"], rel=1e-5, abs=1e-6)
+    got, want = full_parameters(reports), full_parameters([expected])
+    assert set(got) == set(want)
+    for name, tensor in got.items():
+        torch.testing.assert_close(tensor, want[name], atol=1e-5, rtol=1e-5, msg=name)

@@ -739,9 +739,10 @@ def test_verls_mini_batch_update_reports_verls_metrics(
     assert_verls_numbers([result], model_type)
 
 
-def update_every_case(path: str) -> tuple[list[dict[str, object]], str]:
-    """:func:`update_through_verl` for every update case, on one rank; and the refusal of verl's
-    default megatron config at TP=2 (sequence_parallel on: the CPU cannot run it)."""
+def update_every_case(path: str) -> tuple[list[dict[str, object]], bool, str]:
+    """:func:`update_through_verl` for every update case, on one rank; whether verl's default
+    megatron config at TP=2 (sequence_parallel on) builds an engine with sequence parallelism;
+    and its refusal with LoRA (which megatron's LoRA cannot run with sequence_parallel)."""
     import torch.distributed as dist
     from verl.workers.config.engine import McoreEngineConfig
 
@@ -750,11 +751,14 @@ def update_every_case(path: str) -> tuple[list[dict[str, object]], str]:
     engine = McoreEngineConfig(tensor_model_parallel_size=2)
     assert engine.sequence_parallel
     model = HFModelConfig(path=path, load_tokenizer=False)
+    built = ComposableEngine(model, engine, FSDPOptimizerConfig(), CheckpointConfig())
+    sequence_parallel = built.engine.config.parallel.sequence_parallel
+    lora = HFModelConfig(path=path, load_tokenizer=False, lora_rank=4)
     try:
-        ComposableEngine(model, engine, FSDPOptimizerConfig(), CheckpointConfig())
+        ComposableEngine(lora, engine, FSDPOptimizerConfig(), CheckpointConfig())
     except ConfigError as error:
-        return results, str(error)
-    return results, "not refused"
+        return results, sequence_parallel, str(error)
+    return results, sequence_parallel, "not refused"
 
 
 @pytest.mark.multiprocess
@@ -775,8 +779,10 @@ def test_verls_mini_batch_update_reports_verls_metrics_over_two_ranks(
         assert math.isclose(results[0]["reduced"][loss_term], alone[loss_term], rel_tol=1e-5), (
             strategy
         )
-    # verl's default sequence_parallel=True at TP=2, which the CPU platform cannot run
-    refusal = ranks[0][1]
+    # verl's default sequence_parallel=True at TP=2 runs on the CPU too; with LoRA (which
+    # megatron's LoRA cannot combine with it) the refusal says it is verl's default
+    assert all(rank[1] for rank in ranks)
+    refusal = ranks[0][2]
     assert re.search(r"sequence_parallel.*verl turns sequence_parallel on by default", refusal)
     assert "megatron.sequence_parallel=False" in refusal, refusal
 

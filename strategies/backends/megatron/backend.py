@@ -22,7 +22,6 @@ from strategies.backends.megatron.model import (
     build_gpt_model,
     check_transformer_overrides,
     output_weight,
-    sequence_splitting,
     transformer_config,
     uses_transformer_engine,
 )
@@ -174,7 +173,13 @@ class MegatronBackend:
                 ).to(device)
             )
         self._model = config.model
-        self._routing = Routing.attach(self._chunks, record=config.router_replay)
+        self._routing = Routing.attach(
+            self._chunks,
+            record=config.router_replay,
+            sequence_group=ps.get_tensor_model_parallel_group()
+            if config.parallel.sequence_parallel and config.parallel.tensor_parallel_size > 1
+            else None,
+        )
         if config.model.hf_path is not None:
             from strategies.backends.megatron.hf.loading import load_hf_weights
 
@@ -325,18 +330,24 @@ class MegatronBackend:
             return
         tokens = sum(int(mb.attention_mask.sum()) for mb in micro_batches)
         (total,) = all_reduce_values([float(tokens)], group=self.data_parallel_group())
+        # megatron divides the z loss by the ranks that split each sequence (tensor x context
+        # parallel); each rank's z loss here is already its own tokens' share of the step's
+        megatron_config: Any = self._chunks[0].config
+        splitting = (
+            megatron_config.tensor_model_parallel_size * megatron_config.context_parallel_size
+        )
         for chunk in self._chunks:
             chunk_config: Any = chunk.config  # read by the routers at every forward
             chunk_config.moe_aux_loss_coeff = model.router_aux_loss_coeff / total
-            chunk_config.moe_z_loss_coeff = (model.router_z_loss_coeff / total) or None
+            chunk_config.moe_z_loss_coeff = (model.router_z_loss_coeff * splitting / total) or None
 
     def check_router_replay(self, config: PartsConfig) -> None:
-        """Routes are recorded and forced per token of whole sequences: layouts that split a
-        sequence over ranks are refused."""
-        for feature in sequence_splitting(config.parallel):
+        """Each sequence-parallel rank forces and records the routes of its own part of the
+        sequence; context parallelism's load-balanced chunks are refused."""
+        if config.parallel.context_parallel_size > 1:
             raise ConfigError(
-                f"EngineConfig.router_replay with {feature} is not supported by the megatron "
-                "backend (each rank routes part of every sequence)"
+                "EngineConfig.router_replay with context_parallel_size > 1 is not supported by "
+                "the megatron backend yet (each rank routes two chunks of every sequence)"
             )
 
     def recorded_routes(self) -> list[torch.Tensor]:
@@ -590,8 +601,8 @@ def check_experts(config: PartsConfig, world_size: int) -> None:
     if tp > 1 and not parallel.sequence_parallel and not config.forward_only:
         raise ConfigError(
             "training a mixture-of-experts model with tensor_parallel_size > 1 needs "
-            "sequence_parallel (megatron's MoE layer refuses it otherwise; sequence_parallel "
-            "needs the TransformerEngine layer spec); forward-only engines may use it"
+            "sequence_parallel (megatron's MoE layer refuses it otherwise); forward-only "
+            "engines may use it"
         )
     if (
         model.experts_per_token == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Mapping
 from typing import Any
@@ -192,27 +193,18 @@ def check_transformer_overrides(overrides: Mapping[str, Any]) -> None:
 
 
 def uses_transformer_engine(kind: str, parallel: ParallelConfig) -> bool:
-    """Whether the layer spec is TransformerEngine's; rejects what the local spec cannot do."""
+    """Whether the layer spec is TransformerEngine's; rejects what the local spec cannot do
+    (context parallelism: its core attention attends within the rank's own tokens)."""
     has_te = importlib.util.find_spec("transformer_engine") is not None
     use_te = kind == "transformer_engine" or (kind == "auto" and has_te)
     if use_te and not has_te:
         raise ConfigError("layer_spec='transformer_engine' but transformer_engine is not installed")
-    if not use_te:
-        for feature in sequence_splitting(parallel):
-            raise ConfigError(
-                f"{feature} needs the TransformerEngine layer spec (megatron's local spec "
-                "cannot do it); install transformer_engine on a GPU host, or turn it off"
-            )
+    if not use_te and parallel.context_parallel_size > 1:
+        raise ConfigError(
+            "context_parallel_size > 1 needs the TransformerEngine layer spec (megatron's local "
+            "spec cannot do it yet); install transformer_engine on a GPU host, or turn it off"
+        )
     return use_te
-
-
-def sequence_splitting(parallel: ParallelConfig) -> list[str]:
-    """The layout features that split each sequence over ranks (sequence, context parallel)."""
-    features = {
-        "sequence_parallel": parallel.sequence_parallel,
-        "context_parallel_size > 1": parallel.context_parallel_size > 1,
-    }
-    return [feature for feature, wanted in features.items() if wanted]
 
 
 def layer_spec(
@@ -220,7 +212,7 @@ def layer_spec(
 ) -> Any:
     """The transformer layer spec: TransformerEngine's where available (grouped-GEMM experts),
     else megatron's local (sequential experts; a core attention that also runs packed
-    micro-batches)."""
+    micro-batches; under sequence parallelism, norms that take a sequence shard)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if uses_transformer_engine(kind, parallel):
@@ -236,8 +228,59 @@ def layer_spec(
         qk_layernorm=qk_layernorm,
     )
     # The local DotProductAttention refuses packed (thd) micro-batches; this one runs both.
-    spec.submodules.self_attention.submodules.core_attention = packed_dot_product_attention()
+    attention = spec.submodules.self_attention.submodules
+    attention.core_attention = packed_dot_product_attention()
+    if parallel.sequence_parallel:
+        spec.submodules.input_layernorm = sequence_parallel_norm(True)
+        spec.submodules.pre_mlp_layernorm = sequence_parallel_norm(True)
+        if qk_layernorm:  # over each head's channels, after the column-parallel projection
+            attention.q_layernorm = attention.k_layernorm = sequence_parallel_norm(False)
     return spec
+
+
+def block_spec(layer: Any, config: Any, parallel: ParallelConfig, vp_stage: int | None) -> Any:
+    """The decoder block of ``layer``s: under sequence parallelism on the local spec, with a
+    final norm that takes a sequence shard (megatron's own block refuses it there)."""
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    if not (parallel.sequence_parallel and issubclass(layer.module, TransformerLayer)):
+        return layer
+    norm = layer.submodules.input_layernorm
+    if norm is not sequence_parallel_norm(True):  # TransformerEngine's norms take shards
+        return layer
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=norm)
+
+
+@functools.cache
+def sequence_parallel_norm(sequence_sharded: bool) -> type:
+    """torch's RMSNorm as megatron's local spec builds it (``WrappedTorchNorm``, which refuses
+    sequence parallelism). ``sequence_sharded``: it normalises this rank's shard of the
+    sequence, so each rank's weight gradient is a partial sum; the weight is marked
+    ``sequence_parallel`` and megatron's ``finalize_model_grads`` all-reduces it over the
+    tensor-parallel group (as TransformerEngine's norms are marked). Query / key norms run on
+    the whole sequence after the column-parallel projection: megatron all-reduces their
+    gradients by name (each rank holds other heads)."""
+
+    class SequenceParallelNorm:
+        def __new__(  # type: ignore[misc]
+            cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any
+        ) -> torch.nn.Module:
+            if config.normalization != "RMSNorm":
+                raise ConfigError(
+                    f"sequence_parallel on megatron's local spec takes RMSNorm models, not "
+                    f"{config.normalization}"
+                )
+            norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+            for param in norm.parameters():
+                param.sequence_parallel = sequence_sharded  # type: ignore[attr-defined]
+            return norm
+
+    return SequenceParallelNorm
 
 
 class ReplicatedOutputLayer(torch.nn.Linear):
@@ -251,13 +294,26 @@ class ReplicatedOutputLayer(torch.nn.Linear):
     """
 
     def __init__(
-        self, hidden_size: int, features: int, *, dtype: torch.dtype, bias: bool = False
+        self,
+        hidden_size: int,
+        features: int,
+        *,
+        dtype: torch.dtype,
+        bias: bool = False,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__(hidden_size, features, bias=bias, dtype=dtype)
+        self.sequence_parallel = sequence_parallel
 
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: Any = None
     ) -> tuple[torch.Tensor, None]:
+        if self.sequence_parallel:
+            # every rank computes the whole sequence's outputs and loss alike, so the gradient
+            # of its own shard is its slice (not a sum over ranks, as for vocabulary shards)
+            from megatron.core.tensor_parallel import mappings
+
+            x = mappings.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
         return super().forward(x), None
 
 
@@ -325,11 +381,13 @@ def build_gpt_model(
     model_config = config.model
     tie = spec.allow_tied_embeddings and model_config.tie_embeddings
     use_te = uses_transformer_engine(layer_spec_kind, config.parallel)
+    megatron_config = transformer_config(config, overrides, use_te=use_te)
+    layers = layer_spec(
+        layer_spec_kind, config.parallel, model_config.qk_layernorm, model_config.num_experts
+    )
     model = GPTModel(
-        config=transformer_config(config, overrides, use_te=use_te),
-        transformer_layer_spec=layer_spec(
-            layer_spec_kind, config.parallel, model_config.qk_layernorm, model_config.num_experts
-        ),
+        config=megatron_config,
+        transformer_layer_spec=block_spec(layers, megatron_config, config.parallel, vp_stage),
         vocab_size=model_config.vocab_size,
         max_sequence_length=model_config.max_sequence_length,
         pre_process=pre_process,
@@ -344,7 +402,11 @@ def build_gpt_model(
     if spec.kind == "replicated" and post_process:
         dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
         model.output_layer = ReplicatedOutputLayer(
-            model_config.hidden_size, spec.features, dtype=dtype, bias=head_layer.bias
+            model_config.hidden_size,
+            spec.features,
+            dtype=dtype,
+            bias=head_layer.bias,
+            sequence_parallel=config.parallel.sequence_parallel,
         )
     if spec.fused and post_process:
         hand_over_hidden_states(model)

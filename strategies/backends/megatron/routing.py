@@ -8,8 +8,11 @@ takes its weights from the live scores of the forced experts, as megatron's repl
 router still gets a gradient, and a drifted route never reads a zero weight.
 
 Token order is megatron's: a micro-batch's ``[b, width]`` rows run as ``[width, b]`` and the
-router sees them flattened, position-major. Routes leave and enter the engine right-padded,
-``[b, s, num_moe_layers, top_k]``, in the rows of the micro-batch.
+router sees them flattened, position-major. Under sequence parallelism each tensor-parallel rank
+routes its own contiguous part of that order (positions ``rank * width / tp`` onwards): it forces
+that part of the routes and records it, and the recorded parts are gathered over the group.
+Routes leave and enter the engine right-padded, ``[b, s, num_moe_layers, top_k]``, in the rows of
+the micro-batch.
 
 Micro-batches reach each router in order (every pipeline schedule runs a chunk's forwards, and
 its backwards, in micro-batch order), so one queue per router holds the forced routes of the
@@ -98,14 +101,28 @@ class RouteSlot:
 class Routing:
     """The route slots of this rank's model chunks (empty for a dense model)."""
 
-    def __init__(self, slots_per_chunk: list[list[RouteSlot]], num_layers: int, top_k: int):
+    def __init__(
+        self,
+        slots_per_chunk: list[list[RouteSlot]],
+        num_layers: int,
+        top_k: int,
+        sequence_group: dist.ProcessGroup | None = None,
+    ):
         self.slots_per_chunk = slots_per_chunk
         self.num_layers = num_layers
         self.top_k = top_k
+        #: The ranks that split each sequence (sequence parallelism), or None.
+        self.sequence_group = sequence_group
 
     @classmethod
-    def attach(cls, chunks: Sequence[torch.nn.Module], record: bool) -> Routing:
-        """Give every router of ``chunks`` a slot (``record``: keep each forward's routes)."""
+    def attach(
+        cls,
+        chunks: Sequence[torch.nn.Module],
+        record: bool,
+        sequence_group: dist.ProcessGroup | None = None,
+    ) -> Routing:
+        """Give every router of ``chunks`` a slot (``record``: keep each forward's routes;
+        ``sequence_group``: the ranks each sequence is split over, where it is)."""
         from megatron.core.transformer.moe.router import TopKRouter
 
         slots_per_chunk: list[list[RouteSlot]] = []
@@ -119,7 +136,42 @@ class Routing:
                     slots.append(slot)
                     num_layers, top_k = int(module.config.num_layers), int(module.topk)
             slots_per_chunk.append(slots)
-        return cls(slots_per_chunk, num_layers, top_k)
+        return cls(slots_per_chunk, num_layers, top_k, sequence_group)
+
+    def _own_part(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``tokens`` in router order (all of them without sequence
+        parallelism)."""
+        if self.sequence_group is None:
+            return tokens
+        size = dist.get_world_size(self.sequence_group)
+        rank = dist.get_rank(self.sequence_group)
+        return tokens.chunk(size)[rank]
+
+    def _summed(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each of ``parts`` summed over the sequence-parallel ranks (as it is without them)."""
+        if self.sequence_group is None or not parts:
+            return parts
+        flat = torch.cat([part.flatten().double() for part in parts])
+        flat = flat.to(collective_device(self.sequence_group))
+        dist.all_reduce(flat, group=self.sequence_group)
+        sums = flat.cpu().split([part.numel() for part in parts])
+        return [total.view_as(part).to(part.dtype) for total, part in zip(sums, parts, strict=True)]
+
+    def _whole(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each of this rank's ``parts`` (router order) joined with the other sequence-parallel
+        ranks' (one all-gather for all of them)."""
+        if self.sequence_group is None or not parts:
+            return parts
+        flat = torch.cat([part.flatten() for part in parts])
+        flat = flat.to(collective_device(self.sequence_group))
+        gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(self.sequence_group))]
+        dist.all_gather(gathered, flat, group=self.sequence_group)
+        sizes = [part.numel() for part in parts]
+        per_rank = [whole.cpu().split(sizes) for whole in gathered]
+        return [
+            torch.cat([pieces[index].view_as(part) for pieces in per_rank])
+            for index, part in enumerate(parts)
+        ]
 
     @property
     def slots(self) -> list[RouteSlot]:
@@ -140,9 +192,13 @@ class Routing:
         tokens to count, and the routes to force where it carries them. Returns megatron's
         padding mask ``[rows, width]`` (True: padding)."""
         padding = padding_mask(micro_batch, width).to(device)
-        real = ~padding.transpose(0, 1).reshape(-1)
+        real = self._own_part(~padding.transpose(0, 1).reshape(-1))
         routes = micro_batch.routed_experts
-        tokens = None if routes is None else model_order(routes.to(device), micro_batch, width)
+        tokens = (
+            None
+            if routes is None
+            else self._own_part(model_order(routes.to(device), micro_batch, width))
+        )
         for slot in self.slots_per_chunk[chunk]:
             slot.real.append(real)
             if tokens is not None:
@@ -157,12 +213,19 @@ class Routing:
     ) -> list[torch.Tensor]:
         """Each micro-batch's recorded routes, right-padded ``[b, s, layers, k]`` (int64);
         every pipeline stage contributes its own layers (collective over ``pipeline_group``)."""
+        recorded = self._whole(
+            [
+                slot.recorded[index].to("cpu", torch.long)
+                for index in range(len(micro_batches))
+                for slot in self.slots
+            ]
+        )
         outputs = []
         for index, (micro_batch, width) in enumerate(zip(micro_batches, widths, strict=True)):
             rows, length = micro_batch.attention_mask.shape
             routes = torch.zeros(rows, length, self.num_layers, self.top_k, dtype=torch.long)
-            for slot in self.slots:
-                chosen = slot.recorded[index].to("cpu", torch.long)
+            for number, slot in enumerate(self.slots):
+                chosen = recorded[index * len(self.slots) + number]
                 routes[:, :, slot.layer] = rows_order(chosen, micro_batch, width, length)
             outputs.append(routes)
         if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
@@ -190,15 +253,19 @@ class Routing:
         # one row per tracked loss, whether or not this rank tracked it, then the load: every
         # pipeline stage reduces the same shape
         values = torch.zeros(len(_TRACKED) + 1, self.num_layers, dtype=torch.float64)
-        for slot in self.slots:
-            if slot.load is not None:
-                load = slot.load.double()
-                values[-1, slot.layer] = float(load.max() / load.mean().clamp_min(1e-30))
+        counted = [(slot, slot.load) for slot in self.slots if slot.load is not None]
+        # sequence-parallel ranks route parts of the same tokens: their counts add up
+        loads = self._summed([torch.stack([load for _, load in counted])]) if counted else []
+        for (slot, _), load in zip(counted, loads[0].double() if loads else [], strict=True):
+            values[-1, slot.layer] = float(load.max() / load.mean().clamp_min(1e-30))
         tracked = [name for name in _TRACKED if name in tracker]
         for row, name in enumerate(_TRACKED):
             if name in tracked:
                 layer_values = tracker[name]["values"].detach().double().cpu()
                 values[row] = layer_values[: self.num_layers] / max(num_forwards, 1)
+        if self.sequence_group is not None:  # each rank tracked its part's mean losses
+            (losses,) = self._summed([values[:-1]])
+            values[:-1] = losses / dist.get_world_size(self.sequence_group)
         moe_utils.clear_aux_losses_tracker()
         if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
             values = values.to(collective_device(pipeline_group))

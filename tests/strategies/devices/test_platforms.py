@@ -188,8 +188,13 @@ def test_mindspeed_import_does_not_see_the_programs_command_line(
         sys.modules.pop(name, None)
 
 
-def test_sequence_parallel_on_cpu_is_rejected_at_build_naming_the_platform() -> None:
-    with pytest.raises(
-        ConfigError, match=r"sequence_parallel is not supported by the cpu platform"
-    ):
-        Engine.build(head="lm", device="cpu", config={"parallel": {"sequence_parallel": True}})
+def test_context_parallel_on_cpu_is_rejected_at_build_naming_the_platform() -> None:
+    with pytest.raises(ConfigError, match=r"context_parallel is not supported by the cpu platform"):
+        Engine.build(head="lm", device="cpu", config={"parallel": {"context_parallel_size": 2}})
+
+
+def test_sequence_parallel_on_cpu_builds() -> None:
+    """The CPU runs megatron's sequence parallelism (the layouts are compared to one process in
+    tests/engine/test_parallel.py and test_moe_parallel.py)."""
+    engine = Engine.build(head="lm", device="cpu", config={"parallel": {"sequence_parallel": True}})
+    assert engine.config.parallel.sequence_parallel
