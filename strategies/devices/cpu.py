@@ -27,14 +27,14 @@ MESH_INIT_STEPS: dict[str, tuple[MeshInitStep, ...]] = {"megatron": (_enable_meg
 
 @attrs.define(kw_only=True)
 class CpuPlatform(DevicePlatform):
-    """Plain CPUs; always available. Sequence parallelism runs (gloo has the all-gather and
-    reduce-scatter it needs); context parallelism needs TransformerEngine."""
+    """Plain CPUs; always available. Sequence and context parallelism run (gloo has the
+    all-gather and reduce-scatter they need)."""
 
     name: ClassVar[str] = "cpu"
     device_type: ClassVar[str] = "cpu"
     dist_backend: ClassVar[str] = "gloo"
     visible_devices_env: ClassVar[str | None] = None
-    capabilities: ClassVar[frozenset[str]] = frozenset({"sequence_parallel"})
+    capabilities: ClassVar[frozenset[str]] = frozenset({"sequence_parallel", "context_parallel"})
 
     @override
     def load_runtime(self) -> DeviceRuntime:

@@ -277,6 +277,8 @@ def enable_megatron_cpu_compat() -> None:
         "dist_checkpointing.exchange_utils", "dist_checkpointing.tensor_aware_state_dict",
         "transformer.moe.moe_utils", "transformer.moe.router", "transformer.moe.experts",
         "transformer.moe.token_dispatcher", "transformer.moe.moe_layer",
+        "models.common.embeddings.rope_utils",
+        "models.common.embeddings.rotary_pos_embedding",
     )  # fmt: skip
     mod: dict[str, Any] = import_megatron(*names)
     _install_torch_view()
@@ -320,6 +322,13 @@ def enable_megatron_cpu_compat() -> None:
     for name in ("dist_checkpointing", "dist_checkpointing.serialization"):
         for fn in ("save", "load"):
             setattr(mod[name], fn, run_scoped(getattr(mod[name], fn)))
+    # context parallelism: the rotary embedding's part of each rank (pinned host indices)
+    rope = run_scoped(mod["models.common.embeddings.rope_utils"].get_pos_emb_on_this_cp_rank)
+    for name in (
+        "models.common.embeddings.rope_utils",
+        "models.common.embeddings.rotary_pos_embedding",
+    ):
+        mod[name].get_pos_emb_on_this_cp_rank = rope
     _enable_moe(mod["transformer.moe.moe_utils"], mod["transformer.moe.token_dispatcher"])
     _state["enabled"] = True
 

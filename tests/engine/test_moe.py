@@ -296,6 +296,10 @@ def test_routes_given_to_an_engine_without_router_replay_are_refused(
         ({"model": tiny_model(), "router_replay": True}, r"router_replay needs a mixture-of-exp"),
         ({"model": moe_model(num_experts=3), "parallel": {"expert_parallel_size": 2}}, "divisible"),
         (
+            {"model": moe_model(), "parallel": {"context_parallel_size": 2}},
+            r"mixture-of-experts model with context_parallel_size > 1 is not supported",
+        ),
+        (
             {"model": moe_model(), "parallel": {"tensor_parallel_size": 2}},
             r"mixture-of-experts model with tensor_parallel_size > 1 needs sequence_parallel",
         ),
@@ -347,7 +351,7 @@ def test_hugging_face_weights_of_grouped_experts_are_refused_naming_the_layer_sp
     from engine.config import EngineConfig
     from strategies.backends.megatron import backend as megatron
 
-    monkeypatch.setattr(megatron, "uses_transformer_engine", lambda kind, parallel: True)
+    monkeypatch.setattr(megatron, "uses_transformer_engine", lambda kind: True)
     config = EngineConfig.from_dict({"model": moe_model()})
     engine_config = config.replace(model=attrs.evolve(config.model, hf_path="/checkpoints/moe"))
     with pytest.raises(ConfigError, match=r"layer_spec='local'"):

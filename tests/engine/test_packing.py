@@ -398,16 +398,21 @@ def test_a_backend_without_the_packing_ability_refuses_it_by_name() -> None:
         )
 
 
-def test_packing_with_context_parallelism_is_refused_before_anything_is_built() -> None:
+def test_packing_with_context_parallelism_on_transformer_engine_is_refused_before_building(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The local layer spec packs under context parallelism; TransformerEngine's would need
+    the padded offsets passed as well."""
     from engine import EngineConfig
-    from engine.registry import BACKENDS
+    from strategies.backends.megatron import backend as megatron
 
-    backend = BACKENDS.create("megatron")
     config = EngineConfig.from_dict(
         {"model": tiny_model(), "parallel": {"context_parallel_size": 2}}
     )
+    megatron.MegatronBackend(layer_spec="local").check_packing(config)
+    monkeypatch.setattr(megatron, "uses_transformer_engine", lambda kind: True)
     with pytest.raises(ConfigError, match="packing with context_parallel_size > 1"):
-        backend.check_packing(config)
+        megatron.MegatronBackend(layer_spec="transformer_engine").check_packing(config)
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, None])
@@ -419,7 +424,9 @@ def test_the_packing_flag_must_be_a_bool(bad: object) -> None:
 # ------------------------------------------------------------------------- megatron row layout
 
 
-def model_config(tp: int = 1, pp: int = 1, virtual: int | None = None, sp: bool = False) -> Any:
+def model_config(
+    tp: int = 1, pp: int = 1, virtual: int | None = None, sp: bool = False, cp: int = 1
+) -> Any:
     from types import SimpleNamespace
 
     return SimpleNamespace(
@@ -427,6 +434,7 @@ def model_config(tp: int = 1, pp: int = 1, virtual: int | None = None, sp: bool 
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=virtual,
         sequence_parallel=sp,
+        context_parallel_size=cp,
     )
 
 
@@ -438,6 +446,10 @@ def model_config(tp: int = 1, pp: int = 1, virtual: int | None = None, sp: bool 
         (model_config(tp=4, sp=True), [16, 8]),  # sequence parallel: multiples of TP
         (model_config(pp=2), [13, 13]),  # pipeline: one shape for every micro-batch
         (model_config(tp=2, pp=2, sp=True), [14, 14]),
+        # context parallel: each sequence padded to 2 x CP chunks (8 + 4 + 8; 8), then the row
+        (model_config(cp=2), [20, 8]),
+        (model_config(cp=2, tp=2, sp=True), [24, 8]),  # the row to 2 x CP x TP
+        (model_config(cp=3), [24, 6]),  # 6 + 6 + 12; 6
     ],
 )
 def test_packed_rows_are_padded_at_the_end_as_megatron_requires(

@@ -1,5 +1,5 @@
-"""Tensor (with and without sequence parallelism), pipeline and data parallel engines across
-processes match one process.
+"""Tensor (with and without sequence parallelism), pipeline, context and data parallel engines
+across processes match one process.
 
 Each layout runs as real processes (gloo on 127.0.0.1, OMP_NUM_THREADS=1, a timeout on every
 process) on the same global batch and seed as a single-process run; for both heads, the losses
@@ -116,8 +116,24 @@ DISTRIBUTED_OPTIMIZER = {
         (4, {"tensor_parallel_size": 2}, DISTRIBUTED_OPTIMIZER),  # x data parallel 2
         (4, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, {}),
         (2, {"tensor_parallel_size": 2, "sequence_parallel": True}, {"packing": True}),
+        (2, {"context_parallel_size": 2}, {}),
+        (
+            4,
+            {"context_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True},
+            {"packing": True},
+        ),
     ],
-    ids=["tp2", "pp2", "dp2", "dp2-distributed-optimizer", "tp2xdp2", "tp2xpp2", "tp2-sp-packed"],
+    ids=[
+        "tp2",
+        "pp2",
+        "dp2",
+        "dp2-distributed-optimizer",
+        "tp2xdp2",
+        "tp2xpp2",
+        "tp2-sp-packed",
+        "cp2",
+        "cp2xtp2-sp-packed",
+    ],
 )
 def test_parallel_layouts_match_one_process(
     single_process: dict[str, Any], world: int, parallel: dict[str, Any], extra: dict[str, Any]

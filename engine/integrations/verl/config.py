@@ -321,8 +321,8 @@ def _parallel(engine_config: Any) -> dict[str, Any]:
 def packing(model_config: Any, parallel: Mapping[str, Any]) -> bool:
     """verl's ``use_remove_padding`` (its default): each micro-batch's sequences run as one
     packed row, as verl's engines run them, except with context parallelism (the megatron
-    backend does not cut packed rows into its chunks; padded micro-batches give the same
-    numbers)."""
+    backend cuts packed rows into its chunks on the local layer spec only, not on
+    TransformerEngine's; padded micro-batches give the same numbers)."""
     wanted = bool(_get(model_config, "use_remove_padding", False))
     return wanted and parallel["context_parallel_size"] == 1
 

@@ -25,6 +25,7 @@ attention mask or bias) goes through the local path when padded and is refused w
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -32,19 +33,33 @@ from typing import Any
 import torch
 
 from heads.errors import ConfigError
+from strategies.backends.megatron.context_parallel import Layout
 from strategies.packed_attention import attend_per_sequence
 
 
 @functools.cache
 def packed_dot_product_attention() -> type:
     """The class (built once, on first use, so megatron is imported lazily)."""
-    from megatron.core import tensor_parallel
+    from megatron.core import parallel_state, tensor_parallel
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
     class PackedDotProductAttention(DotProductAttention):  # type: ignore[misc, unused-ignore]
         """Local core attention through SDPA: padded rows in one call, packed ``thd`` input
-        sequence by sequence."""
+        sequence by sequence; with context parallelism, this rank's queries over the whole
+        row's keys and values (``context_parallel``)."""
+
+        def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+            # megatron's local attention refuses context parallelism outright; this one runs it
+            local = copy.copy(config)
+            local.context_parallel_size = 1
+            super().__init__(local, *args, **kwargs)
+            self.config = config
+            self.cp_group = (
+                parallel_state.get_context_parallel_group()
+                if config.context_parallel_size > 1
+                else None
+            )
 
         def forward(
             self,
@@ -56,6 +71,13 @@ def packed_dot_product_attention() -> type:
             attention_bias: torch.Tensor | None = None,
             packed_seq_params: Any = None,
         ) -> torch.Tensor:
+            if self.cp_group is not None:
+                if attention_mask is not None or attention_bias is not None:
+                    raise ConfigError(
+                        "context parallelism on megatron's local layer spec takes causal "
+                        "self-attention without an explicit mask or bias"
+                    )
+                return self._attend_across_ranks(query, key, value, packed_seq_params)
             if packed_seq_params is not None:
                 if packed_seq_params.qkv_format != "thd" or not self._sdpa_expresses_it():
                     raise ConfigError(
@@ -75,6 +97,55 @@ def packed_dot_product_attention() -> type:
             return super().forward(  # type: ignore[no-any-return, unused-ignore]
                 query, key, value, attention_mask, attn_mask_type, attention_bias
             )
+
+        def _attend_across_ranks(
+            self,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            packed_seq_params: Any,
+        ) -> torch.Tensor:
+            """This rank's queries (``[s / CP, b, heads, dim]``, or ``[t / CP, heads, dim]``
+            packed) over the whole row's keys and values (gathered), causal in the queries'
+            row positions and inside their own sequence."""
+            if not self._sdpa_expresses_it():
+                raise ConfigError(
+                    "context parallelism on megatron's local layer spec supports causal "
+                    "self-attention with vanilla softmax only"
+                )
+            packed = packed_seq_params is not None
+            if packed:  # [t, heads, dim] -> [t, 1, heads, dim]
+                query, key, value = (x[:, None] for x in (query, key, value))
+                bounds = tuple(int(b) for b in packed_seq_params.cu_seqlens_q.tolist())
+            else:
+                bounds = (0, query.shape[0] * self.config.context_parallel_size)
+            layout = Layout(bounds, self.cp_group, query.device)
+            key, value = layout.gather(key, 0), layout.gather(value, 0)
+            mask = layout.visible_keys(self.scale_mask_softmax.window_size)
+            scale = self.softmax_scale
+            if self.config.apply_query_key_layer_scaling:
+                scale *= self.layer_number
+            dropout = self.attention_dropout.p if self.training else 0.0
+            random = (
+                tensor_parallel.get_cuda_rng_tracker().fork()
+                if dropout and not self.config.sequence_parallel
+                else contextlib.nullcontext()
+            )
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+            with random:
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    attn_mask=mask,
+                    dropout_p=dropout,
+                    scale=scale,
+                    enable_gqa=k.shape[1] != q.shape[1],
+                )
+            out = out.permute(2, 0, 1, 3)
+            if packed:
+                return out.reshape(query.shape[0], -1)
+            return out.reshape(query.shape[0], query.shape[1], -1)
 
         def _sdpa_expresses_it(self) -> bool:
             """Causal self-attention with a vanilla softmax: what SDPA computes."""

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import torch
+import torch.distributed as dist
 from typing_extensions import override
 
 from heads.base import Head, HeadContext
@@ -18,6 +19,7 @@ from heads.errors import BatchError, ConfigError, EngineStateError
 from heads.validation import bool_field, of_type, one_of
 from strategies.backends.base import MicroBatch, MicroBatchConsumer, StagedSave
 from strategies.backends.megatron import mesh, offload
+from strategies.backends.megatron.context_parallel import Layout, padded_bounds
 from strategies.backends.megatron.model import (
     build_gpt_model,
     check_transformer_overrides,
@@ -85,6 +87,8 @@ class MegatronBackend:
     _head_layer: HeadLayer | None = attrs.field(default=None, init=False)
     #: Packed rows' offsets stay on the host (the local layer spec: see ``packed_layout``).
     _host_offsets: bool = attrs.field(default=False, init=False)
+    #: The ranks each row is split over (context parallelism), or None.
+    _context_group: Any = attrs.field(default=None, init=False)
     #: Host copies of the state an asynchronous save writes, reused by the next one.
     _staging_buffers: dict[Any, torch.Tensor] = attrs.field(factory=dict, init=False)
     _model: ModelConfig | None = attrs.field(default=None, init=False)
@@ -135,7 +139,7 @@ class MegatronBackend:
         check_experts(config, world_size)
         if model.hf_path is not None:
             self._check_hf_experts(config)
-        uses_transformer_engine(self.layer_spec, parallel)
+        uses_transformer_engine(self.layer_spec)
         check_transformer_overrides(self.transformer_overrides)
         if config.model.max_sequence_length <= 1:
             raise ConfigError("ModelConfig.max_sequence_length must be > 1")
@@ -155,7 +159,9 @@ class MegatronBackend:
         spec = head.output_spec()
         self._fused = spec.fused
         self._head_layer = head_layer(config.model, head)
-        self._host_offsets = not uses_transformer_engine(self.layer_spec, config.parallel)
+        self._host_offsets = not uses_transformer_engine(self.layer_spec)
+        if config.parallel.context_parallel_size > 1:
+            self._context_group = ps.get_context_parallel_group()
         virtual_stages = config.parallel.virtual_pipeline_parallel_size
         self._chunks = []
         for vp_stage in range(virtual_stages or 1):
@@ -260,6 +266,9 @@ class MegatronBackend:
         ]
         device, head_context, fused = self._device, self._head_context, self._fused
         host_offsets = self._host_offsets
+        # context parallelism: each rank runs its part of every row and the last stage gathers
+        # the output back (strategies/backends/megatron/context_parallel.py)
+        context_group = self._context_group
         widths = row_widths(micro_batches, config)
         routing, chunk_of = self._routing, {id(module): i for i, module in enumerate(self._wrapped)}
         self._last_run = (micro_batches, widths)
@@ -279,12 +288,27 @@ class MegatronBackend:
             # sees it: the raw output is sliced back to ``length``.
             if width > length:
                 input_ids = torch.nn.functional.pad(input_ids, (0, width - length))
+            real = None  # packed under context parallelism: where the tokens are in the row
             if micro_batch.cu_seqlens is None:
                 positions = torch.arange(width, device=device).expand_as(input_ids)
+                bounds: tuple[int, ...] = (0, width)
             else:
+                offsets = micro_batch.cu_seqlens
+                if context_group is not None:  # each sequence padded to 2 x CP chunks
+                    offsets, real = _padded_sequences(offsets, dist.get_world_size(context_group))
+                    input_ids = torch.zeros_like(input_ids).index_copy_(
+                        1, real.to(device), input_ids[:, :length]
+                    )
                 extra["packed_seq_params"], positions = packed_layout(
-                    micro_batch.cu_seqlens, width, device, host_offsets=host_offsets
+                    offsets, width, device, host_offsets=host_offsets
                 )
+                bounds = (
+                    (*offsets.tolist(), width) if width > int(offsets[-1]) else (*offsets.tolist(),)
+                )
+            layout = None
+            if context_group is not None:
+                layout = Layout(bounds, context_group, device)
+                input_ids, positions = layout.split(input_ids, 1), layout.split(positions, 1)
             output = model(input_ids, positions, attention_mask=None, **extra)
 
             chunk = self._chunks[chunk_of[id(model)]]
@@ -293,7 +317,12 @@ class MegatronBackend:
                 context = head_context  # on the last stage only
                 if fused:  # the raw output is the hidden states; the head applies the layer
                     context = attrs.evolve(context, output_weight=output_weight(chunk))
-                loss, metrics = consume(index, raw[:, :length], context)
+                if layout is not None:
+                    raw = layout.gather(raw, 1)
+                raw = raw[:, :length] if real is None else raw.index_select(1, real.to(raw.device))
+                loss, metrics = consume(index, raw, context)
+                if layout is not None:  # every rank's loss is the same: see context_parallel
+                    loss = loss / dist.get_world_size(context_group)
                 return loss, torch.ones((), dtype=torch.int), metrics
 
             return output, loss_func
@@ -371,12 +400,14 @@ class MegatronBackend:
         )
 
     def check_packing(self, config: PartsConfig) -> None:
-        """Packed micro-batches run everywhere but with context parallelism (each sequence
-        would have to be cut into 2 x CP chunks)."""
-        if config.parallel.context_parallel_size > 1:
+        """Packed micro-batches run everywhere; with context parallelism on the local layer
+        spec (each sequence cut into 2 x CP chunks by the backend), not yet on
+        TransformerEngine's (its attention wants the padded offsets as well)."""
+        if config.parallel.context_parallel_size > 1 and uses_transformer_engine(self.layer_spec):
             raise ConfigError(
-                "packing with context_parallel_size > 1 is not supported by the megatron "
-                "backend; turn one of them off"
+                "packing with context_parallel_size > 1 is not supported on the "
+                "TransformerEngine layer spec yet; use MegatronBackend.layer_spec='local', or "
+                "turn one of them off"
             )
 
     def packed_micro_batch_multiple(self, config: PartsConfig) -> int:
@@ -525,7 +556,7 @@ class MegatronBackend:
         """Dense models on megatron's local layer spec, without sequence parallelism."""
         from strategies.backends.megatron.lora import check_lora
 
-        check_lora(config, uses_transformer_engine(self.layer_spec, config.parallel))
+        check_lora(config, uses_transformer_engine(self.layer_spec))
 
     def set_adapters_enabled(self, enabled: bool) -> None:
         self._adapter_switch.enabled = enabled
@@ -543,7 +574,7 @@ class MegatronBackend:
 
     def _check_hf_experts(self, config: PartsConfig) -> None:
         """The Hugging Face adapter maps sequential experts (the local layer spec) only."""
-        if config.model.is_moe and uses_transformer_engine(self.layer_spec, config.parallel):
+        if config.model.is_moe and uses_transformer_engine(self.layer_spec):
             raise ConfigError(
                 "Hugging Face weights of a mixture-of-experts model need "
                 "MegatronBackend.layer_spec='local' (TransformerEngine's grouped experts are not "
@@ -573,6 +604,12 @@ def check_experts(config: PartsConfig, world_size: int) -> None:
         parallel.tensor_parallel_size,
         parallel.pipeline_parallel_size,
     )
+    if model.num_experts is not None and parallel.context_parallel_size > 1:
+        raise ConfigError(
+            "a mixture-of-experts model with context_parallel_size > 1 is not supported by the "
+            "megatron backend yet (its routers' padding and routes are not split over the "
+            "context-parallel ranks); use tensor parallelism with sequence_parallel"
+        )
     if model.num_experts is None:
         if ep > 1:
             raise ConfigError(
@@ -648,13 +685,32 @@ def row_widths(micro_batches: Sequence[MicroBatch], model_config: Any) -> list[i
     longest where megatron's schedule sends one fixed shape (virtual pipeline stages; and every
     pipeline schedule for packed rows), rounded up to a multiple of the tensor-parallel size
     under sequence parallelism (which splits the sequence dimension)."""
-    lengths = [int(mb.input_ids.shape[1]) for mb in micro_batches]
+    cp = model_config.context_parallel_size
+    lengths = [
+        int(mb.input_ids.shape[1])
+        if mb.cu_seqlens is None or cp == 1
+        else int(_padded_sequences(mb.cu_seqlens, cp)[0][-1])
+        for mb in micro_batches
+    ]
     packed = micro_batches[0].cu_seqlens is not None
     pipeline = model_config.pipeline_model_parallel_size > 1
     if model_config.virtual_pipeline_model_parallel_size is not None or (packed and pipeline):
         lengths = [max(lengths)] * len(lengths)
     multiple = model_config.tensor_model_parallel_size if model_config.sequence_parallel else 1
+    if cp > 1:  # 2 x CP chunks, each split again under SP
+        multiple *= 2 * cp
     return [-(-length // multiple) * multiple for length in lengths]
+
+
+def _padded_sequences(cu_seqlens: torch.Tensor, cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed row's sequence offsets with every sequence padded to a multiple of ``2 x cp``
+    tokens (megatron's context-parallel layout), and where each real token goes in that row."""
+    bounds = padded_bounds(cu_seqlens.tolist(), cp)
+    lengths = cu_seqlens.diff()
+    real = torch.arange(int(lengths.sum())) + torch.repeat_interleave(
+        torch.tensor(bounds[:-1]) - cu_seqlens[:-1].cpu(), lengths.cpu()
+    )
+    return torch.tensor(bounds, dtype=cu_seqlens.dtype), real
 
 
 def packed_layout(

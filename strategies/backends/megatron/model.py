@@ -192,18 +192,12 @@ def check_transformer_overrides(overrides: Mapping[str, Any]) -> None:
         )
 
 
-def uses_transformer_engine(kind: str, parallel: ParallelConfig) -> bool:
-    """Whether the layer spec is TransformerEngine's; rejects what the local spec cannot do
-    (context parallelism: its core attention attends within the rank's own tokens)."""
+def uses_transformer_engine(kind: str) -> bool:
+    """Whether the layer spec is TransformerEngine's."""
     has_te = importlib.util.find_spec("transformer_engine") is not None
     use_te = kind == "transformer_engine" or (kind == "auto" and has_te)
     if use_te and not has_te:
         raise ConfigError("layer_spec='transformer_engine' but transformer_engine is not installed")
-    if not use_te and parallel.context_parallel_size > 1:
-        raise ConfigError(
-            "context_parallel_size > 1 needs the TransformerEngine layer spec (megatron's local "
-            "spec cannot do it yet); install transformer_engine on a GPU host, or turn it off"
-        )
     return use_te
 
 
@@ -215,7 +209,7 @@ def layer_spec(
     micro-batches; under sequence parallelism, norms that take a sequence shard)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if uses_transformer_engine(kind, parallel):
+    if uses_transformer_engine(kind):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts,
             moe_grouped_gemm=num_experts is not None,
@@ -380,7 +374,7 @@ def build_gpt_model(
 
     model_config = config.model
     tie = spec.allow_tied_embeddings and model_config.tie_embeddings
-    use_te = uses_transformer_engine(layer_spec_kind, config.parallel)
+    use_te = uses_transformer_engine(layer_spec_kind)
     megatron_config = transformer_config(config, overrides, use_te=use_te)
     layers = layer_spec(
         layer_spec_kind, config.parallel, model_config.qk_layernorm, model_config.num_experts

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -188,13 +188,26 @@ def test_mindspeed_import_does_not_see_the_programs_command_line(
         sys.modules.pop(name, None)
 
 
-def test_context_parallel_on_cpu_is_rejected_at_build_naming_the_platform() -> None:
-    with pytest.raises(ConfigError, match=r"context_parallel is not supported by the cpu platform"):
-        Engine.build(head="lm", device="cpu", config={"parallel": {"context_parallel_size": 2}})
+class PlainCpuPlatform(CpuPlatform):
+    """A research platform that offers no optional feature."""
+
+    name: ClassVar[str] = "plain-cpu"
+    capabilities: ClassVar[frozenset[str]] = frozenset()
 
 
-def test_sequence_parallel_on_cpu_builds() -> None:
-    """The CPU runs megatron's sequence parallelism (the layouts are compared to one process in
+def test_features_the_platform_does_not_offer_are_rejected_at_build_naming_the_platform() -> None:
+    parallel = {"sequence_parallel": True, "context_parallel_size": 2}
+    with pytest.raises(
+        ConfigError,
+        match=r"context_parallel, sequence_parallel is not supported by the plain-cpu platform",
+    ):
+        Engine.build(head="lm", device=PlainCpuPlatform(), config={"parallel": parallel})
+
+
+def test_sequence_and_context_parallelism_build_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU runs both (the layouts are compared to one process in
     tests/engine/test_parallel.py and test_moe_parallel.py)."""
-    engine = Engine.build(head="lm", device="cpu", config={"parallel": {"sequence_parallel": True}})
-    assert engine.config.parallel.sequence_parallel
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as a 2-rank launch: CP=2 fits
+    parallel = {"sequence_parallel": True, "context_parallel_size": 2}
+    engine = Engine.build(head="lm", device="cpu", config={"parallel": parallel})
+    assert engine.config.parallel.context_parallel_size == 2
