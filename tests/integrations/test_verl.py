@@ -637,16 +637,17 @@ UPDATE_CASES = [
 
 
 def update_through_verl(
-    path: str, model_type: str, strategy: str, dynamic: bool
+    path: str, model_type: str, strategy: str, dynamic: bool, ulysses: int = 1
 ) -> dict[str, object]:
     """One of verl's ``update_actor`` / ``update_critic`` mini-batch loops on this rank's share
     of ``_rollout()`` (one mini-batch, 2 or 4 micro-batches), then verl's ``reduce_metrics``;
     with what the loss returned per micro-batch, and (actor) the token-mean entropy of the
-    responses before the update, over every rank."""
+    responses before the update, over every rank. ``ulysses``: verl's
+    ``ulysses_sequence_parallel_size`` (the ranks of a group share one share; no entropy)."""
     import torch.distributed as dist
     from verl.utils.metric import reduce_metrics
 
-    rank, size = dist.get_rank(), dist.get_world_size()
+    rank, size = dist.get_rank() // ulysses, dist.get_world_size() // ulysses
     rows = _rollout()
     share = len(RESPONSES) // size
     shard = {key: values[rank * share : (rank + 1) * share] for key, values in rows.items()}
@@ -655,13 +656,15 @@ def update_through_verl(
         if dynamic
         else {"micro_batch_size_per_gpu": 1}
     )
+    if ulysses > 1:
+        sizes["ulysses_sequence_parallel_size"] = ulysses
     worker = _worker(
         model_type, path, strategy, model_settings={"use_remove_padding": dynamic}, **sizes
     )
     group = worker.engine.get_data_parallel_group()
     assert group is not None and dist.get_world_size(group) == size
     entropy = None
-    if model_type == "language_model":
+    if model_type == "language_model" and ulysses == 1:
         before = worker.infer_batch(_verl_batch(shard, compute_loss=False, calculate_entropy=True))
         lengths = RESPONSES[rank * share : (rank + 1) * share]
         tokens = torch.cat(_response_values(before["entropy"], lengths))
@@ -679,7 +682,8 @@ def update_through_verl(
     )
     output = worker.train_mini_batch(batch)
     return {
-        "reduced": reduce_metrics(dict(tu.get(output, "metrics"))),
+        # verl's worker returns metrics from ranks with outputs only (None elsewhere)
+        "reduced": None if output is None else reduce_metrics(dict(tu.get(output, "metrics"))),
         "calls": recording.calls,
         "entropy": entropy,
         "engine_group_size": dist.get_world_size(worker.engine.engine.get_data_parallel_group()),
@@ -739,10 +743,11 @@ def test_verls_mini_batch_update_reports_verls_metrics(
     assert_verls_numbers([result], model_type)
 
 
-def update_every_case(path: str) -> tuple[list[dict[str, object]], bool, str]:
+def update_every_case(path: str) -> tuple[list[dict[str, object]], bool, str, dict[str, object]]:
     """:func:`update_through_verl` for every update case, on one rank; whether verl's default
     megatron config at TP=2 (sequence_parallel on) builds an engine with sequence parallelism;
-    and its refusal with LoRA (which megatron's LoRA cannot run with sequence_parallel)."""
+    its refusal with LoRA (which megatron's LoRA cannot run with sequence_parallel); and the
+    actor's update with Ulysses over both ranks (packed, as verl's default)."""
     import torch.distributed as dist
     from verl.workers.config.engine import McoreEngineConfig
 
@@ -757,8 +762,11 @@ def update_every_case(path: str) -> tuple[list[dict[str, object]], bool, str]:
     try:
         ComposableEngine(lora, engine, FSDPOptimizerConfig(), CheckpointConfig())
     except ConfigError as error:
-        return results, sequence_parallel, str(error)
-    return results, sequence_parallel, "not refused"
+        refusal = str(error)
+    else:
+        refusal = "not refused"
+    ulysses = update_through_verl(path, "language_model", "fsdp2", True, ulysses=2)
+    return results, sequence_parallel, refusal, ulysses
 
 
 @pytest.mark.multiprocess
@@ -785,6 +793,13 @@ def test_verls_mini_batch_update_reports_verls_metrics_over_two_ranks(
     refusal = ranks[0][2]
     assert re.search(r"sequence_parallel.*verl turns sequence_parallel on by default", refusal)
     assert "megatron.sequence_parallel=False" in refusal, refusal
+    # ulysses_sequence_parallel_size=2: both ranks split every sequence; verl's numbers are one
+    # process's on the whole batch
+    alone = update_through_verl(qwen3, "language_model", "fsdp2", True)["reduced"]
+    split = ranks[0][3]
+    assert split["engine_group_size"] == 1 and ranks[1][3]["reduced"] is None
+    for name in ("actor/pg_loss", "actor/entropy_loss"):
+        assert math.isclose(split["reduced"][name], alone[name], rel_tol=1e-5), name
 
 
 def test_verls_default_strategy_is_served_by_the_fsdp2_backend(

@@ -57,7 +57,6 @@ REFUSED: list[tuple[str, str, Callable[[Any], bool], str]] = [
         "routes travel in the batch's routed_experts, not in files (record_file / replay_file)",
     ),
     ("engine", "qat", lambda v: not _get(v, "enable", False), "no quantization-aware training"),
-    ("engine", "ulysses_sequence_parallel_size", lambda v: v == 1, "no Ulysses parallelism"),
     ("engine", "offload_policy", _off, "use param_offload / optimizer_offload"),
     ("engine", "model_dtype", lambda v: v in ("fp32", "float32"), "weights are kept in fp32"),
     ("engine", "expert_tensor_parallel_size", lambda v: v in (None, 1), "no expert TP"),
@@ -344,7 +343,18 @@ def _backend_options(
                 )
             else:
                 options["replicate_size"] = world_size // fsdp_size
+        ulysses = int(_get(engine_config, "ulysses_sequence_parallel_size", 1) or 1)
+        if ulysses > 1:
+            options["ulysses_size"] = ulysses
         return options
+    ulysses = _get(engine_config, "ulysses_sequence_parallel_size", 1)
+    if ulysses not in (None, 1):
+        refusals.add(
+            "engine",
+            "ulysses_sequence_parallel_size",
+            ulysses,
+            "Ulysses is the fsdp strategies'; megatron splits sequences with context_parallel_size",
+        )
     overrides = dict(_get(engine_config, "override_transformer_config", None) or {})
     if checkpointing:
         overrides.setdefault("recompute_granularity", "full")

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from strategies.backends.fsdp2.ulysses import attend_across_ranks
 from strategies.packed_attention import attend_per_sequence
 
 PACKED_SDPA = "composable_engine_packed_sdpa"
@@ -56,18 +57,32 @@ def packed_sdpa_attention(
     scaling: float | None = None,
     sliding_window: int | None = None,
     packed_bounds: Sequence[int] | None = None,
+    sequence_group: Any = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: ``query`` ``[b, heads, s, dim]``, ``key`` /
-    ``value`` ``[b, groups, s, dim]`` -> (``[b, s, heads, dim]``, no weights)."""
+    ``value`` ``[b, groups, s, dim]`` -> (``[b, s, heads, dim]``, no weights); with
+    ``sequence_group``, ``s`` is this rank's part of the row (``fsdp2.ulysses``)."""
+    # transformers' window of w: each query sees itself and the w - 1 keys before it
+    window = None if sliding_window is None else (sliding_window - 1, 0)
+    if sequence_group is not None:
+        out = attend_across_ranks(
+            query,
+            key,
+            value,
+            sequence_group,
+            packed_bounds,
+            scale=scaling,
+            window=window,
+            dropout=dropout,
+        )
+        return out.transpose(1, 2).contiguous(), None
     if packed_bounds is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    # transformers' window of w: each query sees itself and the w - 1 keys before it
-    window = None if sliding_window is None else (sliding_window - 1, 0)
     out = attend_per_sequence(
         query, key, value, packed_bounds, scale=scaling, window=window, dropout=dropout
     )

@@ -38,6 +38,7 @@ from strategies.backends.fsdp2.optimizer import (
     gradient_norm,
     gradient_norm_tensor,
 )
+from strategies.backends.fsdp2.ulysses import check_heads, sequence_groups
 from strategies.config import ParallelConfig, PartsConfig
 from strategies.hf.architecture import hf_config_for
 from strategies.hf.classification import HeadLayer, head_layer
@@ -73,6 +74,10 @@ class Fsdp2Backend:
     reshard_after_forward: bool = bool_field(True)
     #: transformers' attention implementation.
     attention: str = attrs.field(default="sdpa", validator=one_of("sdpa", "eager"))
+    #: Ulysses sequence parallelism: each sequence split over this many consecutive ranks, which
+    #: exchange heads for sequence around attention (``fsdp2.ulysses``); data parallel over the
+    #: world divided by it.
+    ulysses_size: int = int_field(1)
 
     _model: CausalModel | None = attrs.field(default=None, init=False)
     _optimizer: torch.optim.AdamW | None = attrs.field(default=None, init=False)
@@ -88,6 +93,9 @@ class Fsdp2Backend:
     _head_layer: HeadLayer | None = attrs.field(default=None, init=False)
     #: Host copies of the state an asynchronous save writes, reused by the next one.
     _staging_buffers: dict[Any, torch.Tensor] = attrs.field(factory=dict, init=False)
+    #: Ulysses: this rank's sequence-parallel and data-parallel groups (None without it).
+    _sequence_group: dist.ProcessGroup | None = attrs.field(default=None, init=False)
+    _data_group: dist.ProcessGroup | None = attrs.field(default=None, init=False)
 
     # -- checks --------------------------------------------------------------------------------
     def required_capabilities(self, config: PartsConfig) -> frozenset[str]:
@@ -103,6 +111,7 @@ class Fsdp2Backend:
                 )
         check_torch_version()
         self._check_replicate_size(world_size)
+        self._check_ulysses(config, world_size)
         if config.model.max_sequence_length <= 1:
             raise ConfigError("ModelConfig.max_sequence_length must be > 1")
         for field in ("router_aux_loss_coeff", "router_z_loss_coeff"):
@@ -123,6 +132,28 @@ class Fsdp2Backend:
         if not dist.is_initialized():
             raise EngineStateError("the fsdp2 backend needs the default process group first")
         self._check_replicate_size(dist.get_world_size())
+        if self.ulysses_size > 1:
+            self._sequence_group, self._data_group = sequence_groups(self.ulysses_size)
+
+    def _check_ulysses(self, config: PartsConfig, world_size: int) -> None:
+        size = self.ulysses_size
+        if size == 1:
+            return
+        if world_size % size:
+            raise ConfigError(
+                f"Fsdp2Backend.ulysses_size ({size}) must divide the world size {world_size}"
+            )
+        model = config.model
+        why = check_heads(
+            model.num_attention_heads, model.num_query_groups or model.num_attention_heads, size
+        )
+        if why is not None:
+            raise ConfigError(f"ModelConfig.{why}")
+        if self.attention != "sdpa":
+            raise ConfigError(
+                f"Fsdp2Backend.ulysses_size={size} needs attention='sdpa' (its attention "
+                f"exchanges heads for sequence), not {self.attention!r}"
+            )
 
     def _check_replicate_size(self, world_size: int) -> None:
         if world_size % self.replicate_size:
@@ -166,24 +197,37 @@ class Fsdp2Backend:
         model = self._require_model()
         last = len(micro_batches) - 1
         head_context = HeadContext()
+        group = self._sequence_group
         try:
             for index, micro_batch in enumerate(micro_batches):
                 input_ids = micro_batch.input_ids.to(
                     device=self._device, dtype=torch.long, non_blocking=True
                 )
-                inputs = self._layout(micro_batch, input_ids.shape[1])
+                length = input_ids.shape[1]
+                size = self.ulysses_size
+                width = -(-length // size) * size  # Ulysses: rows of a multiple of its size
+                inputs = self._layout(micro_batch, width)
+                if group is not None:  # this rank's part of the rows (fsdp2.ulysses)
+                    inputs["sequence_group"] = group
+                    input_ids = self._own_part(
+                        torch.nn.functional.pad(input_ids, (0, width - length))
+                    )
+                    for name in ("attention_mask", "position_ids"):
+                        inputs[name] = self._own_part(inputs[name])
+                consume_whole = functools.partial(_consume_rows, consume, index, length)
                 if not forward_only:
                     model.set_requires_gradient_sync(index == last)  # type: ignore[operator]
                 if self._fused:  # the head applies the output layer, inside the model's forward
                     loss, _ = model(
                         input_ids,
                         **inputs,
-                        fused_head=functools.partial(_consume_hidden, consume, index, head_context),
+                        fused_head=functools.partial(_consume_hidden, consume_whole, head_context),
                     )
                 else:
-                    loss, _ = consume(index, model(input_ids, **inputs), head_context)
+                    loss, _ = consume_whole(model(input_ids, **inputs), head_context)
                 if not forward_only:
-                    loss.backward()
+                    # every rank of a sequence-parallel group computes the same loss: see ulysses
+                    (loss if group is None else loss / self.ulysses_size).backward()
         except BaseException:
             if not forward_only:  # a failed step leaves no gradients behind for the next
                 sharding.drop_unreduced_gradients(model)
@@ -205,11 +249,18 @@ class Fsdp2Backend:
                 "position_ids": torch.arange(width, device=device)[None],
             }
         bounds = micro_batch.cu_seqlens.cpu()
+        if width > int(bounds[-1]):  # row padding (Ulysses): a segment of its own
+            bounds = torch.cat([bounds, bounds.new_tensor([width])])
         return {
             "attention_mask": torch.ones(1, width, dtype=torch.bool, device=device),
             "position_ids": positions_in_sequences(bounds).to(device, non_blocking=True)[None],
             PACKED_BOUNDS: tuple(bounds.tolist()),
         }
+
+    def _own_part(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous part of ``rows`` ``[b, width]`` (Ulysses)."""
+        group = cast(dist.ProcessGroup, self._sequence_group)
+        return rows.chunk(self.ulysses_size, dim=1)[dist.get_rank(group)]
 
     def check_packing(self, config: PartsConfig) -> None:
         """Packed rows need the attention of ``packed_sdpa`` (``attention="sdpa"``)."""
@@ -257,18 +308,22 @@ class Fsdp2Backend:
 
     # -- layout --------------------------------------------------------------------------------
     def data_parallel_rank(self) -> int:
-        return dist.get_rank() if dist.is_initialized() else 0
+        return dist.get_rank() // self.ulysses_size if dist.is_initialized() else 0
 
     def data_parallel_size(self) -> int:
-        return dist.get_world_size() if dist.is_initialized() else 1
+        return dist.get_world_size() // self.ulysses_size if dist.is_initialized() else 1
 
     def data_parallel_group(self) -> dist.ProcessGroup | None:
         """Every rank is a data-parallel rank: the default group (one process too, as
-        megatron's data-parallel group of one); None only without a process group."""
+        megatron's data-parallel group of one), or with Ulysses the ranks at this rank's place
+        in every sequence-parallel group; None only without a process group."""
+        if self._data_group is not None:
+            return self._data_group
         return dist.group.WORLD if dist.is_initialized() else None
 
     def holds_outputs(self) -> bool:
-        return True
+        """Every rank, or with Ulysses the first of each sequence-parallel group."""
+        return self._sequence_group is None or dist.get_rank(self._sequence_group) == 0
 
     def modules(self) -> list[torch.nn.Module]:
         return [self._require_model()]
@@ -401,9 +456,20 @@ class Fsdp2Backend:
 MIN_TORCH = "2.8"
 
 
-def _consume_hidden(
+def _consume_rows(
     consume: MicroBatchConsumer,
     index: int,
+    length: int,
+    raw: torch.Tensor,
+    context: HeadContext,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``consume`` micro-batch ``index``'s raw output, its rows cut back to ``length`` (Ulysses
+    pads them to a multiple of its size)."""
+    return consume(index, raw[:, :length], context)
+
+
+def _consume_hidden(
+    consume: Callable[[torch.Tensor, HeadContext], tuple[torch.Tensor, dict[str, Any]]],
     context: HeadContext,
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -411,7 +477,7 @@ def _consume_hidden(
     """``consume`` a micro-batch's final hidden states, with the output weight for the head.
     The loss is returned from the FSDP root's forward, which warns about a view (the loss
     function's may be one): a copy of the scalar."""
-    loss, metrics = consume(index, hidden, attrs.evolve(context, output_weight=weight))
+    loss, metrics = consume(hidden, attrs.evolve(context, output_weight=weight))
     return loss.clone(), metrics
 
 

@@ -35,6 +35,7 @@ from strategies.hf.classification import HeadLayer, score_name
 from strategies.hf.experts import CheckpointLayout
 from strategies.hf.files import SafetensorsCheckpoint
 from strategies.init import normal_from_name
+from strategies.sequence_split import gather_sequence
 
 LM_HEAD = "lm_head"
 VALUE_HEAD = "value_head"
@@ -64,6 +65,7 @@ class CausalModel(torch.nn.Module):
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor,
         fused_head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+        sequence_group: Any = None,
         **attention: Any,
     ) -> Any:
         """The raw output ``[b, s, features]`` of ``input_ids``: right-padded rows (causal; a
@@ -71,7 +73,11 @@ class CausalModel(torch.nn.Module):
         with its ``attention`` keywords (``strategies.backends.fsdp2.attention``); with
         ``fused_head``, what ``fused_head(final hidden states, output weight)`` returns instead,
         computed inside this forward: there FSDP2 holds the (root's) output weight gathered, and
-        its gradient reaches the reduce-scatter as the output layer's would."""
+        its gradient reaches the reduce-scatter as the output layer's would. With
+        ``sequence_group`` (Ulysses), the inputs are this rank's part of the rows and the final
+        hidden states are gathered into whole rows first (``fsdp2.ulysses``)."""
+        if sequence_group is not None:
+            attention["sequence_group"] = sequence_group
         hidden = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -79,6 +85,8 @@ class CausalModel(torch.nn.Module):
             use_cache=False,
             **attention,
         ).last_hidden_state
+        if sequence_group is not None:
+            hidden = gather_sequence(hidden, sequence_group, dim=1)
         layer = self.get_submodule(self.output_name)
         if fused_head is not None:
             return fused_head(hidden, cast(torch.Tensor, layer.weight))

@@ -33,7 +33,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from strategies.distributed import collective_device
+from strategies.sequence_split import gather_sequence
 
 
 def local_positions(width: int, rank: int, size: int, device: torch.device) -> torch.Tensor:
@@ -95,8 +95,7 @@ class Layout:
     def gather(self, part: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's part (along ``dim``) joined with the other ranks' into the row's order;
         the gradient of each rank's part sums every rank's gradient."""
-        whole: torch.Tensor = _GatherSequence.apply(part.movedim(dim, 0), self.group, self.order)
-        return whole.movedim(0, dim)
+        return gather_sequence(part, self.group, dim, self.order)
 
     def visible_keys(self, window: tuple[int, int] | None) -> torch.Tensor:
         """``[local queries, row]`` True where this rank's query attends a key: causal in their
@@ -112,31 +111,3 @@ class Layout:
         if window is not None:
             visible &= relative >= -window[0]
         return visible
-
-
-class _GatherSequence(torch.autograd.Function):
-    """All-gather along dim 0 (the sequence) over the context-parallel group, into row order;
-    backward: reduce-scatter (each rank's part gets the sum of every rank's gradient)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, part: torch.Tensor, group: dist.ProcessGroup, order: torch.Tensor
-    ) -> torch.Tensor:
-        size = dist.get_world_size(group)
-        wire = collective_device(group)
-        gathered = torch.empty(
-            (part.shape[0] * size, *part.shape[1:]), dtype=part.dtype, device=wire
-        )
-        dist.all_gather_into_tensor(gathered, part.contiguous().to(wire), group=group)
-        whole = torch.empty_like(gathered, device=part.device)
-        whole[order] = gathered.to(part.device)
-        ctx.group, ctx.order = group, order
-        return whole
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        size = dist.get_world_size(ctx.group)
-        wire = collective_device(ctx.group)
-        part = torch.empty((grad.shape[0] // size, *grad.shape[1:]), dtype=grad.dtype, device=wire)
-        dist.reduce_scatter_tensor(part, grad[ctx.order].contiguous().to(wire), group=ctx.group)
-        return part.to(grad.device), None, None

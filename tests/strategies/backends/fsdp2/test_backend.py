@@ -76,6 +76,43 @@ def test_a_replicate_size_that_does_not_divide_the_world_is_refused(
         Engine.build(head="lm", backend="fsdp2", config={"backend": {"replicate_size": 2}})
 
 
+@pytest.mark.parametrize(
+    ("world", "backend", "model", "message"),
+    [
+        (3, {"ulysses_size": 2}, {}, r"ulysses_size \(2\) must divide the world size 3"),
+        (
+            4,
+            {"ulysses_size": 4},
+            {"num_attention_heads": 6, "num_query_groups": 2, "hidden_size": 48},
+            r"num_attention_heads \(6\) must be divisible by ulysses_size \(4\)",
+        ),
+        (
+            4,
+            {"ulysses_size": 4},
+            {"num_attention_heads": 12, "num_query_groups": 6, "hidden_size": 48},
+            r"num_query_groups \(6\) must be a multiple or a divisor of ulysses_size \(4\)",
+        ),
+        (
+            2,
+            {"ulysses_size": 2, "attention": "eager"},
+            {},
+            r"ulysses_size=2 needs attention='sdpa'",
+        ),
+    ],
+)
+def test_a_ulysses_layout_the_model_cannot_take_is_refused_naming_the_sizes(
+    monkeypatch: pytest.MonkeyPatch,
+    world: int,
+    backend: dict[str, Any],
+    model: dict[str, Any],
+    message: str,
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    config = {"model": tiny_model(**model), "backend": backend}
+    with pytest.raises(ConfigError, match=message):
+        Engine.build(head="lm", backend="fsdp2", config=config)
+
+
 def test_a_torch_without_the_fsdp2_calls_it_makes_is_refused_naming_the_version(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -19,9 +19,11 @@ STEPS = 3
 LENGTHS = [6, 11, 3, 9, 14, 5, 8, 12]
 
 
-def train_both_heads(backend: dict[str, Any]) -> dict[str, Any]:
+def train_both_heads(
+    backend: dict[str, Any], extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """On every rank: train an LM and a value engine on this rank's data-parallel shard; report
-    the losses and the full (gathered) weights."""
+    the losses and the full (gathered) weights. ``extra``: more engine settings."""
     from engine import Engine
     from engine.data.batching import take_rows
     from engine.losses import sft_loss, value_regression_loss
@@ -35,6 +37,7 @@ def train_both_heads(backend: dict[str, Any]) -> dict[str, Any]:
             "seed": 11,
             "optimizer": {"lr": 1e-3, "clip_grad": 1.0},
             "backend": backend,
+            **(extra or {}),
         }
         engine = Engine.build(head=head, backend="fsdp2", device="cpu", config=config)
         engine.initialize()
@@ -48,7 +51,7 @@ def train_both_heads(backend: dict[str, Any]) -> dict[str, Any]:
                         slice(rank * shard, (rank + 1) * shard),
                     ),
                     loss,
-                )["loss"]
+                ).get("loss")
                 for step in range(STEPS)
             ]
         weights = dict(engine.get_per_tensor_param())
@@ -129,3 +132,36 @@ def test_packed_micro_batches_equal_padded_ones_on_two_data_parallel_ranks() -> 
     for head in ("lm", "value", "reward"):  # the gradients are reduced over both ranks
         first, second = (report[head, "packed"][1] for report in reports)
         assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(
+    ("world", "extra"),
+    [
+        (2, {}),
+        (2, {"packing": True, "model": {"num_query_groups": 1}}),
+        (4, {"packing": True}),
+    ],
+    ids=["ulysses2", "ulysses2-packed-one-kv-head", "ulysses2xdp2-packed"],
+)
+def test_ulysses_sequence_parallelism_matches_one_process(
+    world: int, extra: dict[str, Any]
+) -> None:
+    """Each sequence split over 2 ranks (attention over all of it through the all-to-all; one
+    key/value head repeated for both ranks), alone and with 2 data-parallel ranks: the output
+    ranks' losses and everyone's weights are one process's within 1e-5."""
+    from tests.factories import tiny_model
+
+    settings = {**extra, "model": tiny_model(**extra.get("model", {}))}
+    (expected,) = run_ranks(train_both_heads, 1, {}, settings, timeout=180)
+    reports = run_ranks(train_both_heads, world, {"ulysses_size": 2}, settings, timeout=300)
+    for head in ("lm", "value"):
+        holders = [report[head] for report in reports if report[head]["holds"]]
+        assert len(holders) == world // 2  # the first rank of each sequence-parallel group
+        for got in holders:
+            assert got["losses"] == pytest.approx(expected[head]["losses"], rel=1e-5, abs=1e-6)
+        for report in reports:
+            for name, tensor in report[head]["weights"].items():
+                torch.testing.assert_close(
+                    tensor, expected[head]["weights"][name], atol=1e-5, rtol=1e-5, msg=name
+                )
