@@ -296,10 +296,6 @@ def test_routes_given_to_an_engine_without_router_replay_are_refused(
         ({"model": tiny_model(), "router_replay": True}, r"router_replay needs a mixture-of-exp"),
         ({"model": moe_model(num_experts=3), "parallel": {"expert_parallel_size": 2}}, "divisible"),
         (
-            {"model": moe_model(), "parallel": {"context_parallel_size": 2}},
-            r"mixture-of-experts model with context_parallel_size > 1 is not supported",
-        ),
-        (
             {"model": moe_model(), "parallel": {"tensor_parallel_size": 2}},
             r"mixture-of-experts model with tensor_parallel_size > 1 needs sequence_parallel",
         ),

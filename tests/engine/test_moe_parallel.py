@@ -226,7 +226,7 @@ def test_virtual_pipeline_stages_match_one_process() -> None:
     _assert_matches(run_ranks(train_moe, 2, parallel, {}, None, None, 4, timeout=240), expected)
 
 
-def train_on_drawn_routes(parallel: dict[str, Any]) -> dict[str, Any]:
+def train_on_drawn_routes(parallel: dict[str, Any], packing: bool = False) -> dict[str, Any]:
     """On every rank (a model with query / key norms): record the router's own routes of a
     batch, then train on routes drawn at random (never the router's), each step's the same on
     every rank; report the recorded routes, the losses and the weights."""
@@ -237,7 +237,7 @@ def train_on_drawn_routes(parallel: dict[str, Any]) -> dict[str, Any]:
     from engine.losses import sft_loss
     from tests.factories import random_batch
 
-    config = _config(parallel, {}, qk_layernorm=True)
+    config = {**_config(parallel, {}, qk_layernorm=True), "packing": packing}
     engine = Engine.build(head="lm", device="cpu", config=config).initialize()
     recorded = engine.infer_batch(random_batch(LENGTHS, VOCAB, seed=0))
     losses = []
@@ -258,15 +258,31 @@ def train_on_drawn_routes(parallel: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+@pytest.fixture(scope="module")
+def drawn_routes_reference() -> dict[str, Any]:
+    (report,) = run_ranks(train_on_drawn_routes, 1, {}, timeout=180)
+    return report
+
+
 @pytest.mark.timeout(300)
-def test_sequence_parallel_moe_forces_and_records_each_ranks_part_of_the_routes() -> None:
-    """TP=2 with sequence parallelism, aux and z losses on: each rank routes half of every
-    sequence. The routes it records join into the one process's, and training on drawn routes
-    (a wrong part forced anywhere changes the loss) gives the one process's losses and
-    weights."""
-    (expected,) = run_ranks(train_on_drawn_routes, 1, {}, timeout=180)
-    parallel = {"tensor_parallel_size": 2, "sequence_parallel": True}
-    reports = run_ranks(train_on_drawn_routes, 2, parallel, timeout=240)
+@pytest.mark.parametrize(
+    ("parallel", "packing"),
+    [
+        ({"tensor_parallel_size": 2, "sequence_parallel": True}, False),
+        ({"context_parallel_size": 2}, False),
+        ({"context_parallel_size": 2}, True),
+    ],
+    ids=["tp2-sp", "cp2", "cp2-packed"],
+)
+def test_split_sequences_force_and_record_each_ranks_part_of_the_routes(
+    drawn_routes_reference: dict[str, Any], parallel: dict[str, Any], packing: bool
+) -> None:
+    """Each rank routes part of every sequence (TP=2 with sequence parallelism; CP=2 padded and
+    packed), aux and z losses on. The routes it records join into the one process's, and
+    training on drawn routes (a wrong part forced anywhere changes the loss) gives the one
+    process's losses and weights."""
+    expected = drawn_routes_reference
+    reports = run_ranks(train_on_drawn_routes, 2, parallel, packing, timeout=240)
     outputs = [report for report in reports if report["output_rank"]]
     assert outputs, "no rank reported outputs"
     for report in outputs:

@@ -62,6 +62,10 @@ def train_both_heads(parallel: dict[str, Any], extra: dict[str, Any]) -> dict[st
                     slice(dp_rank * shard, (dp_rank + 1) * shard),
                 )
                 losses.append(engine.train_batch(batch, loss).get("loss"))
+        # the trained model's per-token outputs of this rank's shard (output ranks only)
+        result = engine.infer_batch(batch)
+        field = "log_probs" if head == "lm" else "values"
+        outputs = None if result is None else result[field].values().clone()
         params = {}
         for name, param in (
             entry for chunk in engine.backend.modules() for entry in global_parameters(chunk)
@@ -72,7 +76,7 @@ def train_both_heads(parallel: dict[str, Any], extra: dict[str, Any]) -> dict[st
                 int(getattr(param, "partition_dim", 0)),
                 int(getattr(param, "partition_stride", 1)),
             )
-        report[head] = {"losses": losses, "params": params}
+        report[head] = {"losses": losses, "params": params, "outputs": outputs}
     report.update(
         tp=ps.get_tensor_model_parallel_rank(),
         tp_size=ps.get_tensor_model_parallel_world_size(),
@@ -144,6 +148,14 @@ def test_parallel_layouts_match_one_process(
         assert outputs, "no rank reported outputs"
         for losses in outputs:
             assert losses == pytest.approx(single_process[head]["losses"], rel=1e-5, abs=1e-6)
+        # the last step's log-probs / values, the output ranks' shards in data-parallel order
+        shards = sorted({r["dp"]: r[head]["outputs"] for r in reports if r["output_rank"]}.items())
+        torch.testing.assert_close(
+            torch.cat([shard for _, shard in shards]),
+            single_process[head]["outputs"],
+            atol=1e-5,
+            rtol=1e-5,
+        )
         expected = single_process[head]["params"]
         got = full_parameters(reports, head)
         assert set(got) == set(expected)

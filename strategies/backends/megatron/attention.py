@@ -119,7 +119,7 @@ def packed_dot_product_attention() -> type:
                 bounds = tuple(int(b) for b in packed_seq_params.cu_seqlens_q.tolist())
             else:
                 bounds = (0, query.shape[0] * self.config.context_parallel_size)
-            layout = Layout(bounds, self.cp_group, query.device)
+            layout = Layout.over(bounds, self.cp_group, query.device)
             key, value = layout.gather(key, 0), layout.gather(value, 0)
             mask = layout.visible_keys(self.scale_mask_softmax.window_size)
             scale = self.softmax_scale

@@ -179,12 +179,22 @@ class MegatronBackend:
                 ).to(device)
             )
         self._model = config.model
+        parallel = config.parallel
+        sequence_parallel = parallel.sequence_parallel and parallel.tensor_parallel_size > 1
+        context_parallel = parallel.context_parallel_size > 1
         self._routing = Routing.attach(
             self._chunks,
             record=config.router_replay,
-            sequence_group=ps.get_tensor_model_parallel_group()
-            if config.parallel.sequence_parallel and config.parallel.tensor_parallel_size > 1
-            else None,
+            sequence_group=ps.get_tensor_model_parallel_group() if sequence_parallel else None,
+            split_group=(
+                ps.get_tensor_and_context_parallel_group()
+                if sequence_parallel and context_parallel
+                else ps.get_tensor_model_parallel_group()
+                if sequence_parallel
+                else ps.get_context_parallel_group()
+                if context_parallel
+                else None
+            ),
         )
         if config.model.hf_path is not None:
             from strategies.backends.megatron.hf.loading import load_hf_weights
@@ -280,10 +290,6 @@ class MegatronBackend:
             input_ids = micro_batch.input_ids.to(device=device, dtype=torch.long, non_blocking=True)
             length, width = input_ids.shape[1], widths[index]
             extra: dict[str, Any] = {}
-            if routing.is_moe:  # routers leave the padding out of their losses and counts
-                extra["padding_mask"] = routing.before_forward(
-                    chunk_of[id(model)], micro_batch, width, device
-                )
             # Padding goes at the end of each row (never inside a sequence); the head never
             # sees it: the raw output is sliced back to ``length``.
             if width > length:
@@ -307,8 +313,12 @@ class MegatronBackend:
                 )
             layout = None
             if context_group is not None:
-                layout = Layout(bounds, context_group, device)
+                layout = Layout.over(bounds, context_group, device)
                 input_ids, positions = layout.split(input_ids, 1), layout.split(positions, 1)
+            if routing.is_moe:  # routers leave the padding out of their losses and counts
+                extra["padding_mask"] = routing.before_forward(
+                    chunk_of[id(model)], index, micro_batch, width, device, layout, real
+                )
             output = model(input_ids, positions, attention_mask=None, **extra)
 
             chunk = self._chunks[chunk_of[id(model)]]
@@ -371,13 +381,8 @@ class MegatronBackend:
             chunk_config.moe_z_loss_coeff = (model.router_z_loss_coeff * splitting / total) or None
 
     def check_router_replay(self, config: PartsConfig) -> None:
-        """Each sequence-parallel rank forces and records the routes of its own part of the
-        sequence; context parallelism's load-balanced chunks are refused."""
-        if config.parallel.context_parallel_size > 1:
-            raise ConfigError(
-                "EngineConfig.router_replay with context_parallel_size > 1 is not supported by "
-                "the megatron backend yet (each rank routes two chunks of every sequence)"
-            )
+        """Router replay runs in every layout: each rank that routes part of every sequence
+        (sequence, context parallelism) forces and records its own part."""
 
     def recorded_routes(self) -> list[torch.Tensor]:
         """The last forward_backward's routes per micro-batch, ``[b, s, layers, k]``."""
@@ -604,12 +609,6 @@ def check_experts(config: PartsConfig, world_size: int) -> None:
         parallel.tensor_parallel_size,
         parallel.pipeline_parallel_size,
     )
-    if model.num_experts is not None and parallel.context_parallel_size > 1:
-        raise ConfigError(
-            "a mixture-of-experts model with context_parallel_size > 1 is not supported by the "
-            "megatron backend yet (its routers' padding and routes are not split over the "
-            "context-parallel ranks); use tensor parallelism with sequence_parallel"
-        )
     if model.num_experts is None:
         if ep > 1:
             raise ConfigError(

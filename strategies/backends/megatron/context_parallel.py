@@ -58,22 +58,24 @@ def padded_bounds(cu_seqlens: Sequence[int], size: int) -> list[int]:
 @attrs.frozen
 class Layout:
     """How one micro-batch's rows of ``bounds[-1]`` tokens, in segments ``bounds``, are split
-    over the context-parallel ``group``."""
+    over ``size`` context-parallel ranks (this one ``rank`` of ``group``)."""
 
     bounds: tuple[int, ...]
-    group: Any
+    size: int
+    rank: int
     device: torch.device
+    group: Any = None
 
-    @functools.cached_property
-    def _size_rank(self) -> tuple[int, int]:
-        return dist.get_world_size(self.group), dist.get_rank(self.group)
+    @classmethod
+    def over(cls, bounds: tuple[int, ...], group: Any, device: torch.device) -> Layout:
+        """The layout of ``bounds`` over the context-parallel ``group``, for this rank."""
+        return cls(bounds, dist.get_world_size(group), dist.get_rank(group), device, group)
 
     def held_by(self, rank: int) -> torch.Tensor:
         """The row positions rank ``rank`` holds, in its order."""
-        size = self._size_rank[0]
         return torch.cat(
             [
-                start + local_positions(end - start, rank, size, self.device)
+                start + local_positions(end - start, rank, self.size, self.device)
                 for start, end in itertools.pairwise(self.bounds)
             ]
         )
@@ -81,12 +83,12 @@ class Layout:
     @functools.cached_property
     def local(self) -> torch.Tensor:
         """This rank's positions."""
-        return self.held_by(self._size_rank[1])
+        return self.held_by(self.rank)
 
     @functools.cached_property
     def order(self) -> torch.Tensor:
         """The positions of the ranks' parts one after another (what an all-gather joins)."""
-        return torch.cat([self.held_by(rank) for rank in range(self._size_rank[0])])
+        return torch.cat([self.held_by(rank) for rank in range(self.size)])
 
     def split(self, whole: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's part of ``whole`` along ``dim`` (no gradient exchange)."""

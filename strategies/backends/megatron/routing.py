@@ -8,9 +8,10 @@ takes its weights from the live scores of the forced experts, as megatron's repl
 router still gets a gradient, and a drifted route never reads a zero weight.
 
 Token order is megatron's: a micro-batch's ``[b, width]`` rows run as ``[width, b]`` and the
-router sees them flattened, position-major. Under sequence parallelism each tensor-parallel rank
-routes its own contiguous part of that order (positions ``rank * width / tp`` onwards): it forces
-that part of the routes and records it, and the recorded parts are gathered over the group.
+router sees them flattened, position-major. Under context parallelism each rank runs its
+positions of the rows (``context_parallel.Layout``), and under sequence parallelism each
+tensor-parallel rank routes its own contiguous part of that order: a rank forces its part of
+the routes and records it, and the recorded parts are gathered over the groups.
 Routes leave and enter the engine right-padded, ``[b, s, num_moe_layers, top_k]``, in the rows of
 the micro-batch.
 
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from strategies.backends.base import MicroBatch
+from strategies.backends.megatron.context_parallel import Layout
 from strategies.distributed import collective_device
 
 #: Metric names per MoE layer (0-based global layer number).
@@ -107,12 +109,17 @@ class Routing:
         num_layers: int,
         top_k: int,
         sequence_group: dist.ProcessGroup | None = None,
+        split_group: dist.ProcessGroup | None = None,
     ):
         self.slots_per_chunk = slots_per_chunk
         self.num_layers = num_layers
         self.top_k = top_k
-        #: The ranks that split each sequence (sequence parallelism), or None.
+        #: The ranks that split each sequence's part contiguously (sequence parallelism), or None.
         self.sequence_group = sequence_group
+        #: Every rank that routes part of each sequence (sequence x context parallel), or None.
+        self.split_group = split_group
+        #: Context parallelism: each micro-batch's layout and its real tokens' row positions.
+        self.layouts: dict[int, tuple[Layout, torch.Tensor | None]] = {}
 
     @classmethod
     def attach(
@@ -120,9 +127,10 @@ class Routing:
         chunks: Sequence[torch.nn.Module],
         record: bool,
         sequence_group: dist.ProcessGroup | None = None,
+        split_group: dist.ProcessGroup | None = None,
     ) -> Routing:
         """Give every router of ``chunks`` a slot (``record``: keep each forward's routes;
-        ``sequence_group``: the ranks each sequence is split over, where it is)."""
+        ``sequence_group`` / ``split_group``: see the attributes)."""
         from megatron.core.transformer.moe.router import TopKRouter
 
         slots_per_chunk: list[list[RouteSlot]] = []
@@ -136,7 +144,7 @@ class Routing:
                     slots.append(slot)
                     num_layers, top_k = int(module.config.num_layers), int(module.topk)
             slots_per_chunk.append(slots)
-        return cls(slots_per_chunk, num_layers, top_k, sequence_group)
+        return cls(slots_per_chunk, num_layers, top_k, sequence_group, split_group)
 
     def _own_part(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's part of ``tokens`` in router order (all of them without sequence
@@ -148,12 +156,13 @@ class Routing:
         return tokens.chunk(size)[rank]
 
     def _summed(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each of ``parts`` summed over the sequence-parallel ranks (as it is without them)."""
-        if self.sequence_group is None or not parts:
+        """Each of ``parts`` summed over the ranks that split each sequence (as it is without
+        them)."""
+        if self.split_group is None or not parts:
             return parts
         flat = torch.cat([part.flatten().double() for part in parts])
-        flat = flat.to(collective_device(self.sequence_group))
-        dist.all_reduce(flat, group=self.sequence_group)
+        flat = flat.to(collective_device(self.split_group))
+        dist.all_reduce(flat, group=self.split_group)
         sums = flat.cpu().split([part.numel() for part in parts])
         return [total.view_as(part).to(part.dtype) for total, part in zip(sums, parts, strict=True)]
 
@@ -184,21 +193,37 @@ class Routing:
     def reset(self) -> None:
         for slot in self.slots:
             slot.reset()
+        self.layouts.clear()
 
     def before_forward(
-        self, chunk: int, micro_batch: MicroBatch, width: int, device: torch.device
+        self,
+        chunk: int,
+        index: int,
+        micro_batch: MicroBatch,
+        width: int,
+        device: torch.device,
+        layout: Layout | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Prepare chunk ``chunk``'s routers for a micro-batch on rows of ``width`` tokens: the
-        tokens to count, and the routes to force where it carries them. Returns megatron's
-        padding mask ``[rows, width]`` (True: padding)."""
-        padding = padding_mask(micro_batch, width).to(device)
+        """Prepare chunk ``chunk``'s routers for micro-batch ``index`` on rows of ``width``
+        tokens (``layout``: split over context-parallel ranks; ``positions``: where a packed
+        row's real tokens are in it, back to back where None): the tokens to count, and the
+        routes to force where it carries them. Returns megatron's padding mask ``[rows, width
+        / CP]`` (True: padding)."""
+        padding = padding_mask(micro_batch, width, positions).to(device)
+        if layout is not None:
+            padding = layout.split(padding, 1)
+            self.layouts[index] = (layout, positions)
         real = self._own_part(~padding.transpose(0, 1).reshape(-1))
         routes = micro_batch.routed_experts
-        tokens = (
-            None
-            if routes is None
-            else self._own_part(model_order(routes.to(device), micro_batch, width))
-        )
+        tokens = None
+        if routes is not None:
+            ordered = model_order(routes.to(device), micro_batch, width, positions)
+            if layout is not None:  # [width * rows, ...] -> this rank's positions
+                rows = padding.shape[0]
+                ordered = ordered.view(width, rows, *ordered.shape[1:])
+                ordered = layout.split(ordered, 0).flatten(0, 1)
+            tokens = self._own_part(ordered)
         for slot in self.slots_per_chunk[chunk]:
             slot.real.append(real)
             if tokens is not None:
@@ -221,12 +246,20 @@ class Routing:
             ]
         )
         outputs = []
+        count = len(self.slots)
         for index, (micro_batch, width) in enumerate(zip(micro_batches, widths, strict=True)):
             rows, length = micro_batch.attention_mask.shape
+            chosen = recorded[index * count : (index + 1) * count]
+            positions = None
+            if index in self.layouts and chosen:  # this rank's positions -> the whole rows
+                layout, positions = self.layouts[index]
+                model_rows = 1 if micro_batch.cu_seqlens is not None else rows
+                local = torch.stack(chosen, dim=1).view(-1, model_rows, count, self.top_k)
+                whole = layout.gather(local.to(layout.device), 0).cpu()
+                chosen = list(whole.flatten(0, 1).unbind(1))
             routes = torch.zeros(rows, length, self.num_layers, self.top_k, dtype=torch.long)
-            for number, slot in enumerate(self.slots):
-                chosen = recorded[index * len(self.slots) + number]
-                routes[:, :, slot.layer] = rows_order(chosen, micro_batch, width, length)
+            for slot, taken in zip(self.slots, chosen, strict=True):
+                routes[:, :, slot.layer] = rows_order(taken, micro_batch, width, length, positions)
             outputs.append(routes)
         if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
             flat = torch.cat([routes.flatten() for routes in outputs])
@@ -282,35 +315,52 @@ class Routing:
         }
 
 
-def padding_mask(micro_batch: MicroBatch, width: int) -> torch.Tensor:
+def padding_mask(
+    micro_batch: MicroBatch, width: int, positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[rows, width]`` True where the model's rows hold padding (packed: one row, its real
-    tokens first)."""
+    tokens first, or at ``positions``)."""
     if micro_batch.cu_seqlens is not None:
+        if positions is not None:
+            return torch.ones(width, dtype=torch.bool).index_fill_(0, positions.cpu(), False)[None]
         return (torch.arange(width) >= int(micro_batch.cu_seqlens[-1]))[None]
     real = micro_batch.attention_mask.bool()
     return ~torch.nn.functional.pad(real, (0, width - real.shape[1]))
 
 
-def model_order(routes: torch.Tensor, micro_batch: MicroBatch, width: int) -> torch.Tensor:
+def model_order(
+    routes: torch.Tensor, micro_batch: MicroBatch, width: int, positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """Right-padded routes ``[b, s, layers, k]`` -> ``[width * b, layers, k]``, in the order the
-    router sees the micro-batch's tokens (packed: the real tokens back to back in one row).
-    Padding is routed to experts 0..k-1 (distinct, so every token has k experts)."""
+    router sees the micro-batch's tokens (packed: the real tokens back to back in one row, or at
+    ``positions``). Padding is routed to experts 0..k-1 (distinct, so every token has k
+    experts)."""
     real = micro_batch.attention_mask.to(routes.device)
     rows, length, layers, k = routes.shape
     filler = torch.arange(k, device=routes.device).expand(layers, k)
     routes = torch.where(real[..., None, None], routes, filler)
     if micro_batch.cu_seqlens is not None:
         tokens = routes[real]
+        if positions is not None:
+            row = filler.expand(width, layers, k).clone()
+            row[positions.to(routes.device)] = tokens
+            return row
         return torch.cat([tokens, filler.expand(width - len(tokens), layers, k)])
     padded = torch.cat([routes, filler.expand(rows, width - length, layers, k)], dim=1)
     return padded.transpose(0, 1).reshape(width * rows, layers, k)
 
 
 def rows_order(
-    chosen: torch.Tensor, micro_batch: MicroBatch, width: int, length: int
+    chosen: torch.Tensor,
+    micro_batch: MicroBatch,
+    width: int,
+    length: int,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`model_order` for one layer: ``[width * b, k]`` -> ``[b, s, k]``."""
     if micro_batch.cu_seqlens is not None:
+        if positions is not None:
+            chosen = chosen[positions.cpu()]
         return micro_batch.unpack(chosen[None])
     rows = len(chosen) // width
     return chosen.view(width, rows, -1).transpose(0, 1)[:, :length]

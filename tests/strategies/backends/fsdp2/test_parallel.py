@@ -55,7 +55,19 @@ def train_both_heads(
                 for step in range(STEPS)
             ]
         weights = dict(engine.get_per_tensor_param())
-        report[head] = {"losses": losses, "weights": weights, "holds": engine.holds_outputs()}
+        # the trained model's per-token outputs of this rank's shard (output ranks only)
+        last = take_rows(
+            random_batch(LENGTHS, 64, seed=STEPS), slice(rank * shard, (rank + 1) * shard)
+        )
+        result = engine.infer_batch(last)
+        field = "log_probs" if head == "lm" else "values"
+        report[head] = {
+            "losses": losses,
+            "weights": weights,
+            "holds": engine.holds_outputs(),
+            "outputs": None if result is None else result[field].values().clone(),
+            "dp": rank,
+        }
     return report
 
 
@@ -160,6 +172,11 @@ def test_ulysses_sequence_parallelism_matches_one_process(
         assert len(holders) == world // 2  # the first rank of each sequence-parallel group
         for got in holders:
             assert got["losses"] == pytest.approx(expected[head]["losses"], rel=1e-5, abs=1e-6)
+        # log-probs / values after training: the holders' shards in data-parallel order
+        shards = [got["outputs"] for got in sorted(holders, key=lambda got: got["dp"])]
+        torch.testing.assert_close(
+            torch.cat(shards), expected[head]["outputs"], atol=1e-5, rtol=1e-5
+        )
         for report in reports:
             for name, tensor in report[head]["weights"].items():
                 torch.testing.assert_close(

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from strategies.backends.megatron.backend import _padded_sequences
-from strategies.backends.megatron.context_parallel import local_positions, padded_bounds
+from strategies.backends.megatron.context_parallel import Layout, local_positions, padded_bounds
 
 
 @given(size=st.integers(1, 4), chunk=st.integers(1, 5))
@@ -40,3 +40,45 @@ def test_a_packed_row_pads_each_sequence_to_2cp_chunks_keeping_its_tokens_first(
         int(start) + i for start, n in zip(bounds[:-1], lengths, strict=True) for i in range(n)
     ]
     assert real.tolist() == expected
+
+
+@given(
+    lengths=st.lists(st.integers(1, 13), min_size=1, max_size=5),
+    size=st.integers(1, 4),
+    packed=st.booleans(),
+    spare=st.integers(0, 2),
+)
+def test_splitting_a_row_over_the_ranks_and_gathering_it_back_gives_the_row(
+    lengths: list[int], size: int, packed: bool, spare: int
+) -> None:
+    """Split (each rank's positions) then gather (the parts in rank order, placed by ``order``)
+    returns every token where it was, packed (sequences padded in the row) or padded; each
+    rank's queries see exactly the keys at or before them in their own sequence."""
+    cpu = torch.device("cpu")
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    multiple = 2 * size
+    if packed:
+        offsets, real = _padded_sequences(cu_seqlens, size)
+        width = int(offsets[-1]) + spare * multiple
+        bounds = (*offsets.tolist(), width) if spare else tuple(offsets.tolist())
+    else:
+        width = -(-int(cu_seqlens[-1]) // multiple) * multiple + spare * multiple
+        real, bounds = torch.arange(int(cu_seqlens[-1])), (0, width)
+    tokens = torch.arange(int(cu_seqlens[-1])) + 100
+    row = torch.zeros(width, dtype=torch.long).index_copy_(0, real, tokens)
+    layouts = [Layout(bounds, size, rank, cpu) for rank in range(size)]
+    parts = [layout.split(row, 0) for layout in layouts]
+    assert all(len(part) == width // size for part in parts)
+    gathered = torch.empty_like(row)
+    gathered[layouts[0].order] = torch.cat(parts)
+    assert torch.equal(gathered, row)
+    assert torch.equal(gathered[real], tokens)
+    segment_of = [
+        next(i for i in range(len(bounds) - 1) if bounds[i] <= p < bounds[i + 1])
+        for p in range(width)
+    ]
+    for layout in layouts:
+        visible = layout.visible_keys(None)
+        for query, seen in zip(layout.local.tolist(), visible, strict=True):
+            expected = [k <= query and segment_of[k] == segment_of[query] for k in range(width)]
+            assert seen.tolist() == expected
