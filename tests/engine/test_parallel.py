@@ -297,7 +297,7 @@ def test_simulated_accelerator_cells_run_at_tensor_parallel_2(device: str) -> No
             {"num_layers": 3},
             r"num_layers \(3\) must be divisible",
         ),
-        (2, {"context_parallel_size": 2}, {}, r"context_parallel is not supported by the cpu"),
+        (3, {"context_parallel_size": 2}, {}, r"x context \(2\) parallel size = 2 must divide"),
         (2, {"expert_parallel_size": 2}, {}, r"expert_parallel_size=2 needs a mixture-of-experts"),
     ],
 )

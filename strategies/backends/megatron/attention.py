@@ -122,15 +122,7 @@ def packed_dot_product_attention() -> type:
             layout = Layout.over(bounds, self.cp_group, query.device)
             key, value = layout.gather(key, 0), layout.gather(value, 0)
             mask = layout.visible_keys(self.scale_mask_softmax.window_size)
-            scale = self.softmax_scale
-            if self.config.apply_query_key_layer_scaling:
-                scale *= self.layer_number
-            dropout = self.attention_dropout.p if self.training else 0.0
-            random = (
-                tensor_parallel.get_cuda_rng_tracker().fork()
-                if dropout and not self.config.sequence_parallel
-                else contextlib.nullcontext()
-            )
+            scale, dropout, random = self._softmax_settings()
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
             with random:
                 out = torch.nn.functional.scaled_dot_product_attention(
@@ -147,16 +139,8 @@ def packed_dot_product_attention() -> type:
                 return out.reshape(query.shape[0], -1)
             return out.reshape(query.shape[0], query.shape[1], -1)
 
-        def _sdpa_expresses_it(self) -> bool:
-            """Causal self-attention with a vanilla softmax: what SDPA computes."""
-            return self.softmax_offset is None and self.attn_mask_type == AttnMaskType.causal
-
-        def _attend(
-            self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: Sequence[int]
-        ) -> torch.Tensor:
-            """Causal attention of ``[n, heads, s, dim]`` queries over ``[n, groups, s, dim]``
-            keys and values inside each segment of ``bounds``, with the local path's scale,
-            sliding window and dropout."""
+        def _softmax_settings(self) -> tuple[float, float, Any]:
+            """The local path's softmax scale, attention dropout and the RNG it draws from."""
             scale = self.softmax_scale
             if self.config.apply_query_key_layer_scaling:  # the softmax multiplies it back
                 scale *= self.layer_number
@@ -167,6 +151,19 @@ def packed_dot_product_attention() -> type:
                 if dropout and not self.config.sequence_parallel
                 else contextlib.nullcontext()
             )
+            return scale, dropout, random
+
+        def _sdpa_expresses_it(self) -> bool:
+            """Causal self-attention with a vanilla softmax: what SDPA computes."""
+            return self.softmax_offset is None and self.attn_mask_type == AttnMaskType.causal
+
+        def _attend(
+            self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: Sequence[int]
+        ) -> torch.Tensor:
+            """Causal attention of ``[n, heads, s, dim]`` queries over ``[n, groups, s, dim]``
+            keys and values inside each segment of ``bounds``, with the local path's scale,
+            sliding window and dropout."""
+            scale, dropout, random = self._softmax_settings()
             with random:
                 return attend_per_sequence(
                     q,
