@@ -637,17 +637,18 @@ UPDATE_CASES = [
 
 
 def update_through_verl(
-    path: str, model_type: str, strategy: str, dynamic: bool, ulysses: int = 1
+    path: str, model_type: str, strategy: str, dynamic: bool, splitting: int = 1, **engine: object
 ) -> dict[str, object]:
     """One of verl's ``update_actor`` / ``update_critic`` mini-batch loops on this rank's share
     of ``_rollout()`` (one mini-batch, 2 or 4 micro-batches), then verl's ``reduce_metrics``;
     with what the loss returned per micro-batch, and (actor) the token-mean entropy of the
-    responses before the update, over every rank. ``ulysses``: verl's
-    ``ulysses_sequence_parallel_size`` (the ranks of a group share one share; no entropy)."""
+    responses before the update, over every rank. ``engine``: more verl engine settings; with
+    ``splitting`` ranks splitting each sequence (Ulysses, context parallelism), the ranks of a
+    group take one share (and no entropy is measured)."""
     import torch.distributed as dist
     from verl.utils.metric import reduce_metrics
 
-    rank, size = dist.get_rank() // ulysses, dist.get_world_size() // ulysses
+    rank, size = dist.get_rank() // splitting, dist.get_world_size() // splitting
     rows = _rollout()
     share = len(RESPONSES) // size
     shard = {key: values[rank * share : (rank + 1) * share] for key, values in rows.items()}
@@ -656,15 +657,14 @@ def update_through_verl(
         if dynamic
         else {"micro_batch_size_per_gpu": 1}
     )
-    if ulysses > 1:
-        sizes["ulysses_sequence_parallel_size"] = ulysses
+    sizes.update(engine)
     worker = _worker(
         model_type, path, strategy, model_settings={"use_remove_padding": dynamic}, **sizes
     )
     group = worker.engine.get_data_parallel_group()
     assert group is not None and dist.get_world_size(group) == size
     entropy = None
-    if model_type == "language_model" and ulysses == 1:
+    if model_type == "language_model" and splitting == 1:
         before = worker.infer_batch(_verl_batch(shard, compute_loss=False, calculate_entropy=True))
         lengths = RESPONSES[rank * share : (rank + 1) * share]
         tokens = torch.cat(_response_values(before["entropy"], lengths))
@@ -743,11 +743,14 @@ def test_verls_mini_batch_update_reports_verls_metrics(
     assert_verls_numbers([result], model_type)
 
 
-def update_every_case(path: str) -> tuple[list[dict[str, object]], bool, str, dict[str, object]]:
+def update_every_case(
+    path: str,
+) -> tuple[list[dict[str, object]], bool, str, dict[str, dict[str, object]]]:
     """:func:`update_through_verl` for every update case, on one rank; whether verl's default
     megatron config at TP=2 (sequence_parallel on) builds an engine with sequence parallelism;
     its refusal with LoRA (which megatron's LoRA cannot run with sequence_parallel); and the
-    actor's update with Ulysses over both ranks (packed, as verl's default)."""
+    actor's update with each sequence split over both ranks: Ulysses (packed, as verl's
+    default) and megatron's context parallelism."""
     import torch.distributed as dist
     from verl.workers.config.engine import McoreEngineConfig
 
@@ -765,8 +768,26 @@ def update_every_case(path: str) -> tuple[list[dict[str, object]], bool, str, di
         refusal = str(error)
     else:
         refusal = "not refused"
-    ulysses = update_through_verl(path, "language_model", "fsdp2", True, ulysses=2)
-    return results, sequence_parallel, refusal, ulysses
+    split = {
+        "fsdp2": update_through_verl(
+            path, "language_model", "fsdp2", True, 2, ulysses_sequence_parallel_size=2
+        ),
+    }
+    # verl's megatron config with context_parallel_size=2 (bf16 only in verl, so compared by
+    # its layout here; the numbers are the engine's, tests/engine/test_parallel.py)
+    from strategies.backends.megatron.mesh import destroy_mesh
+
+    destroy_mesh()  # the cases above laid the mesh out without context parallelism
+    context = ComposableEngine(
+        model, McoreEngineConfig(context_parallel_size=2), FSDPOptimizerConfig(), CheckpointConfig()
+    )
+    context.initialize()
+    split["megatron"] = {
+        "context_parallel_size": context.engine.config.parallel.context_parallel_size,
+        "data_parallel_size": context.get_data_parallel_size(),
+        "outputs": context.is_mp_src_rank_with_outputs(),
+    }
+    return results, sequence_parallel, refusal, split
 
 
 @pytest.mark.multiprocess
@@ -793,13 +814,17 @@ def test_verls_mini_batch_update_reports_verls_metrics_over_two_ranks(
     refusal = ranks[0][2]
     assert re.search(r"sequence_parallel.*verl turns sequence_parallel on by default", refusal)
     assert "megatron.sequence_parallel=False" in refusal, refusal
-    # ulysses_sequence_parallel_size=2: both ranks split every sequence; verl's numbers are one
-    # process's on the whole batch
+    # ulysses_sequence_parallel_size=2 (fsdp2) and context_parallel_size=2 (megatron): both ranks
+    # split every sequence; verl's numbers are one process's on the whole batch
     alone = update_through_verl(qwen3, "language_model", "fsdp2", True)["reduced"]
-    split = ranks[0][3]
-    assert split["engine_group_size"] == 1 and ranks[1][3]["reduced"] is None
+    split = ranks[0][3]["fsdp2"]
+    assert split["engine_group_size"] == 1 and ranks[1][3]["fsdp2"]["reduced"] is None
     for name in ("actor/pg_loss", "actor/entropy_loss"):
         assert math.isclose(split["reduced"][name], alone[name], rel_tol=1e-5), name
+    layouts = [rank[3]["megatron"] for rank in ranks]
+    assert all(layout["context_parallel_size"] == 2 for layout in layouts)
+    assert all(layout["data_parallel_size"] == 1 for layout in layouts)
+    assert [layout["outputs"] for layout in layouts] == [True, False]
 
 
 def test_verls_default_strategy_is_served_by_the_fsdp2_backend(
