@@ -247,8 +247,12 @@ def train_on_drawn_routes(parallel: dict[str, Any], packing: bool = False) -> di
         rows["routed_experts"] = jagged(  # every token of every layer: 2 distinct experts of 4
             [torch.rand(length, 2, 4, generator=draw).argsort(-1)[..., :2] for length in LENGTHS]
         )
-        losses.append(engine.train_batch(rows, sft_loss).get("loss"))
+        result = engine.train_batch(rows, sft_loss)
+        losses.append(result.get("loss"))
+    # each layer's expert load of the last step (the routes drawn: counts are exact)
+    load = {key: value for key, value in result.items() if key.endswith("load_max_over_mean")}
     return {
+        "load": load,
         "recorded": None if recorded is None else recorded["routed_experts"].values(),
         "losses": losses,
         "params": _parameters(engine),
@@ -288,6 +292,8 @@ def test_split_sequences_force_and_record_each_ranks_part_of_the_routes(
     for report in outputs:
         assert torch.equal(report["recorded"], expected["recorded"])
         assert report["losses"] == pytest.approx(expected["losses"], rel=1e-5, abs=1e-6)
+    # every rank counts the tokens of its part; the load is over all of them
+    assert expected["load"] and all(report["load"] == expected["load"] for report in reports)
     got, want = full_parameters(reports), full_parameters([expected])
     assert set(got) == set(want)
     for name, tensor in got.items():

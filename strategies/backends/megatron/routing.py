@@ -296,9 +296,9 @@ class Routing:
             if name in tracked:
                 layer_values = tracker[name]["values"].detach().double().cpu()
                 values[row] = layer_values[: self.num_layers] / max(num_forwards, 1)
-        if self.sequence_group is not None:  # each rank tracked its part's mean losses
+        if self.split_group is not None:  # each rank tracked its part's mean losses
             (losses,) = self._summed([values[:-1]])
-            values[:-1] = losses / dist.get_world_size(self.sequence_group)
+            values[:-1] = losses / dist.get_world_size(self.split_group)
         moe_utils.clear_aux_losses_tracker()
         if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
             values = values.to(collective_device(pipeline_group))
