@@ -1,6 +1,7 @@
 """The one Engine class, assembled from a Head, a Backend and a DevicePlatform.
 
-The Engine fixes the lifecycle order (DESIGN.md); the parts never call each other out of turn:
+The Engine fixes the lifecycle order (docs/architecture.md, "Lifecycle"); the parts never
+call each other out of turn:
 resolve parts -> check the combination -> ``platform.setup`` -> ``platform.before_mesh_init``
 -> ``backend.init_mesh`` -> ``backend.build_model`` -> ``backend.build_optimizer``.
 """

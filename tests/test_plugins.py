@@ -231,3 +231,13 @@ def test_a_backend_without_an_ability_is_refused_naming_the_ability_and_the_back
         with pytest.raises(ConfigError, match=rf"plugin-core-only backend lacks the '{ability}'"):
             call()
     assert engine.train_batch(random_batch([4, 6], 64), sft_loss)["loss"] > 0
+
+
+def test_requiring_an_ability_outside_the_named_table_names_its_protocol() -> None:
+    """``require`` takes any ability protocol (``DeferredGradNorm`` is not in ``ABILITIES``,
+    the table ``matrix`` shows), and a backend without it is refused by the protocol's name."""
+    from strategies.backends.base import ABILITIES, DeferredGradNorm, require
+
+    assert DeferredGradNorm not in ABILITIES.values()
+    with pytest.raises(ConfigError, match=r"lacks the 'DeferredGradNorm' ability"):
+        require(CoreOnlyBackend(), DeferredGradNorm)

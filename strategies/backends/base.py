@@ -305,7 +305,9 @@ def require(backend: Backend, ability: type[A]) -> A:
     """``backend`` as ``ability`` (a Protocol of :data:`ABILITIES`); ConfigError if it lacks it."""
     if isinstance(backend, ability):
         return backend
-    name = next(key for key, protocol in ABILITIES.items() if protocol is ability)
+    name = next(
+        (key for key, protocol in ABILITIES.items() if protocol is ability), ability.__name__
+    )
     offered = ", ".join(abilities(backend)) or "none"
     raise ConfigError(
         f"the {backend.name} backend lacks the {name!r} ability ({ability.__name__}); "

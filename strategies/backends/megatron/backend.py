@@ -248,7 +248,7 @@ class MegatronBackend:
         model_config: Any = self._chunks[0].config  # the schedule reads the first chunk's
         syncs = [ddp.no_sync for ddp in wrapped]
         model_config.no_sync_func = syncs[0] if len(syncs) == 1 else syncs
-        # Loss functions normalise by global token/sequence counts (DESIGN.md), so megatron
+        # Loss functions normalise by global token/sequence counts (engine.losses), so megatron
         # must sum gradients over DP and skip its own per-token rescaling.
         model_config.finalize_model_grads_func = functools.partial(
             _finalize_without_token_scaling, finalize_model_grads

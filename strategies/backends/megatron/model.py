@@ -60,7 +60,7 @@ def transformer_config(
         "params_dtype": dtype,
         "pipeline_dtype": dtype,
         "bf16": config.dtype == "bfloat16",
-        # Losses are normalised by global counts by the loss function itself (see DESIGN.md):
+        # Losses are normalised by global counts by the loss function itself (engine.losses):
         # megatron must neither divide them by the micro-batch count nor average over DP.
         "calculate_per_token_loss": True,
         # Batched p2p (send and receive posted together) mismatches messages on gloo in the
