@@ -683,7 +683,8 @@ def row_widths(micro_batches: Sequence[MicroBatch], model_config: Any) -> list[i
     """How long the model's rows must be for each micro-batch: its own length, or the batch's
     longest where megatron's schedule sends one fixed shape (virtual pipeline stages; and every
     pipeline schedule for packed rows), rounded up to a multiple of the tensor-parallel size
-    under sequence parallelism (which splits the sequence dimension)."""
+    under sequence parallelism (which splits the sequence dimension) and of 2 x CP under context
+    parallelism (where a packed row first pads each of its sequences to 2 x CP)."""
     cp = model_config.context_parallel_size
     lengths = [
         int(mb.input_ids.shape[1])
