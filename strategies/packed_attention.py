@@ -67,6 +67,14 @@ def _window(length: int, window: Window, like: torch.Tensor) -> torch.Tensor:
     return (relative >= -window[0]) & (relative <= window[1])
 
 
+def row_segments(offsets: Sequence[int], width: int) -> tuple[int, ...]:
+    """The segments of a packed row of ``width`` tokens whose sequences start at ``offsets``
+    (``[b + 1]``): the row's padding past the last sequence is one more segment, so no sequence
+    attends to it."""
+    bounds = tuple(int(offset) for offset in offsets)
+    return (*bounds, width) if width > bounds[-1] else bounds
+
+
 def positions_in_sequences(bounds: torch.Tensor) -> torch.Tensor:
     """Each token's position inside its own sequence, ``[bounds[-1]]`` int64, for a row whose
     segments start at ``bounds[:-1]`` (0 at every segment start)."""

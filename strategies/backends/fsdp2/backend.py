@@ -44,7 +44,7 @@ from strategies.hf.architecture import hf_config_for
 from strategies.hf.classification import HeadLayer, head_layer
 from strategies.lora import AdapterSwitch
 from strategies.offload import OffloadedParts
-from strategies.packed_attention import positions_in_sequences
+from strategies.packed_attention import positions_in_sequences, row_segments
 
 #: Parallel settings this backend has no use for, and the value it runs them at.
 _MODEL_PARALLEL_FIELDS = {
@@ -248,13 +248,13 @@ class Fsdp2Backend:
                 "attention_mask": torch.ones(rows, width, dtype=torch.bool, device=device),
                 "position_ids": torch.arange(width, device=device)[None],
             }
-        bounds = micro_batch.cu_seqlens.cpu()
-        if width > int(bounds[-1]):  # row padding (Ulysses): a segment of its own
-            bounds = torch.cat([bounds, bounds.new_tensor([width])])
+        bounds = row_segments(micro_batch.cu_seqlens.tolist(), width)  # Ulysses pads the row
         return {
             "attention_mask": torch.ones(1, width, dtype=torch.bool, device=device),
-            "position_ids": positions_in_sequences(bounds).to(device, non_blocking=True)[None],
-            PACKED_BOUNDS: tuple(bounds.tolist()),
+            "position_ids": positions_in_sequences(torch.tensor(bounds)).to(
+                device, non_blocking=True
+            )[None],
+            PACKED_BOUNDS: bounds,
         }
 
     def _own_part(self, rows: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ from strategies.lora import AdapterSwitch
 from strategies.megatron_imports import import_megatron
 from strategies.megatron_version import check_megatron_version
 from strategies.offload import OffloadedParts
-from strategies.packed_attention import positions_in_sequences
+from strategies.packed_attention import positions_in_sequences, row_segments
 from strategies.publish import FileChecksums
 
 if TYPE_CHECKING:
@@ -308,9 +308,7 @@ class MegatronBackend:
                 extra["packed_seq_params"], positions = packed_layout(
                     offsets, width, device, host_offsets=host_offsets
                 )
-                bounds = (
-                    (*offsets.tolist(), width) if width > int(offsets[-1]) else (*offsets.tolist(),)
-                )
+                bounds = row_segments(offsets.tolist(), width)
             layout = None
             if context_group is not None:
                 layout = Layout.over(bounds, context_group, device)
@@ -728,9 +726,7 @@ def packed_layout(
     the device."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    bounds = cu_seqlens.to(dtype=torch.int32)
-    if width > int(bounds[-1]):
-        bounds = torch.cat([bounds, bounds.new_tensor([width])])
+    bounds = torch.tensor(row_segments(cu_seqlens.tolist(), width), dtype=torch.int32)
     longest = int(bounds.diff().max())
     positions = positions_in_sequences(bounds).to(device, non_blocking=True)[None]
     if not host_offsets:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from strategies.backends.base import MicroBatch
 from strategies.backends.megatron.context_parallel import Layout
-from strategies.distributed import collective_device
+from strategies.distributed import all_reduce_values, collective_device
 
 #: Metric names per MoE layer (0-based global layer number).
 AUX_LOSS = "router/layer_{}/aux_loss"
@@ -160,10 +160,9 @@ class Routing:
         them)."""
         if self.split_group is None or not parts:
             return parts
-        flat = torch.cat([part.flatten().double() for part in parts])
-        flat = flat.to(collective_device(self.split_group))
-        dist.all_reduce(flat, group=self.split_group)
-        sums = flat.cpu().split([part.numel() for part in parts])
+        flat = torch.cat([part.flatten().double() for part in parts]).tolist()
+        totals = torch.tensor(all_reduce_values(flat, group=self.split_group), dtype=torch.float64)
+        sums = totals.split([part.numel() for part in parts])
         return [total.view_as(part).to(part.dtype) for total, part in zip(sums, parts, strict=True)]
 
     def _whole(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
