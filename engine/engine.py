@@ -72,6 +72,7 @@ from strategies.backends.base import (
     DeferredGradNorm,
     HuggingFaceExport,
     LowRankAdapters,
+    MemoryEstimate,
     Offloading,
     Packing,
     RouterReplay,
@@ -81,6 +82,7 @@ from strategies.backends.base import (
 from strategies.devices.base import DevicePlatform
 from strategies.distributed import all_reduce_values, collective_device, world_size
 from strategies.hf.files import padding_token_id
+from strategies.model_size import check_fits, count_parameters
 
 if TYPE_CHECKING:
     from engine.checkpointing import AsyncSave
@@ -178,6 +180,7 @@ class Engine:
             return self
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = self.platform.setup(local_rank)
+        self._check_model_fits()
         self.platform.before_mesh_init(self.backend, self.config)
         self.backend.init_mesh(self.config.parallel)
         self.backend.build_model(self.config, self.head, self.device)
@@ -185,6 +188,16 @@ class Engine:
             self.backend.build_optimizer(self.config)
         self._initialized = True
         return self
+
+    def _check_model_fits(self) -> None:
+        """A model larger than this rank's device memory is refused naming its sizes, before
+        any of it is allocated (the allocator's own error names none)."""
+        available = self.platform.memory_available()
+        if available is None or not isinstance(self.backend, MemoryEstimate):
+            return
+        count = count_parameters(self.config.model, self.head.output_spec())
+        need = self.backend.memory_per_rank(self.config, count, world_size())
+        check_fits(count, need, available, f"the {self.platform.name} device")
 
     # -- modes ---------------------------------------------------------------------------------
     @contextlib.contextmanager

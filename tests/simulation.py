@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import psutil
 
 from engine.registry import DEVICES
 from strategies.devices.base import DevicePlatform
@@ -40,6 +41,11 @@ class RecordingRuntime:
 
     def set_device(self, device: Any) -> None:
         self.log.append(("set_device", device))
+
+    def mem_get_info(self, device: Any = None) -> tuple[int, int]:
+        """The host's memory: a simulated device's tensors live there."""
+        memory = psutil.virtual_memory()
+        return memory.available, memory.total
 
 
 class RecordingMindSpeedAdaptor:

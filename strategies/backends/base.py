@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
     from strategies.config import ParallelConfig, PartsConfig
+    from strategies.model_size import ParameterCount, RankMemory
     from strategies.publish import FileChecksums
 
 
@@ -253,6 +254,19 @@ class DeferredGradNorm(Protocol):
         """Prepare the gradients as ``grad_norm`` does and return one-element device tensors
         (already reduced over the ranks that hold gradients) and the function that turns their
         host values into exactly what ``grad_norm`` returns. Collective where ``grad_norm`` is."""
+        ...
+
+
+@runtime_checkable
+class MemoryEstimate(Protocol):
+    """Ability: what one rank holds of the model at the peak of its build and training state,
+    so that the engine refuses a model too large for the device before allocating any of it."""
+
+    def memory_per_rank(
+        self, config: PartsConfig, count: ParameterCount, world_size: int
+    ) -> RankMemory:
+        """The parameters and bytes one rank needs of the model ``count`` describes, laid out
+        as ``config`` says over ``world_size`` ranks (no collectives, nothing allocated)."""
         ...
 
 

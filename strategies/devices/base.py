@@ -13,7 +13,7 @@ import abc
 import os
 import socket
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -31,6 +31,15 @@ class DeviceRuntime(Protocol):
     def is_available(self) -> bool: ...
     def device_count(self) -> int: ...
     def set_device(self, device: Any) -> None: ...
+
+
+@runtime_checkable
+class DeviceMemory(Protocol):
+    """A device module that reports its memory (``torch.cuda``, ``torch.npu``)."""
+
+    def mem_get_info(self, device: Any = None) -> tuple[int, int]:
+        """(free, total) bytes of ``device``'s memory."""
+        ...
 
 
 class BackendKind(Protocol):
@@ -122,6 +131,15 @@ class DevicePlatform(abc.ABC):
 
     def select_device(self) -> None:
         self.device_runtime().set_device(self.local_rank)
+
+    def memory_available(self) -> int | None:
+        """Bytes this process's device can still allocate (after ``setup``): what a model's
+        size is checked against before it is built. None where the runtime cannot tell."""
+        runtime = self.device_runtime()
+        if not isinstance(runtime, DeviceMemory):
+            return None
+        free, _ = runtime.mem_get_info(self.torch_device())
+        return int(free)
 
     # -- contributions to backends -------------------------------------------------------------
     def mesh_init_steps(self, backend_kind: str) -> tuple[MeshInitStep, ...]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 import attrs
+import psutil
 import torch
 from typing_extensions import override
 
@@ -47,6 +48,11 @@ class CpuPlatform(DevicePlatform):
     @override
     def torch_device(self) -> torch.device:
         return torch.device("cpu")
+
+    @override
+    def memory_available(self) -> int:
+        """The host's available memory (``torch.cpu`` has no ``mem_get_info``)."""
+        return int(psutil.virtual_memory().available)
 
     @override
     def mesh_init_steps(self, backend_kind: str) -> tuple[MeshInitStep, ...]:

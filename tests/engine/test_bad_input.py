@@ -56,6 +56,16 @@ def build(head_name: str = "value", /, **config: Any) -> Callable[[Engine, Path]
     return lambda engine, _: Engine.build(head=head_name, device="cpu", config={**CONFIG, **config})
 
 
+def initialize(head_name: str, backend: str, **model: Any) -> Callable[[Engine, Path], Any]:
+    """Build and initialise an engine of ``tiny_model(**model)``, as a user would."""
+    return lambda engine, _: Engine.build(
+        head=head_name,
+        backend=backend,
+        device="cpu",
+        config={**CONFIG, "model": tiny_model(**model)},
+    ).initialize()
+
+
 def build_named(**names: Any) -> Callable[[Engine, Path], Any]:
     return lambda engine, _: Engine.build(**{"device": "cpu", **names})
 
@@ -656,6 +666,38 @@ LOSS_FUNCTIONS = {
     ),
 }
 
+#: Too large to allocate: refused before anything is, naming the sizes (not the allocator's
+#: ``RuntimeError: ... can't allocate memory``).
+TOO_LARGE = {
+    **{
+        f"a vocabulary of 2**40 ({head}, {backend})": Case(
+            initialize(head, backend, vocab_size=2**40),
+            ConfigError,
+            r"too large to allocate: [\d,]+ parameters, mostly the embedding \(vocab_size="
+            r"1099511627776 x hidden_size=32\).*one rank holds [\d,]+ of them, [\d.]+ [TP]iB "
+            r"\(float32 weights.*\), but the cpu device has [\d.,]+ [MGT]iB available",
+        )
+        for head in ("lm", "value", "reward")
+        for backend in ("megatron", "fsdp2")
+    },
+    "a hidden size of 2**20": Case(
+        initialize("value", "megatron", hidden_size=2**20),
+        ConfigError,
+        r"too large to allocate: .* mostly the attention \(num_layers=2 x hidden_size=1048576",
+    ),
+    "10**9 layers": Case(
+        initialize("lm", "fsdp2", num_layers=10**9),
+        ConfigError,
+        r"too large to allocate: .* mostly the MLP \(num_layers=1000000000 x 3 x hidden_size=32 x "
+        r"ffn_hidden_size=64\)",
+    ),
+    "2**30 experts": Case(
+        initialize("lm", "megatron", num_experts=2**30),
+        ConfigError,
+        r"mostly the routed experts \(num_layers=2 x num_experts=1073741824",
+    ),
+}
+
 CASES = {
     f"{group}: {name}": case
     for group, cases in (
@@ -664,6 +706,7 @@ CASES = {
         ("batch", BATCHES),
         ("call order", CALL_ORDER),
         ("loss function", LOSS_FUNCTIONS),
+        ("model size", TOO_LARGE),
     )
     for name, case in cases.items()
 }

@@ -43,6 +43,7 @@ from strategies.config import ParallelConfig, PartsConfig
 from strategies.hf.architecture import hf_config_for
 from strategies.hf.classification import HeadLayer, head_layer
 from strategies.lora import AdapterSwitch
+from strategies.model_size import DTYPE_BYTES, ParameterCount, RankMemory, training_state
 from strategies.offload import OffloadedParts
 from strategies.packed_attention import positions_in_sequences, row_segments
 
@@ -124,6 +125,29 @@ class Fsdp2Backend:
         # the model must map onto a transformers architecture (a mixture of experts: softmax
         # routing, no shared experts)
         hf_config_for(config.model)
+
+    def memory_per_rank(
+        self, config: PartsConfig, count: ParameterCount, world_size: int
+    ) -> RankMemory:
+        """The larger of the build's peak, the whole model's float32 weights on every rank
+        (``build_causal_model`` materialises them before ``fully_shard`` splits them), and the
+        rank's shard once trained: float32 weights (the master ones under bfloat16), gradients
+        and AdamW's moments."""
+        whole = count.total
+        built = whole * DTYPE_BYTES["float32"]
+        shards = max(world_size // self.replicate_size, 1)
+        trained, what = training_state(config)
+        shard = -(-whole // shards)
+        sharded = int(shard * (DTYPE_BYTES["float32"] + trained))
+        if built >= sharded:
+            return RankMemory(
+                parameters=whole,
+                bytes=built,
+                counted="float32 weights of the whole model, which the fsdp2 backend builds on "
+                "every rank before sharding it",
+            )
+        part = f" of its 1/{shards} shard" if shards > 1 else ""
+        return RankMemory(parameters=shard, bytes=sharded, counted=f"float32 weights{what}{part}")
 
     # -- lifecycle -----------------------------------------------------------------------------
     def init_mesh(self, parallel: ParallelConfig) -> None:

@@ -40,6 +40,7 @@ from strategies.hf.classification import HeadLayer, head_layer
 from strategies.lora import AdapterSwitch
 from strategies.megatron_imports import import_megatron
 from strategies.megatron_version import check_megatron_version
+from strategies.model_size import DTYPE_BYTES, ParameterCount, RankMemory, training_state
 from strategies.offload import OffloadedParts
 from strategies.packed_attention import positions_in_sequences, row_segments
 from strategies.publish import FileChecksums
@@ -143,6 +144,33 @@ class MegatronBackend:
         check_transformer_overrides(self.transformer_overrides)
         if config.model.max_sequence_length <= 1:
             raise ConfigError("ModelConfig.max_sequence_length must be > 1")
+
+    def memory_per_rank(
+        self, config: PartsConfig, count: ParameterCount, world_size: int
+    ) -> RankMemory:
+        """A rank's share: the layers split over pipeline stages (the routed experts over
+        expert-parallel ranks too), the embedding on the first stage and the output layer (a
+        tied one's copy) on the last, all of it over tensor-parallel ranks; the distributed
+        optimizer splits its state over the data-parallel ranks (context-parallel ones too)."""
+        parallel = config.parallel
+        tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        embedding, output = count.embedding.parameters, count.output.parameters
+        ends = embedding + output
+        if pp > 1:
+            ends = max(embedding, embedding if count.tied else output)
+        experts = count.experts.parameters // parallel.expert_parallel_size
+        parameters = (count.layers // pp + experts // pp + ends) // tp
+        shards = max(world_size // (tp * pp), 1) if self.use_distributed_optimizer else 1
+        bfloat16 = config.dtype == "bfloat16"
+        trained, what = training_state(
+            config, master_bytes=4 if bfloat16 else 0, optimizer_shards=shards
+        )
+        return RankMemory(
+            parameters=parameters,
+            bytes=int(parameters * (DTYPE_BYTES[config.dtype] + trained)),
+            counted=f"{config.dtype} weights{what}; tensor_parallel_size={tp}, "
+            f"pipeline_parallel_size={pp}",
+        )
 
     # -- lifecycle -----------------------------------------------------------------------------
     def init_mesh(self, parallel: ParallelConfig) -> None:

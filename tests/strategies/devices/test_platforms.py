@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 from typing import Any, ClassVar
 
+import psutil
 import pytest
 import torch
 
@@ -88,6 +89,27 @@ def test_auto_prefers_cuda_then_npu_then_cpu(
         state = Availability(platform.name in usable, f"{platform.name} absent")
         monkeypatch.setattr(platform, "availability", lambda self, state=state: state)
     assert type(resolve_device("auto", {})) is expected
+
+
+class MeasuredRuntime(RecordingRuntime):
+    """A device runtime with 3 GiB of its 80 free."""
+
+    def mem_get_info(self, device: Any = None) -> tuple[int, int]:
+        self.log.append(("mem_get_info", device))
+        return 3 * 2**30, 80 * 2**30
+
+
+def test_an_accelerator_offers_the_free_memory_of_this_process_s_device() -> None:
+    for platform, where in ((CudaPlatform(), "cuda:1"), (NpuPlatform(tensor_device="cpu"), "cpu")):
+        log = EventLog()
+        platform.runtime = MeasuredRuntime(log)
+        platform.local_rank = 1
+        assert platform.memory_available() == 3 * 2**30
+        assert log == [("mem_get_info", torch.device(where))]
+
+
+def test_the_cpu_offers_the_host_s_available_memory() -> None:
+    assert 0 < CpuPlatform().memory_available() <= psutil.virtual_memory().total
 
 
 def test_npu_repatch_runs_once_per_process_for_the_same_overrides() -> None:
