@@ -5,7 +5,9 @@
 
 - :class:`~engine.integrations.verl.platform.CpuPlatform` as verl's ``cpu`` platform, and
 - :class:`~engine.integrations.verl.adapter.ComposableEngine`, one ``BaseEngine`` subclass, for
-  every cell :func:`registered_cells` lists.
+  every cell :func:`registered_cells` lists, and
+- the ``composable_hf`` rollout (:mod:`engine.integrations.verl.rollout`), a Hugging Face
+  generator for verl's RL trainer where vLLM and SGLang cannot run.
 
 verl is imported only inside this package, and only when verl loads the plug-in (or
 :func:`register` is called).
@@ -15,13 +17,13 @@ from __future__ import annotations
 
 import importlib
 
-from engine.integrations.verl.cells import Cell, registered_cells
+from engine.integrations.verl.cells import ROLLOUT, Cell, registered_cells
 
 __all__ = ["Cell", "register", "registered_cells"]
 
 
 def register() -> None:
-    """Register the CPU platform and the adapter for every cell (idempotent)."""
+    """Register the CPU platform, the adapter for every cell and the rollout (idempotent)."""
     # The platform first: importing verl's engines asks verl for its platform, which it then
     # resolves once for the whole process.
     importlib.import_module("engine.integrations.verl.platform")
@@ -39,3 +41,16 @@ def register() -> None:
             device=cell.device,
             vendor=cell.vendor,
         )(ComposableEngine)
+    _register_rollout()
+
+
+def _register_rollout() -> None:
+    """The ``composable_hf`` rollout in verl's two rollout registries, by name: its module
+    (which imports verl's rollout classes) is imported when verl first asks for it, not here,
+    where verl itself may still be importing."""
+    from verl.workers.rollout import base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    module = "engine.integrations.verl.rollout"
+    RolloutReplicaRegistry.register(ROLLOUT, lambda: importlib.import_module(module).HFReplica)
+    base._ROLLOUT_REGISTRY[(ROLLOUT, "async")] = f"{module}.HFServerAdapter"

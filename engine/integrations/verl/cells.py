@@ -35,6 +35,9 @@ VERL_OWNED_BACKENDS = ("megatron", "fsdp2", "fsdp")
 DEVICES = ("cuda", "npu", "cpu")
 #: The vendor key under which the adapter takes verl's own backend names on accelerators.
 VENDOR = "composable"
+#: The rollout name of :mod:`engine.integrations.verl.rollout`
+#: (``actor_rollout_ref.rollout.name=composable_hf``).
+ROLLOUT = "composable_hf"
 
 
 @attrs.frozen

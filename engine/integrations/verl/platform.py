@@ -80,6 +80,15 @@ class _CpuDeviceModule(types.ModuleType):
 DEVICE_MODULE = _CpuDeviceModule()
 
 
+def process_group_backend() -> str:
+    """verl's backend string with each device type once (``"cpu:gloo"`` on this platform):
+    verl's own, ``"cpu:gloo,<device>:<backend>"``, names ``cpu`` twice here, which torch
+    refuses."""
+    from verl.utils.device import get_device_name, get_nccl_backend
+
+    return ",".join(dict.fromkeys(["cpu:gloo", f"{get_device_name()}:{get_nccl_backend()}"]))
+
+
 def accelerator_present() -> bool:
     """Whether this host has an accelerator verl would use instead (CUDA/ROCm or Ascend)."""
     return torch.cuda.is_available() or importlib.util.find_spec("torch_npu") is not None

@@ -20,13 +20,6 @@ from typing import Any
 import hydra
 
 
-def process_group_backend() -> str:
-    """verl's backend string, each device type once (``"cpu:gloo"`` on the CPU platform)."""
-    from verl.utils.device import get_device_name, get_nccl_backend
-
-    return ",".join(dict.fromkeys(["cpu:gloo", f"{get_device_name()}:{get_nccl_backend()}"]))
-
-
 @hydra.main(
     config_path="pkg://verl.trainer.config", config_name="sft_trainer_engine", version_base=None
 )
@@ -35,6 +28,8 @@ def main(config: Any) -> None:
     from verl.trainer.sft_trainer import SFTTrainer
     from verl.utils.device import auto_set_device, get_torch_device
     from verl.utils.distributed import destroy_global_process_group
+
+    from engine.integrations.verl.platform import process_group_backend
 
     auto_set_device(config)
     if not dist.is_initialized():

@@ -1,0 +1,142 @@
+"""verl's RL trainer (``verl.trainer.main_ppo``) on this engine where verl's own entry point
+cannot start (CPU hosts).
+
+    python -m engine.integrations.verl.ppo <the overrides of python -m verl.trainer.main_ppo>
+
+It takes verl's hydra config ``ppo_trainer`` and does what ``main_ppo.main`` does (validate the
+config, start Ray, run verl's ``TaskRunnerV1`` unmodified). On a host without an accelerator
+it first sets what the command line leaves unset of :data:`CPU_DEFAULTS` (the ``composable_hf``
+rollout, one helper process per role, one rollout replica for all trainer processes), and
+gets past three places where verl blocks a CPU run:
+
+- Ray is told the trainer's process count as ``num_gpus`` unless the overrides say otherwise
+  (``ray_kwargs.ray_init.num_gpus``): verl's resource-pool check counts Ray's ``GPU`` /
+  ``NPU`` resources even where its platform places workers by ``CPU``
+  (verl/single_controller/ray/base.py:223, ``_check_resource_available``). Nothing runs on a
+  GPU: workers ask Ray for CPUs (the plug-in's platform).
+- Ray gets logical CPUs enough for verl's workers (``ray_kwargs.ray_init.num_cpus``, default
+  :data:`RAY_CPUS`): verl's reward-loop and agent-loop workers each take one, and with fewer
+  than they need the trainer waits forever without a word.
+- Each Ray worker process names the CPU's process-group backend once: verl's workers ask torch
+  for ``"cpu:gloo,cpu:gloo"`` (verl/workers/engine_workers.py:89 ->
+  verl/utils/distributed.py:144), which torch refuses (a device type named twice). Ray's
+  ``worker_process_setup_hook`` (:func:`setup_worker`) gives that call the backend string
+  with each device type once, as :mod:`engine.integrations.verl.sft` does for SFT.
+
+On a host with an accelerator nothing is changed: the overrides go to verl as they are.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import hydra
+
+from engine.integrations.verl.cells import ROLLOUT
+
+#: Ray's logical CPUs when the overrides do not say (scheduling slots, not cores).
+RAY_CPUS = 32
+
+
+def setup_worker() -> None:
+    """Ray's ``worker_process_setup_hook``: verl's process-group initialisation in this worker
+    process gets a backend string that names each device type once."""
+    import sys
+
+    import verl.utils.distributed as distributed
+
+    from engine.integrations.verl.platform import process_group_backend
+
+    original = distributed.initialize_global_process_group_ray
+    if getattr(original, "_names_each_device_once", False):
+        return
+
+    @functools.wraps(original)
+    def initialize(timeout_second: Any = None, backend: str | None = None) -> Any:
+        return original(timeout_second=timeout_second, backend=backend or process_group_backend())
+
+    initialize._names_each_device_once = True  # type: ignore[attr-defined]
+    distributed.initialize_global_process_group_ray = initialize
+    workers = sys.modules.get("verl.workers.engine_workers")
+    if workers is not None:
+        workers.initialize_global_process_group_ray = initialize  # type: ignore[attr-defined]
+
+
+#: verl's settings the launcher sets on a CPU host when the command line leaves them unset:
+#: the rollout (vLLM cannot run) and one process per helper role (verl's defaults start 8
+#: agent-loop, 8 reward and 8 storage processes, each importing torch: minutes of a small
+#: host's CPU before the first step).
+CPU_DEFAULTS: dict[str, Any] = {
+    "actor_rollout_ref.rollout.name": ROLLOUT,
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,
+    "actor_rollout_ref.rollout.agent.num_workers": 1,
+    "reward.num_workers": 1,
+    "transfer_queue.backend.SimpleStorage.num_data_storage_units": 1,
+}
+
+
+def _given(overrides: list[str]) -> set[str]:
+    """The keys the command line sets (``key=value``, ``+key=value``, ``++key=value``)."""
+    return {item.split("=", 1)[0].lstrip("+~") for item in overrides}
+
+
+def prepare(config: Any, overrides: list[str] | None = None) -> None:
+    """The CPU settings above, where the host has no accelerator and the command line
+    (``overrides``) leaves them unset."""
+    from omegaconf import OmegaConf, open_dict
+
+    from engine.integrations.verl.platform import accelerator_present
+
+    if accelerator_present():
+        return
+    given = _given(overrides or [])
+    trainer = config.trainer
+    processes = int(trainer.n_gpus_per_node) * int(trainer.nnodes)
+    with open_dict(config):
+        for key, value in CPU_DEFAULTS.items():
+            if key not in given:
+                OmegaConf.update(config, key, value, force_add=True)
+        if "actor_rollout_ref.rollout.data_parallel_size" not in given:
+            # one replica serves every trainer process (the rollout cannot split over them)
+            config.actor_rollout_ref.rollout.data_parallel_size = processes
+        if "trainer.device" not in given:
+            trainer.device = "cpu"
+        ray_init = config.ray_kwargs.setdefault("ray_init", {})
+        if ray_init.get("address") is None:  # Ray's resources are set where it starts
+            if ray_init.get("num_gpus") is None:
+                ray_init["num_gpus"] = processes
+            if ray_init.get("num_cpus") is None:
+                ray_init["num_cpus"] = RAY_CPUS
+        runtime_env = ray_init.setdefault("runtime_env", {})
+        runtime_env.setdefault(
+            "worker_process_setup_hook", "engine.integrations.verl.ppo.setup_worker"
+        )
+
+
+def run(config: Any, overrides: list[str] | None = None) -> None:
+    """What verl's ``main_ppo.main`` does, after :func:`prepare`."""
+    from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+    from verl.utils.device import auto_set_device
+
+    prepare(config, overrides)
+    auto_set_device(config)
+    validate_config(
+        config=config,
+        use_reference_policy=need_reference_policy(config),
+        use_critic=need_critic(config),
+    )
+    run_ppo(config, task_runner_class=TaskRunnerV1)
+
+
+@hydra.main(config_path="pkg://verl.trainer.config", config_name="ppo_trainer", version_base=None)
+def main(config: Any) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    run(config, list(HydraConfig.get().overrides.task))
+
+
+if __name__ == "__main__":
+    main()

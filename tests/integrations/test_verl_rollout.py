@@ -1,0 +1,351 @@
+"""The ``composable_hf`` rollout (engine/integrations/verl/rollout.py) without Ray: what verl's
+agent loop and weight sync ask of it. Skipped without verl."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+verl = pytest.importorskip("verl")
+
+from tensordict import TensorDict  # noqa: E402
+from verl.workers.config import HFModelConfig, RolloutConfig  # noqa: E402
+from verl.workers.rollout.base import get_rollout_class  # noqa: E402
+from verl.workers.rollout.replica import get_rollout_replica_class  # noqa: E402
+
+from engine import Engine  # noqa: E402
+from engine.data.batching import jagged  # noqa: E402
+from engine.integrations.verl import rollout, task  # noqa: E402
+from engine.integrations.verl.rollout import (  # noqa: E402
+    HFGenerator,
+    HFReplica,
+    HFServerAdapter,
+    Sampling,
+    _buckets,
+    _processed_logits,
+)
+from heads.errors import ConfigError  # noqa: E402
+
+PROMPTS = [[2, 6, 4, 8, 9, 10, 3, 4, 2, 7, 4], [2, 6, 4, 8, 9, 12, 3, 4, 2, 7, 4], [2, 7, 4]]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The shipped task's tiny Qwen3 and tokenizer."""
+    directory = tmp_path_factory.mktemp("task") / "model"
+    directory.mkdir()
+    task.write_model(directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    directory = tmp_path_factory.mktemp("task_moe") / "model"
+    directory.mkdir()
+    task.write_model(directory, moe=True)
+    return str(directory)
+
+
+def _config(**settings: Any) -> RolloutConfig:
+    defaults: dict[str, Any] = dict(
+        name=rollout.NAME, tensor_model_parallel_size=1, prompt_length=16, response_length=6
+    )
+    return RolloutConfig(**{**defaults, **settings})
+
+
+def _synced(path: str, **settings: Any) -> tuple[HFGenerator, torch.nn.Module]:
+    """A generator whose weights came through a sync from the checkpoint's model."""
+    from transformers import AutoModelForCausalLM
+
+    source = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    generator = HFGenerator(_config(**settings), HFModelConfig(path=path), replica_rank=0)
+    generator.sleep()
+    for bucket, last in _buckets(iter(source.state_dict().items()), 1 << 12):
+        generator.update_weights(bucket, last)
+    return generator, source
+
+
+def _generate(
+    generator: HFGenerator, prompts: list[list[int]], ids: list[str] | None = None, **params: Any
+) -> list[Any]:
+    async def run() -> list[Any]:
+        return await asyncio.gather(
+            *[
+                generator.generate(request, prompt_ids=p, sampling_params=dict(params))
+                for request, p in zip(ids or map(str, range(len(prompts))), prompts, strict=True)
+            ]
+        )
+
+    return asyncio.run(run())
+
+
+def _direct_log_probs(
+    source: torch.nn.Module, prompt: list[int], tokens: list[int], sampling: Sampling
+) -> torch.Tensor:
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = source(ids).logits[0, len(prompt) - 1 : -1]
+    processed = _processed_logits(logits, sampling).log_softmax(-1)
+    return processed.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def test_registered_under_its_name_in_both_of_verls_registries() -> None:
+    assert get_rollout_replica_class(rollout.NAME) is HFReplica
+    assert get_rollout_class(rollout.NAME, "async") is HFServerAdapter
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=1.0, top_p=1.0, top_k=-1),
+        dict(temperature=0.7, top_p=0.9, top_k=5),
+        dict(temperature=0, top_p=1.0, top_k=-1),
+    ],
+    ids=["plain", "warped", "greedy"],
+)
+def test_concurrent_requests_are_one_batch_and_log_probs_are_the_drawn_distributions(
+    model: str, params: dict[str, Any]
+) -> None:
+    """Requests that arrive together are generated as one left-padded batch; each token's
+    log-probability is the one it was drawn from (vLLM's processed log-probs), equal to the
+    synced model's own on the unpadded sequence."""
+    generator, source = _synced(model)
+    outputs = _generate(generator, PROMPTS, **params, logprobs=True, repetition_penalty=1.0)
+    assert generator.statistics()["batches"] == 1
+    sampling = Sampling.of(params, 6)
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        assert 1 <= len(output.token_ids) <= 6
+        assert len(output.log_probs) == len(output.token_ids)
+        assert output.stop_reason == "completed"
+        direct = _direct_log_probs(source, prompt, output.token_ids, sampling)
+        # float32 logits over a short sequence; the padded batch reorders a few reductions
+        torch.testing.assert_close(torch.tensor(output.log_probs), direct, atol=1e-5, rtol=1e-5)
+        if params["temperature"] == 0:
+            ids = torch.tensor([prompt + output.token_ids])
+            with torch.no_grad():
+                best = source(ids).logits[0, len(prompt) - 1 : -1].argmax(-1)
+            assert output.token_ids == best.tolist()
+
+
+def test_sampling_draws_from_the_processed_distribution(model: str) -> None:
+    """First tokens of 4000 samples of one prompt: their frequencies are the processed
+    distribution's probabilities (5 standard deviations of a frequency, sqrt(1/4 / 4000))."""
+    generator, source = _synced(model)
+    samples = 4000
+    outputs = _generate(generator, PROMPTS[:1] * samples, temperature=0.8, top_k=6, max_tokens=1)
+    with torch.no_grad():
+        logits = source(torch.tensor([PROMPTS[0]])).logits[0, -1]
+    expected = _processed_logits(logits, Sampling(temperature=0.8, top_k=6)).softmax(-1)
+    counts = torch.bincount(
+        torch.tensor([o.token_ids[0] for o in outputs]), minlength=len(expected)
+    )
+    assert counts[expected == 0].sum() == 0  # nothing outside the top 6
+    torch.testing.assert_close(counts / samples, expected, atol=5 * (0.25 / samples) ** 0.5, rtol=0)
+
+
+def test_under_full_determinism_a_request_samples_alike_whatever_shares_its_batch(
+    model: str,
+) -> None:
+    """verl's ``full_determinism`` sends stable request ids: a request's tokens depend on the
+    seed, the weights' step and its id, so a resumed run samples what the first one did."""
+    generator, _ = _synced(model, full_determinism=True)
+    generator.set_global_steps(3)
+    alone = _generate(generator, PROMPTS[:1], ["det-5"], temperature=1.0)
+    together = _generate(generator, PROMPTS[::-1], ["det-9", "det-7", "det-5"], temperature=1.0)
+    assert together[2].token_ids == alone[0].token_ids
+    again, _ = _synced(model, full_determinism=True)
+    again.set_global_steps(3)
+    assert _generate(again, PROMPTS[:1], ["det-5"], temperature=1.0)[0].token_ids == (
+        alone[0].token_ids
+    )
+    many = _generate(generator, PROMPTS[:1] * 8, [f"det-{i}" for i in range(8)], temperature=1.0)
+    assert len({tuple(o.token_ids) for o in many}) > 1  # ids draw different streams
+
+
+def test_generation_stops_at_end_of_sequence_unless_told_to_ignore_it(model: str) -> None:
+    """A model whose every next token is its end-of-sequence token: one token, or
+    ``max_tokens`` with ``ignore_eos``."""
+    generator, _ = _synced(model)
+    with torch.no_grad():
+        generator.model.lm_head.weight.zero_()
+    generator.stop_ids = [0]  # all logits equal: greedy picks id 0
+    [stopped] = _generate(generator, PROMPTS[:1], temperature=0)
+    assert stopped.token_ids == [0]
+    [ignored] = _generate(generator, PROMPTS[:1], temperature=0, ignore_eos=True, max_tokens=4)
+    assert ignored.token_ids == [0, 0, 0, 0]
+
+
+def test_sleep_frees_the_weights_and_generating_before_a_sync_is_refused(model: str) -> None:
+    generator, source = _synced(model)
+    generator.sleep()
+    assert sum(p.numel() for p in generator.model.parameters()) == 0
+    with pytest.raises(RuntimeError, match="before the trainer's weights reached the generator"):
+        _generate(generator, PROMPTS[:1], temperature=0)
+    generator.resume(["weights"])
+    with pytest.raises(RuntimeError, match="before the trainer's weights"):
+        _generate(generator, PROMPTS[:1], temperature=0)  # allocated, not filled
+    generator.update_weights(list(source.state_dict().items()), last=True)
+    [output] = _generate(generator, PROMPTS[:1], temperature=0)
+    assert output.token_ids
+
+
+def test_what_it_cannot_honour_is_refused_by_name(model: str) -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.tensor_model_parallel_size=2"):
+        HFGenerator(_config(tensor_model_parallel_size=2), HFModelConfig(path=model), 0)
+    generator, _ = _synced(model)
+    with pytest.raises(ConfigError, match="n_best"):
+        _generate(generator, PROMPTS[:1], temperature=1.0, n_best=2)
+    with pytest.raises(ConfigError, match="text token ids only"):
+        asyncio.run(generator.generate("0", prompt_ids=[1], sampling_params={}, image_data=[1]))
+    with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
+        HFGenerator(_config(enable_rollout_routing_replay=True), HFModelConfig(path=model), 0)
+    with pytest.raises(KeyError, match="does not have"):
+        generator.update_weights([("model.nothing.weight", torch.zeros(1))], last=True)
+    with pytest.raises(ValueError, match="has shape"):
+        generator.update_weights([("lm_head.weight", torch.zeros(3, 3))], last=True)
+
+
+def test_mixture_of_experts_returns_each_tokens_routes(moe_model: str) -> None:
+    """``routed_experts``: ``[prompt + response - 1, layers, top_k]``, the experts the router
+    chose at each position, equal to the synced model's routers on the unpadded sequence."""
+    generator, source = _synced(moe_model, enable_rollout_routing_replay=True)
+    outputs = _generate(generator, PROMPTS, temperature=1.0)
+    layers, top_k = source.config.num_hidden_layers, source.config.num_experts_per_tok
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        routes = output.routed_experts
+        length = len(prompt) + len(output.token_ids) - 1
+        assert routes.shape == (length, layers, top_k)
+        chosen: list[torch.Tensor] = []
+        hooks = [
+            layer.mlp.gate.register_forward_hook(lambda m, a, out, into=chosen: into.append(out[2]))
+            for layer in source.model.layers
+        ]
+        with torch.no_grad():
+            source(torch.tensor([prompt + output.token_ids[:-1]]))
+        for hook in hooks:
+            hook.remove()
+        expected = torch.stack(chosen, dim=1)  # [positions, layers, top_k]
+        assert torch.equal(routes.sort(-1).values, expected.sort(-1).values)
+
+
+@pytest.fixture(scope="module")
+def distributed() -> None:
+    import socket
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "megatron"])
+def test_a_sync_from_the_engine_gives_the_generator_its_weights_bit_for_bit(
+    model: str, distributed: None, backend: str
+) -> None:
+    """The engine's ``get_per_tensor_param`` through the adapter's buckets: every weight the
+    generator has arrives, equal bit for bit, and its log-probs are the engine's."""
+    engine = Engine.build(
+        head="lm", backend=backend, device="cpu", config={"model": model, "micro_batch_size": 2}
+    ).initialize()
+    generator = HFGenerator(_config(), HFModelConfig(path=model), replica_rank=0)
+    generator.sleep()
+    generator.resume(["weights"])
+    buckets = list(_buckets(engine.get_per_tensor_param(), 1 << 12))
+    assert len(buckets) > 1 and [last for _, last in buckets].count(True) == 1
+    for bucket, last in buckets:
+        generator.update_weights(bucket, last)
+    exported = dict(engine.get_per_tensor_param())
+    mine = generator.named_weights()
+    assert set(mine) == set(exported)
+    for name, tensor in exported.items():
+        assert torch.equal(mine[name], tensor.float()), name
+    [output] = _generate(generator, PROMPTS[:1], temperature=1.0)
+    ids = PROMPTS[0] + output.token_ids
+    result = engine.infer_batch(
+        TensorDict({"input_ids": jagged([torch.tensor(ids)])}, batch_size=[1])
+    )
+    theirs = result["log_probs"].unbind()[0][len(PROMPTS[0]) :]
+    torch.testing.assert_close(torch.tensor(output.log_probs), theirs, atol=1e-5, rtol=1e-5)
+    if backend == "megatron":
+        from strategies.backends.megatron.mesh import destroy_mesh
+
+        destroy_mesh()
+
+
+def test_the_adapter_sends_from_the_replicas_first_rank_and_others_walk_the_weights(
+    model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 of each replica sends buckets to its replica's generator; the other ranks only
+    walk the generator (its collectives need every rank) and send nothing."""
+    sent: list[tuple[int, list[str], bool]] = []
+
+    class Server:
+        def __init__(self, replica: int) -> None:
+            self.replica = replica
+
+        def __getattr__(self, method: str) -> Any:
+            outer = self
+
+            class Remote:
+                @staticmethod
+                def remote(*args: Any) -> Any:
+                    if method == "update_weights":
+                        bucket, last = args
+                        sent.append((outer.replica, [n for n, _ in bucket], last))
+
+                    async def done() -> None:
+                        return None
+
+                    return done()
+
+            return Remote
+
+    monkeypatch.setattr(rollout.ray, "get_actor", lambda name: Server(int(name.rsplit("_", 1)[1])))
+    weights = [(f"w{i}", torch.zeros(256)) for i in range(5)]  # 1 KiB each
+    walked = []
+
+    def walk() -> Any:
+        for item in weights:
+            walked.append(item[0])
+            yield item
+
+    for rank in range(4):
+        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda rank=rank: rank)
+        adapter = HFServerAdapter(_config(data_parallel_size=2), HFModelConfig(path=model), None)
+        adapter.bucket_bytes = 2048
+        asyncio.run(adapter.update_weights(walk()))
+    assert walked == [f"w{i}" for i in range(5)] * 4
+    assert sent == [
+        (0, ["w0", "w1"], False),
+        (0, ["w2", "w3"], False),
+        (0, ["w4"], True),
+        (1, ["w0", "w1"], False),
+        (1, ["w2", "w3"], False),
+        (1, ["w4"], True),
+    ]
+
+
+def test_the_shipped_reward_scores_the_share_of_the_answer_that_repeats_the_word(
+    tmp_path: Path,
+) -> None:
+    assert task.compute_score(task.DATA_SOURCE, "kiwi kiwi plum kiwi fig", "kiwi") == 0.75
+    assert task.compute_score(task.DATA_SOURCE, "", "kiwi") == 0.0
+    with pytest.raises(ValueError, match="scores"):
+        task.compute_score("gsm8k", "kiwi", "kiwi")
+    paths = task.write_data(tmp_path, train=8, test=4)
+    import pandas as pd
+
+    frame = pd.read_parquet(paths["train"])
+    assert len(frame) == 8 and set(frame["data_source"]) == {task.DATA_SOURCE}
+    row = frame.iloc[1]
+    assert row["reward_model"]["ground_truth"] in row["prompt"][0]["content"]
