@@ -4,8 +4,15 @@ Importing this package is cheap: megatron-core, torch_npu and MindSpeed are impo
 a part that needs them is used.
 """
 
-from engine.config import EngineConfig
+from engine.config import CallSettings, EngineConfig
 from engine.engine import Engine
 from engine.registry import register_backend, register_device, register_head
 
-__all__ = ["Engine", "EngineConfig", "register_backend", "register_device", "register_head"]
+__all__ = [
+    "CallSettings",
+    "Engine",
+    "EngineConfig",
+    "register_backend",
+    "register_device",
+    "register_head",
+]

@@ -12,7 +12,8 @@ import attrs
 import yaml
 
 from engine.registry import STRICT_CONVERTER, describe_structure_error
-from heads.errors import CheckpointError, ConfigError
+from heads.base import Head
+from heads.errors import CheckpointError, ConfigError, did_you_mean
 from heads.validation import (
     bool_field,
     int_field,
@@ -167,6 +168,69 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> EngineConfig:
         return attrs.evolve(self, **changes)
+
+
+@attrs.frozen(kw_only=True)
+class CallSettings:
+    """One call's settings in place of the built ones (``settings=`` of ``train_batch``,
+    ``forward_backward_batch``, ``infer_batch``): micro-batching and head options. The engine
+    checks them as it checks the built ones and keeps none: its ``head`` and ``config`` stay."""
+
+    #: Sequences per micro-batch (a token budget the config sets is not used for the call).
+    micro_batch_size: int | None = optional_int_field()
+    #: A token budget instead (see ``EngineConfig.max_tokens_per_micro_batch``).
+    max_tokens_per_micro_batch: int | None = optional_int_field()
+    #: Head options by name (the LM head's ``temperature``, ``compute_entropy``,
+    #: ``compute_sum_pi_squared``); none that changes the model's output layer (``fused``).
+    head: dict[str, Any] = attrs.field(factory=dict, converter=_part_options)
+
+    def __attrs_post_init__(self) -> None:
+        if self.micro_batch_size is not None and self.max_tokens_per_micro_batch is not None:
+            raise ConfigError(
+                "CallSettings takes micro_batch_size or max_tokens_per_micro_batch, not both "
+                f"(got {self.micro_batch_size} and {self.max_tokens_per_micro_batch})"
+            )
+
+    def config_of(self, config: EngineConfig) -> EngineConfig:
+        """``config`` with this call's micro-batching."""
+        if self.micro_batch_size is not None:
+            return config.replace(
+                micro_batch_size=self.micro_batch_size, max_tokens_per_micro_batch=None
+            )
+        if self.max_tokens_per_micro_batch is not None:
+            return config.replace(max_tokens_per_micro_batch=self.max_tokens_per_micro_batch)
+        return config
+
+    def head_of(self, head: Head) -> Head:
+        """``head`` with this call's options (its own validators check their values);
+        ConfigError naming an option it does not have."""
+        if not self.head:
+            return head
+        known = head_options(head)
+        unknown = set(self.head) - set(known)
+        if unknown:
+            raise ConfigError(
+                f"head {head.name!r} has no option(s) {', '.join(sorted(unknown))}"
+                f"{did_you_mean(unknown, known)}; its options: {', '.join(known) or 'none'}"
+            )
+        changed: Head = attrs.evolve(head, **self.head)  # type: ignore[misc]
+        return changed
+
+
+def head_options(head: Head) -> list[str]:
+    """The options a head is built from and a call may set (an attrs head's fields)."""
+    kind: Any = type(head)
+    return [field.alias for field in attrs.fields(kind) if field.init] if attrs.has(kind) else []
+
+
+def call_settings(settings: CallSettings | Mapping[str, Any]) -> CallSettings:
+    """A CallSettings, or one from a mapping; ConfigError otherwise."""
+    if isinstance(settings, CallSettings):
+        return settings
+    if isinstance(settings, Mapping):
+        built: CallSettings = structure(settings, CallSettings)
+        return built
+    raise ConfigError(f"settings must be CallSettings, a mapping or None; got {settings!r}")
 
 
 class _YamlLoader(yaml.SafeLoader):

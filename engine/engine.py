@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from engine.config import EngineConfig, coerce_config
+from engine.config import CallSettings, EngineConfig, call_settings, coerce_config
 from engine.data.batching import (
     INPUT_IDS,
     ROUTED_EXPERTS,
@@ -154,10 +154,7 @@ class Engine:
                 f"with the {self.backend.name} backend (optional features the "
                 f"{self.platform.name} platform offers: {offered})"
             )
-        declared = declared_results(self.head)  # a bad declaration fails here, by name
-        if not self.config.forward_only and not declared:
-            raise ConfigError(f"head {self.head.name!r} declares no outputs")
-        check_fused(self.head)
+        self._check_head(self.head)
         if self.config.offload.parts():
             require(self.backend, Offloading)  # config.offload asks for it
         if self.config.packing:
@@ -172,6 +169,32 @@ class Engine:
                 )
             require(self.backend, RouterReplay).check_router_replay(self.config)
         self.backend.validate(self.config, int(os.environ.get("WORLD_SIZE", "1")))
+
+    def _check_head(self, head: Head) -> None:
+        """The built head's, and each call's, declarations."""
+        declared = declared_results(head)  # a bad declaration fails here, by name
+        if not self.config.forward_only and not declared:
+            raise ConfigError(f"head {head.name!r} declares no outputs")
+        check_fused(head)
+
+    def _for_call(
+        self, settings: CallSettings | Mapping[str, Any] | None
+    ) -> tuple[Head, EngineConfig]:
+        """The head and config of one call: the built ones with ``settings`` applied, checked
+        as the built ones are; never stored (the engine's parts never change after build)."""
+        if settings is None:
+            return self.head, self.config
+        settings = call_settings(settings)
+        head = settings.head_of(self.head)
+        if head is not self.head:
+            self._check_head(head)
+            if head.output_spec() != self.head.output_spec():
+                raise ConfigError(
+                    f"head option(s) {', '.join(sorted(settings.head))} change the model's "
+                    f"output layer ({head.output_spec()}), which initialize() built; set them "
+                    "in config.head when building the engine"
+                )
+        return head, settings.config_of(self.config)
 
     def initialize(self) -> Engine:
         """Set up the device and process group, the mesh, the model and (unless forward-only)
@@ -282,6 +305,7 @@ class Engine:
         forward_only: bool = False,
         *,
         return_outputs: bool = True,
+        settings: CallSettings | Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Micro-batch ``batch``, run forward (and backward), return on output ranks
         ``{"model_output": the head's outputs in input order, per-token ones jagged and
@@ -289,13 +313,15 @@ class Engine:
         micro-batch], "metrics": {name: [per micro-batch]}}``; other ranks get empty results.
         Outside ``train_mode()`` / ``eval_mode()`` the model runs in the mode the call needs
         (training, or evaluation when ``forward_only``); a training call inside ``eval_mode()``
-        is refused."""
+        is refused. ``settings``: this call's micro-batching and head options (None: the
+        built ones)."""
         return self._forward_backward_batch(
             "forward_backward_batch",
             batch,
             loss_function,
             forward_only,
             return_outputs=return_outputs,
+            settings=settings,
         )
 
     def _forward_backward_batch(
@@ -306,6 +332,7 @@ class Engine:
         forward_only: bool,
         *,
         return_outputs: bool,
+        settings: CallSettings | Mapping[str, Any] | None,
     ) -> dict[str, Any]:
         """:meth:`forward_backward_batch` on behalf of the public method ``what``."""
         self._require_initialized(what)
@@ -318,9 +345,10 @@ class Engine:
                     f"{what} needs a loss_function"
                     + (" unless forward_only" if what == "forward_backward_batch" else "")
                 )
+        head, config = self._for_call(settings)
         self._enter_call_mode(what, training=not forward_only)
         step = self._forward_backward(
-            batch, loss_function, forward_only, return_outputs=return_outputs
+            batch, loss_function, forward_only, head, config, return_outputs=return_outputs
         )
         losses, metrics, _ = self._fetch(step)
         if not step.holds_outputs:
@@ -332,16 +360,19 @@ class Engine:
         batch: TensorDict,
         loss_function: LossFn | None,
         forward_only: bool,
+        head: Head,
+        config: EngineConfig,
         *,
         return_outputs: bool,
     ) -> _Step:
-        """``forward_backward_batch``'s work, its numbers left where they were computed (on
-        the device) for :meth:`_fetch` to bring over in one transfer."""
+        """``forward_backward_batch``'s work with the call's ``head`` and ``config``, its
+        numbers left where they were computed (on the device) for :meth:`_fetch` to bring over
+        in one transfer."""
         fields = required_fields(loss_function) if loss_function is not None else ()
         layouts = field_granularity(loss_function) if loss_function is not None else {}
-        self._check_outputs(loss_function)
+        self._check_outputs(loss_function, head)
         rows = self._validated(batch, fields, granularity=layouts, every_rank=True)
-        plan = self._plan(rows)
+        plan = self._plan(rows, config)
         micro_batches = split_into(rows, plan.groups, packed=plan.packed)
         counts = self._global_counts(rows)
         produced: list[dict[str, torch.Tensor]] = [{} for _ in micro_batches]
@@ -350,9 +381,7 @@ class Engine:
         )
         device = self.device or torch.device("cpu")
         per_token = {
-            key
-            for key, spec in declared_results(self.head).items()
-            if spec.granularity == PER_TOKEN
+            key for key, spec in declared_results(head).items() if spec.granularity == PER_TOKEN
         }
         # a fused LM head then computes the loss's gradient in its forward pass
         separable = not forward_only and is_token_separable(loss_function)
@@ -399,10 +428,10 @@ class Engine:
                     answer = loss_function(for_loss(results), data, ctx)
                     return checked_loss(answer, training=True)[0]
 
-                outputs, anchor = apply_head_with_loss(self.head, raw, model_ids, head_ctx, loss_of)
+                outputs, anchor = apply_head_with_loss(head, raw, model_ids, head_ctx, loss_of)
             else:
-                outputs = apply_head(self.head, raw, model_ids, head_ctx)
-            check_results(self.head, outputs, model_ids, head_ctx, deferred=step.checks)
+                outputs = apply_head(head, raw, model_ids, head_ctx)
+            check_results(head, outputs, model_ids, head_ctx, deferred=step.checks)
             outputs = for_loss(outputs)
             if return_outputs:
                 produced[index] = {key: value.detach() for key, value in outputs.items()}
@@ -420,7 +449,7 @@ class Engine:
         grad_context = torch.no_grad() if forward_only else contextlib.nullcontext()
         with grad_context:
             self.backend.forward_backward(micro_batches, consume, forward_only)
-        if self.config.router_replay:  # collective: before the ranks without outputs leave
+        if config.router_replay:  # collective: before the ranks without outputs leave
             routes = require(self.backend, RouterReplay).recorded_routes()
             for produced_here, routed in zip(produced, routes, strict=True):
                 if return_outputs:
@@ -429,7 +458,7 @@ class Engine:
         if step.holds_outputs and return_outputs:
             per_sequence = [
                 key
-                for key, spec in declared_results(self.head).items()
+                for key, spec in declared_results(head).items()
                 if spec.granularity == PER_SEQUENCE
             ]
             step.outputs = restore_outputs(
@@ -457,14 +486,17 @@ class Engine:
                 raise ConfigError(message)
         return losses, metrics, rest[len(flags) :]
 
-    def plan_micro_batches(self, batch: TensorDict) -> MicroBatchPlan:
+    def plan_micro_batches(
+        self, batch: TensorDict, *, settings: CallSettings | Mapping[str, Any] | None = None
+    ) -> MicroBatchPlan:
         """Which sequences run together: fixed ``micro_batch_size`` groups, or token-budget
         groups (``max_tokens_per_micro_batch``) agreed in count across data-parallel ranks;
-        with ``packing`` the budget counts real tokens. The batch is checked as
-        ``forward_backward_batch`` checks it (BatchError). Collective over the data-parallel
-        ranks when planning by token budget."""
-        collective = self.config.max_tokens_per_micro_batch is not None
-        return self._plan(self._validated(batch, every_rank=collective))
+        with ``packing`` the budget counts real tokens (``settings``: a call's, as the steps
+        take them). The batch is checked as ``forward_backward_batch`` checks it (BatchError).
+        Collective over the data-parallel ranks when planning by token budget."""
+        config = self._for_call(settings)[1]
+        collective = config.max_tokens_per_micro_batch is not None
+        return self._plan(self._validated(batch, every_rank=collective), config)
 
     def _validated(
         self,
@@ -516,11 +548,11 @@ class Engine:
             return self.backend.data_parallel_group()
         return None
 
-    def _plan(self, batch: TensorDict) -> MicroBatchPlan:
+    def _plan(self, batch: TensorDict, config: EngineConfig) -> MicroBatchPlan:
         lengths = sequence_lengths(batch)
-        budget, packed = self.config.max_tokens_per_micro_batch, self.config.packing
+        budget, packed = config.max_tokens_per_micro_batch, config.packing
         if budget is None:
-            return plan_fixed(lengths, self.config.micro_batch_size, packed=packed)
+            return plan_fixed(lengths, config.micro_batch_size, packed=packed)
         group = self._data_parallel_group_if_any()
         multiple = (
             require(self.backend, Packing).packed_micro_batch_multiple(self.config) if packed else 1
@@ -530,9 +562,15 @@ class Engine:
         )
 
     def train_batch(
-        self, batch: TensorDict, loss_function: LossFn, *, step_lr: bool = True
+        self,
+        batch: TensorDict,
+        loss_function: LossFn,
+        *,
+        step_lr: bool = True,
+        settings: CallSettings | Mapping[str, Any] | None = None,
     ) -> dict[str, float | str]:
-        """Zero grads -> forward/backward -> optimizer step (-> LR step unless ``step_lr=False``).
+        """Zero grads -> forward/backward -> optimizer step (-> LR step unless ``step_lr=False``);
+        ``settings``: this step's micro-batching and head options (None: the built ones).
 
         Returns ``grad_norm`` (global), the ``lr`` the step used, this rank's ``num_tokens`` and
         ``tokens_per_s``, ``skipped`` (1.0 when the non-finite guard skipped the step, with its
@@ -550,10 +588,13 @@ class Engine:
                 "train_batch needs a loss_function (forward_backward_batch(batch, None, "
                 "forward_only=True) or infer_batch runs a batch without one)"
             )
+        head, config = self._for_call(settings)
         self._enter_call_mode("train_batch", training=True)
         start = time.perf_counter()
         self.optimizer_zero_grad()
-        step = self._forward_backward(batch, loss_function, False, return_outputs=False)
+        step = self._forward_backward(
+            batch, loss_function, False, head, config, return_outputs=False
+        )
         lr = self.backend.current_lr()
         # every number of the step in one transfer: losses, metrics, the gradient norm and, with
         # data parallelism, the global loss (summed on the device)
@@ -589,12 +630,19 @@ class Engine:
             summary["skip_reason"] = skip_reason
         return summary
 
-    def infer_batch(self, batch: TensorDict, loss_function: LossFn | None = None) -> TensorDict:
+    def infer_batch(
+        self,
+        batch: TensorDict,
+        loss_function: LossFn | None = None,
+        *,
+        settings: CallSettings | Mapping[str, Any] | None = None,
+    ) -> TensorDict:
         """Forward only, no gradients: the head's outputs in input order, per-token ones jagged,
         per-sequence ones ``[B]`` (None on ranks that hold no outputs); with
-        ``config.router_replay`` also ``routed_experts`` (jagged ``[B, tokens, layers, k]``)."""
+        ``config.router_replay`` also ``routed_experts`` (jagged ``[B, tokens, layers, k]``).
+        ``settings``: this call's micro-batching and head options (None: the built ones)."""
         result = self._forward_backward_batch(
-            "infer_batch", batch, loss_function, True, return_outputs=True
+            "infer_batch", batch, loss_function, True, return_outputs=True, settings=settings
         )
         output: TensorDict = result["model_output"]
         return output
@@ -806,18 +854,18 @@ class Engine:
                 "call engine.to('device') or work inside train_mode() / eval_mode()"
             )
 
-    def _check_outputs(self, loss_function: LossFn | None) -> None:
-        """The head outputs the loss declares it reads (``required_outputs``) are the head's,
+    def _check_outputs(self, loss_function: LossFn | None, head: Head) -> None:
+        """The head outputs the loss declares it reads (``required_outputs``) are ``head``'s,
         checked before any compute (ConfigError naming the output and the head's options)."""
         if loss_function is None:
             return
-        produced = declared_results(self.head)
+        produced = declared_results(head)
         missing = [name for name in required_outputs(loss_function) if name not in produced]
         if missing:
             owner = getattr(loss_function, "__qualname__", type(loss_function).__name__)
             raise ConfigError(
                 f"{owner} reads the head output(s) {', '.join(map(repr, missing))}, which head "
-                f"{self.head.name!r} does not produce as configured (its outputs: "
+                f"{head.name!r} does not produce as configured (its outputs: "
                 f"{', '.join(produced)}); turn the output on in the head's options (an LM head's "
                 "entropy: compute_entropy=True) or use a loss that does not read it"
             )

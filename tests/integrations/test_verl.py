@@ -31,6 +31,7 @@ from verl.workers.engine import EngineRegistry  # noqa: E402
 from verl.workers.utils.losses import ppo_loss, value_loss  # noqa: E402
 
 from engine import Engine  # noqa: E402
+from engine.config import CallSettings  # noqa: E402
 from engine.data.batching import jagged  # noqa: E402
 from engine.integrations.verl import registered_cells  # noqa: E402
 from engine.integrations.verl.adapter import (  # noqa: E402
@@ -180,7 +181,7 @@ def test_a_dense_per_token_output_is_refused_by_name() -> None:
 def test_an_output_the_head_does_not_declare_is_refused_by_name() -> None:
     head = types.SimpleNamespace(name="scorer", outputs={"scores": per_token(3)})
     adapter = types.SimpleNamespace(engine=types.SimpleNamespace(head=head))
-    declared = ComposableEngine._declared(adapter)  # type: ignore[arg-type]
+    declared = ComposableEngine._declared(adapter, CallSettings())  # type: ignore[arg-type]
     assert declared("scores") == per_token(3)
     with pytest.raises(ConfigError, match="output 'extra' is not declared by head 'scorer'"):
         declared("extra")

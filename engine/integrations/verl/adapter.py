@@ -33,7 +33,7 @@ from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.base import BaseEngine
 
 from engine import checkpointing
-from engine.config import EngineConfig
+from engine.config import CallSettings, EngineConfig, head_options
 from engine.data.batching import ROUTED_EXPERTS, jagged_offsets, jagged_values
 from engine.engine import Engine
 from engine.integrations.verl.config import engine_config_from_verl, replay_mode
@@ -271,16 +271,14 @@ class ComposableEngine(BaseEngine):
         losses: dict[int, float] = {}
         metrics: dict[int, Any] = {}
         keep = forward_only or bool(_flag(data, "return_model_output", False))
-        with self._call_settings(data, forward_only):
-            declared = self._declared()  # the head of this call (its optional outputs on or off)
-            wrapped = None
-            if loss_function is not None:
-                wrapped = self._loss(
-                    data, loss_function, dp_group, dp_size, losses, metrics, declared
-                )
-            result = engine.forward_backward_batch(
-                batch, wrapped, forward_only=forward_only, return_outputs=keep
-            )
+        settings = self._call_settings(data)
+        declared = self._declared(settings)  # the call's head (its optional outputs on or off)
+        wrapped = None
+        if loss_function is not None:
+            wrapped = self._loss(data, loss_function, dp_group, dp_size, losses, metrics, declared)
+        result = engine.forward_backward_batch(
+            batch, wrapped, forward_only=forward_only, return_outputs=keep, settings=settings
+        )
         if not engine.holds_outputs():
             return {"model_output": {}, "loss": [], "metrics": {}}
         output: dict[str, Any] = {}
@@ -329,9 +327,10 @@ class ComposableEngine(BaseEngine):
             "takes the rollout's)"
         )
 
-    def _declared(self) -> Callable[[str], ResultSpec]:
-        """The head's declaration of an output key; ConfigError naming an undeclared one."""
-        head = self.engine.head
+    def _declared(self, settings: CallSettings) -> Callable[[str], ResultSpec]:
+        """The call's head's declaration of an output key; ConfigError naming an undeclared
+        one."""
+        head = settings.head_of(self.engine.head)
         results = declared_results(head)
 
         def spec(key: str) -> ResultSpec:
@@ -408,39 +407,27 @@ class ComposableEngine(BaseEngine):
 
         return loss
 
-    @contextlib.contextmanager
-    def _call_settings(self, data: TensorDict, forward_only: bool) -> Iterator[None]:
-        """The head (temperature, entropy, sum of squared probabilities) and micro-batching
-        verl's batch asks for, for one call: verl sends them with every batch, this engine fixes
-        them at build time."""
-        engine = self.engine
-        head, config = engine.head, engine.config
-        changes: dict[str, Any] = {}
-        fields = {field.name for field in attrs.fields(type(head))}
-        if "temperature" in fields and "temperature" in data.keys():
-            changes["temperature"] = _temperature(data)
+    def _call_settings(self, data: TensorDict) -> CallSettings:
+        """verl's batch flags as the call's settings: the head's temperature, entropy and sum
+        of squared probabilities (those the head has), and micro-batching."""
+        config = self.engine.config
+        options = head_options(self.engine.head)
+        head: dict[str, Any] = {}
+        if "temperature" in options and "temperature" in data.keys():
+            head["temperature"] = _temperature(data)
         for option, flag in (
             ("compute_entropy", "calculate_entropy"),
             ("compute_sum_pi_squared", "calculate_sum_pi_squared"),
         ):
-            if option in fields:
-                changes[option] = bool(_flag(data, flag, False))
-        settings: dict[str, int | None]
-        dynamic = _flag(data, "use_dynamic_bsz", config.max_tokens_per_micro_batch is not None)
-        if dynamic:
+            if option in options:
+                head[option] = bool(_flag(data, flag, False))
+        if _flag(data, "use_dynamic_bsz", config.max_tokens_per_micro_batch is not None):
             budget = _flag(data, "max_token_len_per_gpu", config.max_tokens_per_micro_batch)
             if budget is None:
                 raise ConfigError("verl use_dynamic_bsz needs max_token_len_per_gpu")
-            settings = {"max_tokens_per_micro_batch": int(budget)}
-        else:
-            size = _flag(data, "micro_batch_size_per_gpu", config.micro_batch_size)
-            settings = {"micro_batch_size": int(size), "max_tokens_per_micro_batch": None}
-        engine.head = attrs.evolve(head, **changes) if changes else head
-        engine.config = config.replace(**settings)
-        try:
-            yield
-        finally:
-            engine.head, engine.config = head, config
+            return CallSettings(max_tokens_per_micro_batch=int(budget), head=head)
+        size = _flag(data, "micro_batch_size_per_gpu", config.micro_batch_size)
+        return CallSettings(micro_batch_size=int(size), head=head)
 
     def disable_adapter(self) -> contextlib.AbstractContextManager[Any]:
         """The LoRA adapters off (``Engine.disable_adapter``): verl's ``TrainingWorker`` enters
