@@ -39,12 +39,30 @@ def load_hf_config(path: str | os.PathLike[str]) -> Any:
         raise CheckpointError(f"cannot read {path}/config.json: {error}") from error
 
 
-def model_config_from_hf(path: str | os.PathLike[str]) -> ModelConfig:
+def apply_overrides(hf: Any, overrides: Mapping[str, Any]) -> Any:
+    """transformers' config ``hf`` with ``overrides`` replacing its fields (``rope_scaling`` /
+    ``rope_theta`` also in ``rope_parameters``, where transformers 5.x reads them)."""
+    for key, value in overrides.items():
+        rope = getattr(hf, "rope_parameters", None)
+        if key in ("rope_scaling", "rope_theta") and rope:
+            hf.rope_parameters = {
+                **rope,
+                **(dict(value) if key == "rope_scaling" else {key: value}),
+            }
+        setattr(hf, key, value)
+    return hf
+
+
+def model_config_from_hf(
+    path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None
+) -> ModelConfig:
     """The ModelConfig of the checkpoint at ``path``, with ``hf_path`` set to load its weights;
-    its tensors are checked against the model its config describes."""
+    its tensors are checked against the model its config describes. ``overrides`` replace
+    config.json fields first (as transformers' ``from_pretrained(**kwargs)`` and verl's
+    ``override_config`` do), then go through the same checks."""
     from strategies.hf.consistency import check_checkpoint_tensors
 
-    hf = load_hf_config(path)
+    hf = apply_overrides(load_hf_config(path), overrides or {})
     family = getattr(hf, "model_type", None)
     if family not in _FAMILY_CHECKS:
         raise ConfigError(

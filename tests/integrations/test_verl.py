@@ -887,6 +887,36 @@ def test_every_refused_setting_is_named_in_one_error(qwen3: str, distributed: No
         assert f"- verl {setting}: {hint}" in message, (setting, message)
 
 
+def test_override_config_keys_that_change_the_model_are_applied_and_others_refused(
+    qwen3: str, distributed: None
+) -> None:
+    """verl's ``model.override_config``: the context length and the rotary base reach the
+    engine's model (read as config.json fields are), ``attn_implementation`` (verl's kernel
+    choice) is accepted and ignored, and a key the engine does not read is refused by name."""
+    from engine.integrations.verl.config import engine_config_from_verl
+
+    settings = dict(
+        engine_config=FSDPEngineConfig(strategy="fsdp2"),
+        optimizer_config=FSDPOptimizerConfig(),
+        checkpoint_config=CheckpointConfig(),
+        world_size=1,
+    )
+    overrides = {"max_position_embeddings": 64, "rope_theta": 5000, "attn_implementation": "sdpa"}
+    model = HFModelConfig(path=qwen3, load_tokenizer=False, override_config=overrides)
+    _, _, config = engine_config_from_verl(model_config=model, **settings)
+    assert config.model.max_sequence_length == 64
+    assert config.model.rotary_base == 5000
+    _, _, plain = engine_config_from_verl(
+        model_config=HFModelConfig(path=qwen3, load_tokenizer=False), **settings
+    )
+    assert plain.model.max_sequence_length == 128 and plain.model.rotary_base != 5000
+    model = HFModelConfig(
+        path=qwen3, load_tokenizer=False, override_config={"num_hidden_layers": 1}
+    )
+    with pytest.raises(ConfigError, match=r"override_config\.num_hidden_layers=1.*not read"):
+        engine_config_from_verl(model_config=model, **settings)
+
+
 @pytest.mark.parametrize(("strategy", "backend"), STRATEGIES)
 def test_use_fused_kernels_builds_and_gives_the_same_log_probs(
     qwen3: str, distributed: None, strategy: str, backend: str
@@ -1013,8 +1043,9 @@ def test_router_replay_r2_records_and_replays_the_actors_routes(
 def test_router_replay_r3_takes_the_rollouts_routes_one_short(
     qwen3_moe: str, distributed: None
 ) -> None:
-    """R3: the rollout's routes, none for the last generated token, are replayed in every pass
-    of the actor; the log-probs verl reads are those of the full routes."""
+    """R3: the rollout's routes, none for the last generated token (one short, or zeros as
+    verl's agent loop fills them in), are replayed in every pass of the actor; the log-probs
+    verl reads are those of the full routes."""
     worker = _replay_worker(qwen3_moe, "R3")
     rows = _rollout()
     with pytest.raises(ConfigError, match="no 'routed_experts' to replay"):
@@ -1031,6 +1062,12 @@ def test_router_replay_r3_takes_the_rollouts_routes_one_short(
     short = jagged([row[:-1] for row in routes.unbind()])
     one_short = _log_probs(worker, rows, enable_routing_replay=True, routed_experts=short)[1]
     torch.testing.assert_close(one_short, full, atol=0, rtol=0)
+    # verl's agent loop fills what the rollout did not route with zeros, to full length
+    zero_filled = jagged(
+        [torch.cat([row[:-1], torch.zeros_like(row[-1:])]) for row in routes.unbind()]
+    )
+    filled = _log_probs(worker, rows, enable_routing_replay=True, routed_experts=zero_filled)[1]
+    torch.testing.assert_close(filled, full, atol=0, rtol=0)
     native = _log_probs(worker, rows)[1]
     assert float((full - native).abs().max()) > 1e-4
     with pytest.raises(ConfigError, match="no 'routed_experts' to replay"):

@@ -156,15 +156,16 @@ def test_under_full_determinism_a_request_samples_alike_whatever_shares_its_batc
     generator, _ = _synced(model, full_determinism=True)
     generator.set_global_steps(3)
     alone = _generate(generator, PROMPTS[:1], ["det-5"], temperature=1.0)
-    together = _generate(generator, PROMPTS[::-1], ["det-9", "det-7", "det-5"], temperature=1.0)
-    assert together[2].token_ids == alone[0].token_ids
-    again, _ = _synced(model, full_determinism=True)
+    again, _ = _synced(model, full_determinism=True)  # a resumed run's generator
     again.set_global_steps(3)
-    assert _generate(again, PROMPTS[:1], ["det-5"], temperature=1.0)[0].token_ids == (
-        alone[0].token_ids
-    )
+    together = _generate(again, PROMPTS[::-1], ["det-9", "det-7", "det-5"], temperature=1.0)
+    assert together[2].token_ids == alone[0].token_ids
     many = _generate(generator, PROMPTS[:1] * 8, [f"det-{i}" for i in range(8)], temperature=1.0)
     assert len({tuple(o.token_ids) for o in many}) > 1  # ids draw different streams
+    # verl sends a prompt's n samples under one id: each still draws its own stream
+    generator.set_global_steps(4)
+    same = _generate(generator, PROMPTS[:1] * 8, ["det-1"] * 8, temperature=1.0)
+    assert len({tuple(o.token_ids) for o in same}) > 1
 
 
 def test_generation_stops_at_end_of_sequence_unless_told_to_ignore_it(model: str) -> None:
@@ -248,11 +249,15 @@ def distributed() -> None:
 
 
 @pytest.mark.parametrize("backend", ["fsdp2", "megatron"])
+@pytest.mark.parametrize("experts", [False, True], ids=["dense", "moe"])
 def test_a_sync_from_the_engine_gives_the_generator_its_weights_bit_for_bit(
-    model: str, distributed: None, backend: str
+    model: str, moe_model: str, distributed: None, backend: str, experts: bool
 ) -> None:
     """The engine's ``get_per_tensor_param`` through the adapter's buckets: every weight the
-    generator has arrives, equal bit for bit, and its log-probs are the engine's."""
+    generator has arrives, equal bit for bit (a mixture-of-experts layer's experts one tensor
+    each, as checkpoints hold them, into transformers' fused parameters), and its log-probs
+    are the engine's."""
+    model = moe_model if experts else model
     engine = Engine.build(
         head="lm", backend=backend, device="cpu", config={"model": model, "micro_batch_size": 2}
     ).initialize()

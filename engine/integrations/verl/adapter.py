@@ -552,7 +552,9 @@ def _build(head: str, backend: str, device: str, config: EngineConfig) -> Engine
 def _aligned_routes(routes: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """verl's ``routed_experts`` (jagged ``[b, tokens, layers, k]``) one route per input token:
     a row one short gets the placeholder route ``0..k-1`` for its last token (whose output
-    scores nothing verl reads). ConfigError naming the field for anything else."""
+    scores nothing verl reads), and so do the trailing all-zero routes verl's agent loop fills
+    in for tokens the rollout did not route (with ``k > 1``: a real route names ``k`` distinct
+    experts). ConfigError naming the field for anything else."""
     if not (isinstance(routes, torch.Tensor) and routes.is_nested):
         raise ConfigError(f"verl's {ROUTED_EXPERTS!r} must be jagged [b, tokens, layers, k]")
     route_rows = list(routes.unbind())
@@ -568,10 +570,16 @@ def _aligned_routes(routes: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
                 f"verl's {ROUTED_EXPERTS!r} must be [b, tokens, layers, k]; row {index} has "
                 f"shape {tuple(row.shape)}"
             )
+        k = row.shape[2]
+        placeholder = torch.arange(k, dtype=row.dtype, device=row.device)
         if row.shape[0] == length - 1:
-            k = row.shape[2]
-            placeholder = torch.arange(k, dtype=row.dtype, device=row.device)
             row = torch.cat([row, placeholder.expand(1, row.shape[1], k)])
+        elif row.shape[0] == length and k > 1:
+            routed = (row != 0).flatten(1).any(-1)
+            recorded = int(routed.nonzero().max()) + 1 if bool(routed.any()) else 0
+            if recorded < length:
+                row = row.clone()
+                row[recorded:] = placeholder
         elif row.shape[0] != length:
             raise ConfigError(
                 f"verl's {ROUTED_EXPERTS!r} row {index} has {row.shape[0]} routes for {length} "

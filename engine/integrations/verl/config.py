@@ -45,7 +45,6 @@ REFUSED: list[tuple[str, str, Callable[[Any], bool], str]] = [
     ),
     ("model", "use_liger", _off, "Liger kernels are verl's FSDP engine's"),
     ("model", "external_lib", lambda v: v is None, "external model code is not loaded"),
-    ("model", "override_config", _no_mapping_entries, "config.json is read as it is"),
     ("model", "enable_activation_offload", _off, "activation offload is not supported"),
     ("model", "tiled_mlp", lambda v: not _get(v or {}, "enabled", False), "no tiled MLP"),
     ("model", "mtp", lambda v: not _get(v, "enable", False), "no multi-token prediction"),
@@ -410,6 +409,32 @@ def _optimizer_and_schedule(
     return optimizer, schedule, total_steps
 
 
+#: ``model.override_config`` keys that change the model, applied to its config.json before the
+#: engine reads it (and checked as config.json fields are).
+MODEL_OVERRIDES = ("max_position_embeddings", "rope_scaling", "rope_theta", "rope_parameters")
+#: Keys that choose only how verl's own engines compute (this engine picks its own attention).
+IGNORED_OVERRIDES = ("attn_implementation",)
+
+
+def model_overrides(model_config: Any, refusals: Refusals) -> dict[str, Any]:
+    """verl's ``model.override_config`` entries the engine applies; any other key is refused by
+    name."""
+    overrides = dict(_get(model_config, "override_config", None) or {})
+    applied = {}
+    for key, value in overrides.items():
+        if key in MODEL_OVERRIDES:
+            applied[key] = dict(value) if isinstance(value, Mapping) else value
+        elif key not in IGNORED_OVERRIDES:
+            refusals.add(
+                "model",
+                f"override_config.{key}",
+                value,
+                f"not read by this engine (it applies {', '.join(MODEL_OVERRIDES)}; "
+                f"{', '.join(IGNORED_OVERRIDES)} picks verl's kernels and is ignored)",
+            )
+    return applied
+
+
 def engine_config_from_verl(
     *,
     model_config: Any,
@@ -432,6 +457,7 @@ def engine_config_from_verl(
         checkpoint=checkpoint_config,
     )
     path = _get(model_config, "local_path", None) or _get(model_config, "path")
+    overrides = model_overrides(model_config, refusals)
     optimizer, schedule, total_steps = _optimizer_and_schedule(optimizer_config, refusals)
     dtype = compute_dtype(engine_config, backend, refusals)
     options = _backend_options(backend, model_config, engine_config, world_size, refusals)
@@ -441,9 +467,14 @@ def engine_config_from_verl(
     dynamic = bool(_get(engine_config, "use_dynamic_bsz", False))
     budget = _get(engine_config, "max_token_len_per_gpu", None)
     parallel = _parallel(engine_config)
+    model: Any = str(path)
+    if overrides:
+        from strategies.hf.config import model_config_from_hf
+
+        model = model_config_from_hf(str(path), overrides)
     config = EngineConfig.from_dict(
         {
-            "model": str(path),
+            "model": model,
             "parallel": parallel,
             "packing": packing(model_config, parallel),
             "optimizer": optimizer,

@@ -28,12 +28,14 @@ On a host with an accelerator nothing is changed: the overrides go to verl as th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
 import hydra
 
 from engine.integrations.verl.cells import ROLLOUT
+from heads.errors import ConfigError
 
 #: Ray's logical CPUs when the overrides do not say (scheduling slots, not cores).
 RAY_CPUS = 32
@@ -114,14 +116,57 @@ def prepare(config: Any, overrides: list[str] | None = None) -> None:
         )
 
 
+def console_metrics(output: str) -> dict[int, dict[str, float]]:
+    """The numeric metrics of each iteration in the output of verl's console logger
+    (``step:N - key:value - ...``), by iteration."""
+    import re
+
+    steps: dict[int, dict[str, float]] = {}
+    for step, line in re.findall(r"step:(\d+) - (.*)", output):
+        metrics = {}
+        for item in line.split(" - "):
+            key, _, value = item.partition(":")
+            with contextlib.suppress(ValueError):
+                metrics[key.strip()] = float(value)
+        steps[int(step)] = metrics
+    return steps
+
+
+def check(config: Any) -> None:
+    """Refuse before Ray starts what a worker would refuse minutes later: rollout settings the
+    ``composable_hf`` generator cannot honour, and local models of a family the engine does
+    not read (actor, critic), each by name."""
+    from pathlib import Path
+
+    from verl.trainer.ppo.utils import need_critic
+
+    from strategies.hf.config import model_config_from_hf
+
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.name == ROLLOUT:
+        from engine.integrations.verl.rollout import check_settings
+
+        check_settings(rollout)
+    paths = {"actor_rollout_ref.model.path": config.actor_rollout_ref.model.path}
+    if need_critic(config):
+        paths["critic.model.path"] = config.critic.model.path
+    for key, path in paths.items():
+        if path and Path(str(path)).expanduser().is_dir():
+            try:
+                model_config_from_hf(Path(str(path)).expanduser())
+            except ConfigError as error:
+                raise ConfigError(f"{key}={path}: {error}") from error
+
+
 def run(config: Any, overrides: list[str] | None = None) -> None:
-    """What verl's ``main_ppo.main`` does, after :func:`prepare`."""
+    """What verl's ``main_ppo.main`` does, after :func:`prepare` and :func:`check`."""
     from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device
 
     prepare(config, overrides)
+    check(config)
     auto_set_device(config)
     validate_config(
         config=config,

@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import os
 from collections.abc import Generator, Iterator
 from typing import Any
@@ -45,7 +46,10 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from engine.integrations.verl.cells import ROLLOUT
+from engine.integrations.verl.config import Refusals, model_overrides
 from heads.errors import ConfigError
+from strategies.hf.config import apply_overrides
+from strategies.hf.experts import CheckpointLayout
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +157,7 @@ class HFGenerator:
         hf_config = AutoConfig.from_pretrained(
             path, trust_remote_code=bool(getattr(model_config, "trust_remote_code", False))
         )
+        apply_overrides(hf_config, model_overrides(model_config, Refusals()))  # as the trainer
         if getattr(config, "enable_rollout_routing_replay", False) and not _is_moe(hf_config):
             raise ConfigError(
                 f"{NAME} rollout: enable_rollout_routing_replay=True needs a "
@@ -160,6 +165,11 @@ class HFGenerator:
             )
         self.model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
         self.shapes = {name: p.shape for name, p in self.model.named_parameters()}
+        self.targets = self._targets()
+        # what a sync must fill: each parameter's checkpoint tensors (one, or its experts')
+        layout = CheckpointLayout(hf_config.model_type)
+        self.pieces = {name: layout.names(name, shape) for name, shape in self.shapes.items()}
+        self.received: set[str] = set()
         self.stop_ids = _stop_token_ids(hf_config, path)
         self.max_model_len = config.max_model_len or (config.prompt_length + config.response_length)
         self.loaded = True  # weights allocated
@@ -173,6 +183,8 @@ class HFGenerator:
         self.paused = False
         self.routes = _RouteRecorder(self.model) if _is_moe(hf_config) else None
         self.global_steps: int | None = None
+        self.seen_step: int | None = None
+        self.seen: dict[str, int] = {}
 
     # ---- verl's server calls -------------------------------------------------------------
     def get_server_address(self) -> tuple[str, int]:
@@ -214,7 +226,7 @@ class HFGenerator:
         params.setdefault("ignore_eos", bool(getattr(self.config, "ignore_eos", False)))
         sampling = Sampling.of(params, max(1, min(int(requested), room)))
         done: asyncio.Future[TokenOutput] = asyncio.get_running_loop().create_future()
-        self.pending.append(_Request(str(request_id), prompt_ids, sampling, done))
+        self.pending.append(_Request(self._stream_key(str(request_id)), prompt_ids, sampling, done))
         loop = asyncio.get_running_loop()
         if self.wakeup is None or self.loop is not loop:  # one serving task per event loop
             self.loop, self.wakeup = loop, asyncio.Event()
@@ -250,9 +262,18 @@ class HFGenerator:
                         if not request.done.done():
                             request.done.set_result(output)
 
+    def _stream_key(self, request_id: str) -> str:
+        """A request's stream key: its id and how many times the id came before in this step
+        (verl sends the ``n`` samples of a prompt under one id; each draws its own stream)."""
+        if self.seen_step != self.global_steps:
+            self.seen_step, self.seen = self.global_steps, {}
+        count = self.seen.get(request_id, 0)
+        self.seen[request_id] = count + 1
+        return f"{request_id}#{count}"
+
     def _row_generators(self, request_ids: list[str]) -> list[torch.Generator]:
         """Each row's random stream. Under ``full_determinism`` (verl then sends stable request
-        ids) a row's stream depends on the seed, the weights' step and its request id only,
+        ids) a row's stream depends on the seed, the weights' step and its stream key only,
         not on which requests share its batch: a run and its resumed copy sample alike.
         Otherwise the rows share the replica's stream."""
         if not getattr(self.config, "full_determinism", False):
@@ -368,31 +389,70 @@ class HFGenerator:
             self.loaded = True
 
     def update_weights(self, named: list[tuple[str, torch.Tensor]], last: bool) -> None:
-        """Copy one bucket of (Hugging Face name, tensor) into the model."""
+        """Copy one bucket of (Hugging Face name, tensor) into the model: checkpoint names (the
+        engine's export; a mixture-of-experts layer's experts one tensor each) or transformers'
+        own parameter names."""
         self.resume(["weights"])
         state = self.model.state_dict(keep_vars=True)
         for name, tensor in named:
-            target = state.get(name)
+            target = self.targets.get(name)
             if target is None:
                 raise KeyError(
                     f"{NAME} rollout: the trainer sent {name!r}, which the generator's "
                     f"{type(self.model).__name__} does not have"
                 )
-            if target.shape != tensor.shape:
+            parameter, rows = target
+            destination = state[parameter].data
+            if rows is not None:  # one expert's projection inside a fused parameter
+                destination = destination.view(-1, destination.shape[-1])[rows]
+            if destination.shape != tensor.shape:
                 raise ValueError(
                     f"{NAME} rollout: {name!r} has shape {tuple(tensor.shape)} from the "
-                    f"trainer and {tuple(target.shape)} in the generator"
+                    f"trainer and {tuple(destination.shape)} in the generator"
                 )
-            target.data.copy_(tensor)
+            destination.copy_(tensor)
+            self.received.update(self.pieces.get(parameter, ()) if rows is None else (name,))
         if last:
+            missing = sorted(
+                piece
+                for pieces in self.pieces.values()
+                for piece in pieces
+                if piece not in self.received
+            )
+            self.received = set()
+            if missing:
+                raise ValueError(
+                    f"{NAME} rollout: the trainer's weights lack {len(missing)} the generator "
+                    f"needs, e.g. {missing[:3]} (they would keep stale or released values)"
+                )
             self.synced = True
+
+    def _targets(self) -> dict[str, tuple[str, slice | None]]:
+        """Each name a sync may send -> (the model's parameter or buffer, its rows or None)."""
+        layout = CheckpointLayout(self.model.config.model_type)
+        targets: dict[str, tuple[str, slice | None]] = {}
+        for name, tensor in self.model.state_dict(keep_vars=True).items():
+            shape = self.shapes.get(name, tensor.shape)
+            targets[name] = (name, None)
+            pieces = layout.names(name, shape)
+            if len(pieces) > 1:
+                rows = math.prod(shape[:-1]) // len(pieces)
+                for index, piece in enumerate(pieces):
+                    targets[piece] = (name, slice(index * rows, (index + 1) * rows))
+        return targets
 
     def set_global_steps(self, global_steps: int | None) -> None:
         self.global_steps = global_steps
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """The generator's weights (for checks: the trainer's sync must equal them)."""
-        return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
+        """The generator's weights under checkpoint names (for checks: the trainer's sync must
+        equal them)."""
+        layout = CheckpointLayout(self.model.config.model_type)
+        return {
+            stored: piece.detach().clone()
+            for name, tensor in self.model.state_dict().items()
+            for stored, piece in layout.split(name, tensor)
+        }
 
     def statistics(self) -> dict[str, int]:
         return {"batches": self.batches}
