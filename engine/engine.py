@@ -14,36 +14,24 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-import attrs
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
 from engine.config import CallSettings, EngineConfig, call_settings, coerce_config
 from engine.data.batching import (
-    INPUT_IDS,
     ROUTED_EXPERTS,
-    MicroBatch,
-    fields,
     first_non_finite,
-    is_jagged,
-    jagged_values,
     labels_as_loss_mask,
     restore_outputs,
-    sequence_lengths,
-    split_into,
     to_jagged,
-    validate_batch,
+    validated,
 )
 from engine.data.micro_batching import MicroBatchPlan, plan_fixed, plan_for_data_parallel
 from engine.data.routing import check_routed_experts
 from engine.host_values import Number, fetch
 from engine.losses.contract import (
-    SCORED_TOKENS,
-    SEQUENCES,
-    LossContext,
     LossFn,
-    checked_loss,
     field_granularity,
     is_token_separable,
     metrics_per_name,
@@ -52,15 +40,12 @@ from engine.losses.contract import (
 )
 from engine.non_finite import ZERO_GRADIENT, NonFiniteGuard
 from engine.registry import BACKENDS, DEVICES, HEADS, check_part, resolve_device
+from engine.step import MicroBatchWork, StepResults, prepare_step, refused_everywhere
 from heads.base import (
     PER_SEQUENCE,
     PER_TOKEN,
     Head,
-    HeadContext,
-    apply_head,
-    apply_head_with_loss,
     check_fused,
-    check_results,
     declared_results,
 )
 from heads.errors import BatchError, ConfigError, EngineStateError
@@ -80,7 +65,7 @@ from strategies.backends.base import (
     require,
 )
 from strategies.devices.base import DevicePlatform
-from strategies.distributed import all_reduce_values, collective_device, world_size
+from strategies.distributed import collective_device, world_size
 from strategies.hf.files import padding_token_id
 from strategies.model_size import check_fits, count_parameters
 
@@ -347,13 +332,13 @@ class Engine:
                 )
         head, config = self._for_call(settings)
         self._enter_call_mode(what, training=not forward_only)
-        step = self._forward_backward(
+        results = self._forward_backward(
             batch, loss_function, forward_only, head, config, return_outputs=return_outputs
         )
-        losses, metrics, _ = self._fetch(step)
-        if not step.holds_outputs:
+        losses, metrics, _ = self._fetch(results)
+        if not results.holds_outputs:
             return {"model_output": None, "loss": [], "metrics": {}}
-        return {"model_output": step.outputs, "loss": losses, "metrics": metrics}
+        return {"model_output": results.outputs, "loss": losses, "metrics": metrics}
 
     def _forward_backward(
         self,
@@ -364,124 +349,69 @@ class Engine:
         config: EngineConfig,
         *,
         return_outputs: bool,
-    ) -> _Step:
+    ) -> StepResults:
         """``forward_backward_batch``'s work with the call's ``head`` and ``config``, its
         numbers left where they were computed (on the device) for :meth:`_fetch` to bring over
         in one transfer."""
+        self._check_outputs(loss_function, head)
         fields = required_fields(loss_function) if loss_function is not None else ()
         layouts = field_granularity(loss_function) if loss_function is not None else {}
-        self._check_outputs(loss_function, head)
-        rows = self._validated(batch, fields, granularity=layouts, every_rank=True)
-        plan = self._plan(rows, config)
-        micro_batches = split_into(rows, plan.groups, packed=plan.packed)
-        counts = self._global_counts(rows)
-        produced: list[dict[str, torch.Tensor]] = [{} for _ in micro_batches]
-        step = _Step(
-            losses=[0.0] * len(micro_batches), metrics=[{} for _ in micro_batches], checks=[]
+        try:
+            rows: tuple[TensorDict, torch.Tensor] | BatchError = self._checked(
+                batch, fields, layouts
+            )
+        except BatchError as error:
+            rows = error
+        step = prepare_step(
+            batch,
+            rows,
+            lambda lengths: self._plan(lengths, config),
+            self.backend.data_parallel_group(),
         )
-        device = self.device or torch.device("cpu")
-        per_token = {
-            key for key, spec in declared_results(head).items() if spec.granularity == PER_TOKEN
-        }
-        # a fused LM head then computes the loss's gradient in its forward pass
-        separable = not forward_only and is_token_separable(loss_function)
-
-        def consume(
-            index: int, raw: torch.Tensor, head_ctx: HeadContext
-        ) -> tuple[torch.Tensor, dict[str, Any]]:
-            micro_batch: MicroBatch = micro_batches[index]
-            # host-to-device copies that do not wait for the device's queue
-            data = micro_batch.data.to(device, non_blocking=True)
-            packed = micro_batch.cu_seqlens
-            head_ctx = attrs.evolve(
-                head_ctx,
-                deferred_checks=step.checks,
-                sequence_lengths=micro_batch.lengths,
-                cu_seqlens=None if packed is None else packed.to(device, non_blocking=True),
-            )
-            # the ids the model ran on: the padded ones are already on the device with ``data``
-            model_ids = (
-                data[INPUT_IDS]
-                if packed is None
-                else micro_batch.input_ids.to(device, non_blocking=True)
-            )
-            ctx = LossContext(
-                micro_batch_index=index,
-                num_micro_batches=len(micro_batches),
-                data_parallel_size=self.backend.data_parallel_size(),
-                global_counts=counts,
-            )
-
-            def for_loss(results: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-                if packed is None:  # loss functions see right-padded rows
-                    return dict(results)
-                return {
-                    key: micro_batch.unpack(value) if key in per_token else value
-                    for key, value in results.items()
-                }
-
-            anchor = None
-            if separable:
-                assert loss_function is not None
-
-                def loss_of(results: Mapping[str, torch.Tensor]) -> torch.Tensor:
-                    answer = loss_function(for_loss(results), data, ctx)
-                    return checked_loss(answer, training=True)[0]
-
-                outputs, anchor = apply_head_with_loss(head, raw, model_ids, head_ctx, loss_of)
-            else:
-                outputs = apply_head(head, raw, model_ids, head_ctx)
-            check_results(head, outputs, model_ids, head_ctx, deferred=step.checks)
-            outputs = for_loss(outputs)
-            if return_outputs:
-                produced[index] = {key: value.detach() for key, value in outputs.items()}
-            if loss_function is None:
-                return raw.sum() * 0.0, {}
-            loss, loss_metrics = checked_loss(
-                loss_function(outputs, data, ctx), training=not forward_only and anchor is None
-            )
-            if anchor is not None:  # the outputs are detached: the anchor carries the gradient
-                loss = loss.detach() + anchor
-            step.losses[index] = loss.detach()
-            step.metrics[index] = loss_metrics
-            return loss, loss_metrics
-
-        grad_context = torch.no_grad() if forward_only else contextlib.nullcontext()
-        with grad_context:
-            self.backend.forward_backward(micro_batches, consume, forward_only)
+        results = StepResults.of(step)
+        declared = declared_results(head)
+        work = MicroBatchWork(
+            head=head,
+            loss_function=loss_function,
+            forward_only=forward_only,
+            return_outputs=return_outputs,
+            device=self.device or torch.device("cpu"),
+            data_parallel_size=self.backend.data_parallel_size(),
+            per_token=frozenset(k for k, spec in declared.items() if spec.granularity == PER_TOKEN),
+            results=results,
+            separable=not forward_only and is_token_separable(loss_function),
+        )
+        with torch.no_grad() if forward_only else contextlib.nullcontext():
+            self.backend.forward_backward(step, work, forward_only)
         if config.router_replay:  # collective: before the ranks without outputs leave
-            routes = require(self.backend, RouterReplay).recorded_routes()
-            for produced_here, routed in zip(produced, routes, strict=True):
+            routes = require(self.backend, RouterReplay).recorded_routes(step)
+            for produced_here, routed in zip(results.produced, routes, strict=True):
                 if return_outputs:
                     produced_here[ROUTED_EXPERTS] = routed
-        step.holds_outputs = self.backend.holds_outputs()
-        if step.holds_outputs and return_outputs:
-            per_sequence = [
-                key
-                for key, spec in declared_results(head).items()
-                if spec.granularity == PER_SEQUENCE
-            ]
-            step.outputs = restore_outputs(
-                produced, micro_batches, rows.batch_size[0], per_sequence
+        results.holds_outputs = self.backend.holds_outputs()
+        if results.holds_outputs and return_outputs:
+            per_sequence = [k for k, spec in declared.items() if spec.granularity == PER_SEQUENCE]
+            results.outputs = restore_outputs(
+                results.produced, step.micro_batches, step.rows.batch_size[0], per_sequence
             )
-        return step
+        return results
 
     def _fetch(
-        self, step: _Step, extra: Iterable[Number] = ()
+        self, results: StepResults, extra: Iterable[Number] = ()
     ) -> tuple[list[float], dict[str, list[float]], list[float]]:
         """The step's losses, metrics (per name, per micro-batch) and ``extra`` numbers as host
         floats, in one transfer; raises the first deferred head-contract violation."""
-        per_name = metrics_per_name(step.metrics)
+        per_name = metrics_per_name(results.metrics)
         extra = list(extra)
-        flags = [flag for flag, _ in step.checks]
+        flags = [flag for flag, _ in results.checks]
         values = fetch(
-            [*step.losses, *(v for values in per_name.values() for v in values), *flags, *extra]
+            [*results.losses, *(v for values in per_name.values() for v in values), *flags, *extra]
         )
-        losses, rest = values[: len(step.losses)], values[len(step.losses) :]
+        losses, rest = values[: len(results.losses)], values[len(results.losses) :]
         metrics = {}
         for name, numbers in per_name.items():
             metrics[name], rest = rest[: len(numbers)], rest[len(numbers) :]
-        for (_, message), flag in zip(step.checks, rest, strict=False):
+        for (_, message), flag in zip(results.checks, rest, strict=False):
             if flag:
                 raise ConfigError(message)
         return losses, metrics, rest[len(flags) :]
@@ -495,52 +425,34 @@ class Engine:
         take them). The batch is checked as ``forward_backward_batch`` checks it (BatchError).
         Collective over the data-parallel ranks when planning by token budget."""
         config = self._for_call(settings)[1]
-        collective = config.max_tokens_per_micro_batch is not None
-        return self._plan(self._validated(batch, every_rank=collective), config)
-
-    def _validated(
-        self,
-        batch: object,
-        fields: Iterable[str] = (),
-        *,
-        granularity: Mapping[str, str] | None = None,
-        every_rank: bool,
-    ) -> TensorDict:
-        """The batch, checked and jagged (``fields`` present, laid out as ``granularity`` says).
-        ``every_rank``: a batch refused on one data-parallel rank is refused on all of them (one
-        all-reduce), so that no rank goes on into the step's collectives and pairs them with the
-        refusing rank's next step."""
-        model = self.config.model
-        failure: BatchError | None = None
         try:
-            rows = labels_as_loss_mask(
-                to_jagged(
-                    validate_batch(
-                        batch,
-                        fields,
-                        granularity=granularity,
-                        vocab_size=model.vocab_size,
-                        max_length=model.max_sequence_length,
-                        pad_token_id=self._pad_token_id,
-                    )
-                )
-            )
-            check_routed_experts(rows, model, replay=self.config.router_replay)
+            rows: tuple[TensorDict, torch.Tensor] | BatchError = self._checked(batch)
         except BatchError as error:
-            failure = error
-        group = self._data_parallel_group_if_any() if every_rank else None
-        if group is not None:
-            (failed,) = all_reduce_values(
-                [float(failure is not None)], op=dist.ReduceOp.MAX, group=group
-            )
-            if failed and failure is None:
-                raise BatchError(
-                    "another data-parallel rank's batch was refused (its own error says why); "
-                    "every rank stops here, so that none runs this step without it"
-                )
-        if failure is not None:
-            raise failure
-        return rows
+            rows = error
+        if config.max_tokens_per_micro_batch is not None:  # collective: refused on every rank
+            rows = refused_everywhere(rows, self.backend.data_parallel_group())
+        if isinstance(rows, BatchError):
+            raise rows
+        return self._plan(rows[1], config)
+
+    def _checked(
+        self, batch: object, fields: Iterable[str] = (), layouts: Mapping[str, str] | None = None
+    ) -> tuple[TensorDict, torch.Tensor]:
+        """The batch, checked and jagged (``fields`` present, laid out as ``layouts`` says), and
+        its sequence lengths; BatchError on this rank alone (a step's refusal reaches every rank
+        with its counts)."""
+        model = self.config.model
+        checked, lengths = validated(
+            batch,
+            fields,
+            granularity=layouts,
+            vocab_size=model.vocab_size,
+            max_length=model.max_sequence_length,
+            pad_token_id=self._pad_token_id,
+        )
+        rows = labels_as_loss_mask(to_jagged(checked))
+        check_routed_experts(rows, model, replay=self.config.router_replay)
+        return rows, lengths
 
     def _data_parallel_group_if_any(self) -> dist.ProcessGroup | None:
         """The data-parallel group when there is data parallelism, else None."""
@@ -548,8 +460,7 @@ class Engine:
             return self.backend.data_parallel_group()
         return None
 
-    def _plan(self, batch: TensorDict, config: EngineConfig) -> MicroBatchPlan:
-        lengths = sequence_lengths(batch)
+    def _plan(self, lengths: torch.Tensor, config: EngineConfig) -> MicroBatchPlan:
         budget, packed = config.max_tokens_per_micro_batch, config.packing
         if budget is None:
             return plan_fixed(lengths, config.micro_batch_size, packed=packed)
@@ -592,7 +503,7 @@ class Engine:
         self._enter_call_mode("train_batch", training=True)
         start = time.perf_counter()
         self.optimizer_zero_grad()
-        step = self._forward_backward(
+        results = self._forward_backward(
             batch, loss_function, False, head, config, return_outputs=False
         )
         lr = self.backend.current_lr()
@@ -601,22 +512,22 @@ class Engine:
         norm_parts, finish_norm = self._grad_norm_parts()
         extra = list(norm_parts)
         group = self._data_parallel_group_if_any()
-        if step.holds_outputs and group is not None:
-            extra.append(self._data_parallel_sum_on_device(step.losses, group))
-        losses, metrics, extra_values = self._fetch(step, extra)
+        if results.holds_outputs and group is not None:
+            extra.append(self._data_parallel_sum_on_device(results.losses, group))
+        losses, metrics, extra_values = self._fetch(results, extra)
         grad_norm = finish_norm(extra_values[: len(norm_parts)])
         loss = sum(losses) if losses else None
         grad_norm, skip_reason = self._guarded_step(loss, batch, grad_norm=grad_norm)
         if step_lr and skip_reason is None:
             self.lr_scheduler_step()
         elapsed = time.perf_counter() - start
-        num_tokens = int(sequence_lengths(batch).sum())
+        num_tokens = int(results.step.lengths.sum())
         summary: dict[str, float | str] = {
             name: sum(values) / len(values) for name, values in metrics.items() if values
         }
         if isinstance(self.backend, RouterStatistics):  # collective: on every rank
-            summary.update(self.backend.router_statistics())
-        if step.holds_outputs:
+            summary.update(self.backend.router_statistics(results.step))
+        if results.holds_outputs:
             summary["loss"] = extra_values[-1] if group is not None else sum(losses)
         summary.update(
             grad_norm=grad_norm,
@@ -921,31 +832,6 @@ class Engine:
             total += value.to(where, torch.float64) if isinstance(value, torch.Tensor) else value
         dist.all_reduce(total, group=group)
         return total
-
-    def _global_counts(self, rows: TensorDict) -> dict[str, float]:
-        """Token, sequence and mask sums over the whole global batch (one all-reduce)."""
-        lengths = sequence_lengths(rows)
-        names = [SCORED_TOKENS, SEQUENCES]
-        values = [float((lengths - 1).sum()), float(len(lengths))]
-        for name, value in fields(rows):
-            if name.endswith("mask") and is_jagged(value):
-                names.append(name)
-                values.append(float(jagged_values(value).float().sum()))
-        totals = all_reduce_values(values, group=self.backend.data_parallel_group())
-        return dict(zip(names, totals, strict=True))
-
-
-@attrs.define
-class _Step:
-    """One forward(-backward) pass over a batch, its numbers not yet fetched from the device."""
-
-    #: Per micro-batch: the loss (a detached one-element tensor) and the loss's metrics.
-    losses: list[Number]
-    metrics: list[Mapping[str, Number]]
-    #: Head-contract checks left on the device: (violated, message).
-    checks: list[tuple[torch.Tensor, str]]
-    holds_outputs: bool = False
-    outputs: TensorDict | None = None
 
 
 WHILE_ITERATING = "get_per_tensor_param() (while its iterator is in use)"

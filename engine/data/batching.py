@@ -15,7 +15,7 @@ import importlib
 import logging
 import numbers
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import attrs
 import torch
@@ -189,6 +189,8 @@ class MicroBatch:
     """
 
     indices: torch.Tensor
+    #: Real tokens of each sequence, ``[b]`` (the batch's lengths, taken once per step).
+    lengths: torch.Tensor
     #: ``input_ids``, ``attention_mask`` and every other field, right-padded ``[b, s]``: what
     #: loss functions see, whatever the model's layout.
     data: TensorDict
@@ -213,11 +215,6 @@ class MicroBatch:
         """Router replay: the experts to route each token to, ``[b, s, moe_layers, top_k]``."""
         return self.data.get(ROUTED_EXPERTS) if ROUTED_EXPERTS in self.data.keys() else None
 
-    @property
-    def lengths(self) -> torch.Tensor:
-        """Real tokens of each sequence."""
-        return self.attention_mask.sum(-1)
-
     def unpack(self, row: torch.Tensor) -> torch.Tensor:
         """A packed per-token result ``[1, T, ...]`` -> right-padded ``[b, s, ...]`` (0 in the
         padding), differentiably; the layout loss functions see."""
@@ -229,8 +226,23 @@ class MicroBatch:
         padding = padding.reshape(*padding.shape, *[1] * (gathered.dim() - 2))
         return gathered.masked_fill(padding.to(row.device, non_blocking=True), 0)
 
+    def right_padded(
+        self, results: Mapping[str, torch.Tensor], per_token: Iterable[str]
+    ) -> dict[str, torch.Tensor]:
+        """The head's ``results`` as loss functions see them: the ``per_token`` ones of a packed
+        micro-batch unpacked to right-padded ``[b, s, ...]``."""
+        if self.cu_seqlens is None:
+            return dict(results)
+        keys = set(per_token)
+        return {key: self.unpack(value) if key in keys else value for key, value in results.items()}
 
-def validate_batch(
+
+def validate_batch(batch: object, required: Iterable[str] = (), **checks: Any) -> TensorDict:
+    """The batch, checked as :func:`validated` checks it (``checks``: its keyword options)."""
+    return validated(batch, required, **checks)[0]
+
+
+def validated(
     batch: object,
     required: Iterable[str] = (),
     *,
@@ -238,8 +250,9 @@ def validate_batch(
     vocab_size: int | None = None,
     max_length: int | None = None,
     pad_token_id: int | None = None,
-) -> TensorDict:
-    """Refuse a malformed batch before any compute; a BatchError names the field, row and value.
+) -> tuple[TensorDict, torch.Tensor]:
+    """The batch and its sequence lengths; a malformed batch refused before any compute (a
+    BatchError names the field, row and value).
 
     Checked (vectorised, once per batch): a TensorDict of batch size ``[B > 0]`` with integer
     ``input_ids``, jagged or padded ``[B, L]``; every field in the layout of ``input_ids``
@@ -333,7 +346,7 @@ def validate_batch(
                 f"'input_ids' must lie in [0, {vocab_size}) (the model's vocab_size); "
                 f"{_locate(ids, outside)}"
             )
-    return batch
+    return batch, lengths
 
 
 def labels_as_loss_mask(batch: TensorDict) -> TensorDict:
@@ -618,13 +631,18 @@ def split_fixed(batch: TensorDict, micro_batch_size: int) -> list[MicroBatch]:
 
 
 def split_into(
-    batch: TensorDict, groups: Sequence[Sequence[int]], *, packed: bool = False
+    batch: TensorDict,
+    groups: Sequence[Sequence[int]],
+    *,
+    packed: bool = False,
+    lengths: torch.Tensor | None = None,
 ) -> list[MicroBatch]:
     """One micro-batch per group of sequence indices, each right-padded to its own longest
     (``input_ids`` int64); ``packed``: each also holds its sequences back to back in one row for
-    the model."""
+    the model. ``lengths``: the batch's sequence lengths, where the caller has them."""
     rows = to_jagged(batch)
-    lengths = sequence_lengths(rows)
+    if lengths is None:
+        lengths = sequence_lengths(rows)
     sizes, longest = lengths.tolist(), int(lengths.max())
     # Every field padded once to the longest sequence; each micro-batch takes its rows of it.
     padded, real = _padded_fields(rows, longest, "right")
@@ -643,11 +661,13 @@ def split_into(
         columns[ATTENTION_MASK] = real[indices, :width]
         data = TensorDict(columns, batch_size=[len(group)])
         packing: dict[str, torch.Tensor] = {}
+        group_lengths = lengths[indices]
         if packed:  # the real tokens of the right-padded rows, row after row
-            group_lengths = lengths[indices]
             packing["packed_ids"] = columns[INPUT_IDS][columns[ATTENTION_MASK]][None]
             packing["cu_seqlens"] = torch.cat([group_lengths.new_zeros(1), group_lengths.cumsum(0)])
-        micro_batches.append(MicroBatch(indices=indices, data=data, **packing))
+        micro_batches.append(
+            MicroBatch(indices=indices, lengths=group_lengths, data=data, **packing)
+        )
     return micro_batches
 
 

@@ -43,6 +43,9 @@ class LossContext:
     #: per-token field whose name ends in ``mask``. Numbers; a one-element tensor where a count
     #: is left on the device (``aggregation.local_context``, for this micro-batch's metrics).
     global_counts: Mapping[str, float | torch.Tensor]
+    #: The micro-batch's rows: their indices in this rank's batch, ``[b]`` (host; None where
+    #: a context is made outside a step).
+    rows: torch.Tensor | None = None
 
     def global_count(self, key: str) -> float | torch.Tensor:
         try:

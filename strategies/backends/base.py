@@ -59,6 +59,17 @@ class MicroBatch(Protocol):
         ...
 
 
+class Step(Protocol):
+    """What a backend reads of one prepared step (structural: the Engine's
+    ``engine.step.Step`` fits): its micro-batches, and its real tokens summed over the
+    data-parallel ranks (counted once, by the Engine)."""
+
+    @property
+    def micro_batches(self) -> Sequence[MicroBatch]: ...
+    @property
+    def global_tokens(self) -> float: ...
+
+
 #: Called by the backend with each micro-batch's index and raw model output, on the ranks that
 #: hold outputs; returns the loss to back-propagate and metrics for that micro-batch.
 MicroBatchConsumer = Callable[[int, torch.Tensor, HeadContext], tuple[torch.Tensor, dict[str, Any]]]
@@ -89,10 +100,9 @@ class Backend(Protocol):
 
     def build_optimizer(self, config: PartsConfig) -> None: ...
 
-    def forward_backward(
-        self, micro_batches: Sequence[MicroBatch], consume: MicroBatchConsumer, forward_only: bool
-    ) -> None:
-        """Run every micro-batch through the model (and backward unless ``forward_only``)."""
+    def forward_backward(self, step: Step, consume: MicroBatchConsumer, forward_only: bool) -> None:
+        """Run every micro-batch of ``step`` through the model (and backward unless
+        ``forward_only``)."""
         ...
 
     def train(self) -> None: ...
@@ -228,8 +238,8 @@ class RouterReplay(Protocol):
         """ConfigError when this configuration cannot replay routes (before any build)."""
         ...
 
-    def recorded_routes(self) -> list[torch.Tensor]:
-        """The last ``forward_backward``'s routes per micro-batch, right-padded
+    def recorded_routes(self, step: Step) -> list[torch.Tensor]:
+        """The routes ``forward_backward`` recorded running ``step``, per micro-batch, right-padded
         ``[b, s, moe_layers, top_k]`` int64 (collective over the model-parallel ranks; what
         ranks that hold no outputs get is unspecified)."""
         ...
@@ -239,9 +249,9 @@ class RouterReplay(Protocol):
 class RouterStatistics(Protocol):
     """Ability: per mixture-of-experts layer statistics of the last training step."""
 
-    def router_statistics(self) -> dict[str, float]:
-        """Metrics per MoE layer since the last call (e.g. aux loss, load balance); empty for
-        a dense model (collective over the model-parallel ranks)."""
+    def router_statistics(self, step: Step) -> dict[str, float]:
+        """Metrics per MoE layer of ``step``, the last one run (e.g. aux loss, load balance);
+        empty for a dense model (collective over the model-parallel ranks)."""
         ...
 
 

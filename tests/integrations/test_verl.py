@@ -1421,3 +1421,42 @@ def test_verl_initialises_its_process_group_on_cpu(tmp_path: os.PathLike[str]) -
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def count_adapter_all_reduces(path: str) -> dict[str, dict[str, int]]:
+    """On each of 2 ranks (gloo), per strategy and micro-batching: the all-reduces of one
+    actor step through verl's TrainingWorker and the adapter, by origin (after a first step)."""
+    import torch.distributed as dist
+
+    from tests.collectives import all_reduces
+
+    dist.init_process_group("gloo")  # verl's own initialisation is refused on CPU (see above)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    per_rank = len(RESPONSES) // size
+    shard = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in _rollout().items()}
+    tallies = {}
+    for strategy, _ in STRATEGIES:
+        for dynamic in (False, True):
+            sizes = {"use_dynamic_bsz": True, "max_token_len_per_gpu": 14} if dynamic else {}
+            worker = _worker("language_model", path, strategy, **sizes)
+            worker.train_batch(_verl_batch(shard, global_batch_size=len(RESPONSES)))
+            with all_reduces() as tally:
+                worker.train_batch(_verl_batch(shard, global_batch_size=len(RESPONSES)))
+            tallies[f"{strategy}, dynamic={dynamic}"] = dict(tally)
+    return tallies
+
+
+@pytest.mark.multiprocess
+def test_a_data_parallel_step_through_the_adapter_sums_its_counts_in_one_all_reduce(
+    qwen3: str,
+) -> None:
+    """verl's ``batch_num_tokens`` comes from the step's one all-reduce of counts (the adapter
+    counted it in its own before); see tests/engine/test_step.py for how they are told apart."""
+    from tests.collectives import COUNTS, NOT_COUNTS
+    from tests.multiprocess import run_ranks
+
+    for tallies in run_ranks(count_adapter_all_reduces, 2, qwen3, timeout=600):
+        for case, tally in tallies.items():
+            assert tally.get(COUNTS) == 1, (case, tally)
+            ours = {origin for origin in tally if origin != "?"} - {COUNTS}
+            assert ours <= NOT_COUNTS, (case, ours - NOT_COUNTS)

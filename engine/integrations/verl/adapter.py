@@ -10,7 +10,9 @@ the last entry of a row unused), this engine's with the token they score (``log_
 p(x_t | x_<t)``, entry 0 unused): the adapter shifts each row left by one. verl's loss functions
 are called per micro-batch as verl's engines call them, ``loss_fn(model_output=, data=,
 dp_group=)``, with the micro-batch's rows of verl's own TensorDict (every field and non-tensor
-entry) and ``dp_size`` / ``batch_num_tokens`` assigned first. verl's losses are scaled for
+entry) and ``dp_size`` / ``batch_num_tokens`` assigned first (the loss-mask sum over
+data-parallel ranks: the step's global count of :data:`LOSS_MASK_COUNT`, which the adapter hands
+the engine). verl's losses are scaled for
 gradients *averaged* over data-parallel ranks (a factor ``dp_size``); this engine sums them, so
 the adapter divides by ``dp_size`` before the backward pass and reports verl's values.
 """
@@ -42,8 +44,10 @@ from heads.base import PER_SEQUENCE, ResultSpec, declared_results
 from heads.errors import BatchError, ConfigError
 from strategies.backends.base import OFFLOAD_PARTS, Offloading
 
-#: Per-sequence field carrying each row's index into verl's TensorDict through micro-batching.
-ROW = "verl_row"
+#: The engine batch's field counting verl's ``loss_mask``: per row as many ones as the row's
+#: loss mask, at its last tokens (verl's mask may be response-length), so that the step's one
+#: all-reduce of counts also sums verl's ``batch_num_tokens``.
+LOSS_MASK_COUNT = "verl_loss_mask"
 NO_PADDING = "no_padding"
 #: Non-tensor flags verl's engines understand that this one cannot honour, and why.
 REFUSED_FLAGS = {
@@ -259,12 +263,16 @@ class ComposableEngine(BaseEngine):
         self._check_flags(data)
         dp_group = engine.get_data_parallel_group()
         dp_size = engine.get_data_parallel_size()
-        self._assign_global_counts(data, dp_group)
+        tu.assign_non_tensor(data, dp_size=dp_size)
         ids = data["input_ids"]
         if not (ids.is_nested and ids.layout == torch.jagged):
             raise BatchError("verl batches must hold jagged input_ids (pad_mode no_padding)")
-        rows = data.batch_size[0]
-        batch = TensorDict({"input_ids": ids, ROW: torch.arange(rows)}, batch_size=[rows])
+        counted = _loss_mask_count(
+            data.get("loss_mask") if "loss_mask" in data.keys() else None, ids
+        )
+        batch = TensorDict(
+            {"input_ids": ids, LOSS_MASK_COUNT: counted}, batch_size=[data.batch_size[0]]
+        )
         routes, record = self._routes(data, ids, forward_only)
         if routes is not None:
             batch[ROUTED_EXPERTS] = routes
@@ -286,7 +294,7 @@ class ComposableEngine(BaseEngine):
             output = {
                 key: jagged_to_verl_layout(value, declared(key), key)
                 for key, value in result["model_output"].items()
-                if key not in (ROW, ROUTED_EXPERTS)
+                if key != ROUTED_EXPERTS
             }
             if record:  # aligned with input_ids, as verl's megatron engine returns them
                 output[ROUTED_EXPERTS] = result["model_output"][ROUTED_EXPERTS]
@@ -357,21 +365,6 @@ class ComposableEngine(BaseEngine):
                     f"{why}"
                 )
 
-    def _assign_global_counts(self, data: TensorDict, group: dist.ProcessGroup | None) -> None:
-        """``batch_num_tokens`` (the loss-mask sum over data-parallel ranks) and ``dp_size``, as
-        verl's engines assign them for its loss functions."""
-        engine = self.engine
-        if "loss_mask" in data.keys():
-            mask = data["loss_mask"]
-            local = (mask.values() if mask.is_nested else mask).sum().to(torch.float64)
-        else:
-            local = torch.zeros((), dtype=torch.float64)
-        count = local.to(engine.device or torch.device("cpu"))
-        if dist.is_initialized() and engine.get_data_parallel_size() > 1:
-            dist.all_reduce(count, group=group)
-        tu.assign_non_tensor(data, batch_num_tokens=int(count.item()))
-        tu.assign_non_tensor(data, dp_size=engine.get_data_parallel_size())
-
     def _loss(
         self,
         data: TensorDict,
@@ -388,13 +381,15 @@ class ComposableEngine(BaseEngine):
         def loss(
             outputs: Any, micro: Any, ctx: LossContext
         ) -> tuple[torch.Tensor, dict[str, float]]:
-            rows = micro[ROW].to("cpu")
+            assert ctx.rows is not None  # the engine's steps give them
+            tokens = int(ctx.global_counts.get(LOSS_MASK_COUNT, 0.0))
+            tu.assign_non_tensor(data, batch_num_tokens=tokens)
             lengths = micro["attention_mask"].sum(-1)
             model_output = {
                 key: to_verl_layout(value, lengths, declared(key), key)
                 for key, value in outputs.items()
             }
-            selected = tu.index_select_tensor_dict(data, rows)
+            selected = tu.index_select_tensor_dict(data, ctx.rows)
             device = lengths.device
             if device.type != "cpu":
                 selected = selected.to(device)
@@ -547,6 +542,26 @@ def _build(head: str, backend: str, device: str, config: EngineConfig) -> Engine
             "actor_rollout_ref.actor.megatron.sequence_parallel=False, and likewise for the "
             "reference and the critic)"
         ) from error
+
+
+def _loss_mask_count(mask: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
+    """Jagged like ``ids``: per row as many ones as ``mask`` (verl's loss mask, jagged or
+    ``[B, L]``; none: zeros) has in that row, at the row's last tokens."""
+    offsets = jagged_offsets(ids)
+    lengths = offsets.diff()
+    counts = torch.zeros_like(lengths)
+    if mask is not None and mask.is_nested:
+        summed = torch.nn.functional.pad(jagged_values(mask).long().cumsum(0), (1, 0))
+        counts = summed[jagged_offsets(mask)[1:]] - summed[jagged_offsets(mask)[:-1]]
+    elif mask is not None:
+        counts = mask.long().sum(-1)
+    total = int(offsets[-1])
+    # each token's place from its row's end: 1 for the last
+    from_end = torch.repeat_interleave(offsets[1:], lengths, output_size=total) - torch.arange(
+        total
+    )
+    ones = from_end <= torch.repeat_interleave(counts, lengths, output_size=total)
+    return torch.nested.nested_tensor_from_jagged(ones.float(), offsets)
 
 
 def _aligned_routes(routes: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

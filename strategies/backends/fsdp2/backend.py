@@ -16,7 +16,7 @@ backend is cheap.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, cast
 
 import attrs
@@ -27,7 +27,7 @@ from typing_extensions import override
 from heads.base import Head, HeadContext
 from heads.errors import ConfigError, EngineStateError
 from heads.validation import bool_field, int_field, one_of
-from strategies.backends.base import MicroBatch, MicroBatchConsumer, StagedSave
+from strategies.backends.base import MicroBatch, MicroBatchConsumer, StagedSave, Step
 from strategies.backends.fsdp2 import sharding
 from strategies.backends.fsdp2.attention import PACKED_BOUNDS
 from strategies.backends.fsdp2.model import CausalModel, build_causal_model
@@ -213,12 +213,11 @@ class Fsdp2Backend:
         self._clip_grad = config.optimizer.clip_grad
 
     # -- steps ---------------------------------------------------------------------------------
-    def forward_backward(
-        self, micro_batches: Sequence[MicroBatch], consume: MicroBatchConsumer, forward_only: bool
-    ) -> None:
+    def forward_backward(self, step: Step, consume: MicroBatchConsumer, forward_only: bool) -> None:
         """Each micro-batch forward (and backward); gradients accumulate locally and are
         reduce-scattered once, in the last micro-batch's backward."""
         model = self._require_model()
+        micro_batches = step.micro_batches
         last = len(micro_batches) - 1
         head_context = HeadContext()
         group = self._sequence_group

@@ -17,7 +17,7 @@ from typing_extensions import override
 from heads.base import Head, HeadContext
 from heads.errors import BatchError, ConfigError, EngineStateError
 from heads.validation import bool_field, of_type, one_of
-from strategies.backends.base import MicroBatch, MicroBatchConsumer, StagedSave
+from strategies.backends.base import MicroBatch, MicroBatchConsumer, StagedSave, Step
 from strategies.backends.megatron import mesh, offload
 from strategies.backends.megatron.context_parallel import Layout, padded_bounds
 from strategies.backends.megatron.model import (
@@ -35,7 +35,6 @@ from strategies.backends.megatron.optimizer import (
 )
 from strategies.backends.megatron.routing import Routing
 from strategies.config import ModelConfig, ParallelConfig, PartsConfig
-from strategies.distributed import all_reduce_values
 from strategies.hf.classification import HeadLayer, head_layer
 from strategies.lora import AdapterSwitch
 from strategies.megatron_imports import import_megatron
@@ -97,10 +96,6 @@ class MegatronBackend:
     _adapter_switch: AdapterSwitch = attrs.field(factory=AdapterSwitch, init=False)
     #: Mixture-of-experts routers (load statistics, router replay); empty for a dense model.
     _routing: Routing = attrs.field(factory=lambda: Routing([], 0, 0), init=False)
-    #: The last forward_backward's micro-batches and row widths (for its recorded routes).
-    _last_run: tuple[Sequence[MicroBatch], list[int]] = attrs.field(
-        factory=lambda: ((), []), init=False
-    )
 
     # -- checks --------------------------------------------------------------------------------
     def required_capabilities(self, config: PartsConfig) -> frozenset[str]:
@@ -290,13 +285,12 @@ class MegatronBackend:
         self._scheduler = build_scheduler(config, self._optimizer)
 
     # -- steps ---------------------------------------------------------------------------------
-    def forward_backward(
-        self, micro_batches: Sequence[MicroBatch], consume: MicroBatchConsumer, forward_only: bool
-    ) -> None:
+    def forward_backward(self, step: Step, consume: MicroBatchConsumer, forward_only: bool) -> None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self._require_model()
         config = self._chunks[0].config
+        micro_batches = step.micro_batches
         check_micro_batch_count([int(mb.input_ids.shape[0]) for mb in micro_batches], config)
         # Each model chunk (virtual pipeline stage) walks the micro-batches with its own iterator.
         data: list[Iterator[tuple[int, MicroBatch]]] = [
@@ -309,9 +303,8 @@ class MegatronBackend:
         context_group = self._context_group
         widths = row_widths(micro_batches, config)
         routing, chunk_of = self._routing, {id(module): i for i, module in enumerate(self._wrapped)}
-        self._last_run = (micro_batches, widths)
         if routing.is_moe:
-            self._start_routing(micro_batches, forward_only)
+            self._start_routing(step, forward_only)
 
         def forward_step(iterator: Iterator[tuple[int, MicroBatch]], model: Any) -> Any:
             index, micro_batch = next(iterator)
@@ -373,13 +366,14 @@ class MegatronBackend:
             forward_only=forward_only,
         )
 
-    def _start_routing(self, micro_batches: Sequence[MicroBatch], forward_only: bool) -> None:
+    def _start_routing(self, step: Step, forward_only: bool) -> None:
         """Clear the routers' records, and scale the aux and z losses for this step.
 
         With per-token losses megatron multiplies each micro-batch's aux / z loss by its real
         tokens (the routers are handed the padding mask) and leaves the division to a finalize
         step that this engine replaces (its losses are normalised by global counts): the
-        coefficient is divided here by the step's real tokens over the data-parallel ranks, so
+        coefficient is divided here by the step's real tokens over the data-parallel ranks
+        (``step.global_tokens``, counted by the Engine), so
         each micro-batch's loss is weighted by its share of the step's tokens, whatever the
         number of micro-batches, the padding or the DP size."""
         from megatron.core.transformer.moe import moe_utils
@@ -393,8 +387,7 @@ class MegatronBackend:
             or not (model.router_aux_loss_coeff or model.router_z_loss_coeff)
         ):
             return
-        tokens = sum(int(mb.attention_mask.sum()) for mb in micro_batches)
-        (total,) = all_reduce_values([float(tokens)], group=self.data_parallel_group())
+        total = step.global_tokens
         # megatron divides the z loss by the ranks that split each sequence (tensor x context
         # parallel); each rank's z loss here is already its own tokens' share of the step's
         megatron_config: Any = self._chunks[0].config
@@ -410,24 +403,24 @@ class MegatronBackend:
         """Router replay runs in every layout: each rank that routes part of every sequence
         (sequence, context parallelism) forces and records its own part."""
 
-    def recorded_routes(self) -> list[torch.Tensor]:
-        """The last forward_backward's routes per micro-batch, ``[b, s, layers, k]``."""
+    def recorded_routes(self, step: Step) -> list[torch.Tensor]:
+        """The routes recorded running ``step``, per micro-batch, ``[b, s, layers, k]``."""
         from megatron.core import parallel_state as ps
 
-        micro_batches, widths = self._last_run
+        widths = row_widths(step.micro_batches, self._chunks[0].config)
         return self._routing.recorded_routes(
-            micro_batches, widths, ps.get_pipeline_model_parallel_group()
+            step.micro_batches, widths, ps.get_pipeline_model_parallel_group()
         )
 
-    def router_statistics(self) -> dict[str, float]:
+    def router_statistics(self, step: Step) -> dict[str, float]:
         """Per MoE layer: load balance (max / mean tokens per expert) and mean aux / z loss of
-        the last forward_backward."""
+        ``step``, the last one run."""
         from megatron.core import parallel_state as ps
 
         if not self._routing.is_moe:
             return {}
         return self._routing.statistics(
-            len(self._last_run[0]), ps.get_pipeline_model_parallel_group()
+            len(step.micro_batches), ps.get_pipeline_model_parallel_group()
         )
 
     def check_packing(self, config: PartsConfig) -> None:
