@@ -12,6 +12,7 @@ asks for the loss's gradient.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -36,7 +37,7 @@ from engine.host_values import Number
 from engine.losses.contract import SCORED_TOKENS, SEQUENCES, LossContext, LossFn, checked_loss
 from heads.base import Head, HeadContext, apply_head, apply_head_with_loss, check_results
 from heads.errors import BatchError
-from strategies.distributed import all_reduce_values
+from strategies.distributed import all_reduce_values, world_size
 
 T = TypeVar("T")
 
@@ -75,21 +76,37 @@ def prepare_step(
     or why it was refused), ``plan``
     made from its lengths; collective over ``group``: a batch refused on one rank is refused
     on every rank, so that none goes on into the step's collectives without it."""
-    # one number per ``*mask`` field name on every rank, so a refusing rank sends as many
+    # a fixed-size vector: a refusing rank (whose batch may lack a field) sends as many
+    # numbers as the others; each mask's slot carries its name's checksum beside its sum
     names = _mask_names(batch)
+    if len(names) > MASK_SLOTS:
+        checked = BatchError(
+            f"a batch has at most {MASK_SLOTS} per-token fields named *mask; this one has "
+            f"{len(names)}: {', '.join(names)}"
+        )
     if isinstance(checked, BatchError):
-        all_reduce_values([1.0, 0.0, 0.0, *[0.0] * len(names)], group=group)
+        all_reduce_values([1.0, 0.0, 0.0, *[0.0] * (2 * MASK_SLOTS)], group=group)
         raise checked
     rows, lengths = checked
     masks = {name: value for name, value in fields(rows) if _counted(name, value)}
-    local = [0.0, float((lengths - 1).sum()), float(len(lengths))]
-    local += [
-        float(jagged_values(masks[name]).float().sum()) if name in masks else 0.0 for name in names
-    ]
-    refused, scored, sequences, *sums = all_reduce_values(local, group=group)
+    slots = [0.0] * (2 * MASK_SLOTS)
+    for index, name in enumerate(names):
+        slots[2 * index] = float(_checksum(name))
+        if name in masks:
+            slots[2 * index + 1] = float(jagged_values(masks[name]).float().sum())
+    total = all_reduce_values(
+        [0.0, float((lengths - 1).sum()), float(len(lengths)), *slots], group=group
+    )
+    refused, scored, sequences, summed = total[0], total[1], total[2], total[3:]
     if refused:
         raise BatchError(REFUSED_ELSEWHERE)
-    totals = dict(zip(names, sums, strict=True))
+    ranks = _group_size(group)
+    if any(summed[2 * i] != ranks * slots[2 * i] for i in range(MASK_SLOTS)):  # on every rank
+        raise BatchError(
+            "the data-parallel ranks' batches have different per-token *mask fields (this "
+            f"rank's: {', '.join(names) or 'none'}); every rank's batch needs the same fields"
+        )
+    totals = {name: summed[2 * i + 1] for i, name in enumerate(names)}
     counts = {SCORED_TOKENS: scored, SEQUENCES: sequences}
     counts.update({name: totals[name] for name in masks})
     planned = plan(lengths)
@@ -104,6 +121,19 @@ def refused_everywhere(checked: T | BatchError, group: dist.ProcessGroup | None)
     all-reduce), outside a step (whose counts carry the refusal)."""
     (refused,) = all_reduce_values([float(isinstance(checked, BatchError))], group=group)
     return BatchError(REFUSED_ELSEWHERE) if refused else checked
+
+
+#: How many ``*mask`` fields a step counts (their slots are in every rank's count vector).
+MASK_SLOTS = 16
+
+
+def _checksum(name: str) -> int:
+    """A field name as a number below 2**24 (exact in the float64 sum of up to 2**29 ranks)."""
+    return zlib.crc32(name.encode()) % (1 << 24) + 1
+
+
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    return world_size() if group is None else dist.get_world_size(group)
 
 
 def _counted(name: str, value: torch.Tensor) -> bool:

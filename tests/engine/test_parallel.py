@@ -200,7 +200,10 @@ def refuse_a_batch_on_rank_one() -> dict[str, Any]:
     told and trains on, with fixed-size and token-budget (packed) micro-batches."""
     import os
 
+    import torch
+
     from engine import Engine
+    from engine.data.batching import jagged
     from engine.losses import sft_loss
     from heads.errors import BatchError
     from tests.factories import random_batch
@@ -213,22 +216,36 @@ def refuse_a_batch_on_rank_one() -> dict[str, Any]:
     ):
         engine = Engine.build(head="lm", device="cpu", config=_config({}, **layout)).initialize()
         refused = random_batch([4, 70 if rank == 1 else 6, 9], 64, seed=rank)
+        if rank == 1:  # a field the other rank's batch lacks: the count vectors still pair
+            refused["extra_mask"] = jagged([torch.ones(n) for n in (4, 70, 9)])
         try:
             engine.train_batch(refused, sft_loss)
             report[name] = "trained"
         except BatchError as error:
             report[name] = str(error)
+        different = random_batch([4, 6, 9], 64, seed=rank)
+        if rank == 1:  # both valid, but the ranks' mask fields differ
+            different["extra_mask"] = jagged([torch.ones(n) for n in (4, 6, 9)])
+        try:
+            engine.train_batch(different, sft_loss)
+            report[f"{name}.fields"] = "trained"
+        except BatchError as error:
+            report[f"{name}.fields"] = str(error)
         report[f"{name}.loss"] = engine.train_batch(random_batch([4, 6, 9], 64), sft_loss)["loss"]
     return report
 
 
 def test_a_batch_refused_on_one_rank_is_refused_on_every_rank_and_both_train_on() -> None:
     """Otherwise the other rank runs the step and pairs its collectives with the refusing
-    rank's next step (silently averaging gradients of different steps)."""
+    rank's next step (silently averaging gradients of different steps). The refusing rank's
+    batch has a field the other's lacks, and the step's one count all-reduce still pairs; ranks
+    whose valid batches have different mask fields are refused together, naming why."""
     first, second = run_ranks(refuse_a_batch_on_rank_one, 2, timeout=180)
     for name in ("fixed", "budget"):
         assert "another data-parallel rank's batch was refused" in first[name]
         assert "sequence 1 has 70 tokens" in second[name]
+        for report in (first, second):
+            assert "batches have different per-token *mask fields" in report[f"{name}.fields"]
         assert first[f"{name}.loss"] == second[f"{name}.loss"]
 
 
