@@ -163,8 +163,10 @@ def main(argv: list[str] | None = None) -> None:
         root = Path(scratch)
         print("weight sync (engine export -> generator) vs load_state_dict of the same tensors:")
         for case, sync, load in sync_costs(root / "sync"):
-            print(f"  {case:15s} sync {sync * 1e3:7.2f} ms   load_state_dict {load * 1e3:6.2f} ms"
-                  f"   ratio {sync / load:5.1f}x")  # fmt: skip
+            print(
+                f"  {case:15s} sync {sync * 1e3:7.2f} ms   load_state_dict {load * 1e3:6.2f} ms"
+                f"   ratio {sync / load:5.1f}x"
+            )
         if args.skip_runs:
             return
         files = task.write(root / "task")
@@ -177,8 +179,10 @@ def main(argv: list[str] | None = None) -> None:
             curves[name] = rewards
             first = sum(rewards[:WINDOW]) / WINDOW
             last = sum(rewards[-WINDOW:]) / WINDOW
-            print(f"{name}: {len(rewards)} iterations in {wall:.0f} s; mean reward first "
-                  f"{WINDOW} {first:.3f}, last {WINDOW} {last:.3f} (+{last - first:.3f})")  # fmt: skip
+            print(
+                f"{name}: {len(rewards)} iterations in {wall:.0f} s; mean reward first "
+                f"{WINDOW} {first:.3f}, last {WINDOW} {last:.3f} (+{last - first:.3f})"
+            )
             later = [steps[i] for i in sorted(steps)[1:]]
             total = statistics.median(m["timing_s/step"] for m in later)
             split = []

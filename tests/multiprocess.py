@@ -44,6 +44,21 @@ os._exit(0)
 """
 
 
+def fresh_process_env(**settings: str) -> dict[str, str]:
+    """This environment for a launcher run in a fresh process: the repository importable, one
+    thread, none of a parent run's rank variables; plus ``settings``."""
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {
+        **os.environ,
+        "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+        **settings,
+    }
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
 def _kill_group(leader: int) -> None:
     """SIGKILL what is left of a finished rank's process group."""
     with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -1309,19 +1309,10 @@ def _run_sft(files: dict[str, str], cwd: os.PathLike[str], *overrides: str) -> d
     loss of each step it logged."""
     import re
     import subprocess
-    from pathlib import Path
 
-    from tests.multiprocess import TORCHRUN_TWO_RANKS
+    from tests.multiprocess import TORCHRUN_TWO_RANKS, fresh_process_env
 
-    root = str(Path(__file__).resolve().parents[2])
-    env = {
-        **os.environ,
-        "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        "OMP_NUM_THREADS": "1",
-        "GLOO_SOCKET_IFNAME": "lo",
-    }
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
+    env = fresh_process_env(GLOO_SOCKET_IFNAME="lo")
     arguments = [
         f"model.path={files['model']}",
         f"data.train_files={files['data']}",

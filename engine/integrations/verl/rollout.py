@@ -115,6 +115,11 @@ class Sampling:
                 settings[key] = float(settings[key])
         if "top_k" in settings:
             settings["top_k"] = int(settings["top_k"])
+        if settings.get("repetition_penalty", 1.0) != 1.0:
+            raise ConfigError(
+                f"{NAME} rollout: repetition_penalty={settings['repetition_penalty']} is not "
+                "supported (1.0 only)"
+            )
         return cls(max_tokens=max_tokens, **settings)
 
 
