@@ -68,6 +68,7 @@ RUNS: dict[str, list[str]] = {
     "GRPO": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=True"],
     "PPO + critic": [
         "algorithm.adv_estimator=gae",
+        "critic.model.path={model}",
         "critic.optim.lr=2e-3",
         "critic.ppo_micro_batch_size_per_gpu=64",
     ],
@@ -83,7 +84,7 @@ def run(name: str, files: dict[str, str], steps: int, out: Path) -> tuple[dict, 
         "-m",
         "engine.integrations.verl.ppo",
         *learning_settings(files, steps),
-        *RUNS[name],
+        *(setting.format(model=files["model"]) for setting in RUNS[name]),
         f"trainer.default_local_dir={out / 'checkpoints'}",
     ]
     start = time.perf_counter()
