@@ -128,9 +128,9 @@ def test_grpo_on_two_trainer_processes_saves_and_resumes_where_it_left_off(
     (``resume_mode=auto``) runs the third iteration only, and its generator, given the
     restored actor's weights by the sync, samples exactly the responses the uninterrupted run
     sampled there (``full_determinism``: each sample's stream depends on the seed, the step and
-    its request; a generator given other weights, the initial ones say, samples others). verl's v1 trainer
-    pairs prompts with requests in an order that differs between runs (its transfer queue), so
-    the responses are compared as a multiset, and the iteration's losses are not compared."""
+    its request; a generator given other weights, the initial ones say, samples others). verl's
+    v1 trainer pairs prompts with requests in an order that differs between runs, so the
+    responses are compared as a multiset, and the iteration's losses are not compared."""
     import json
 
     settings = (*FP32, "trainer.n_gpus_per_node=2", "trainer.total_training_steps=3")

@@ -201,7 +201,7 @@ def test_what_it_cannot_honour_is_refused_by_name(model: str) -> None:
     generator, _ = _synced(model)
     with pytest.raises(ConfigError, match="n_best"):
         _generate(generator, PROMPTS[:1], temperature=1.0, n_best=2)
-    with pytest.raises(ConfigError, match="repetition_penalty=1.2"):
+    with pytest.raises(ConfigError, match=r"repetition_penalty=1\.2"):
         _generate(generator, PROMPTS[:1], temperature=1.0, repetition_penalty=1.2)
     with pytest.raises(ConfigError, match="text token ids only"):
         asyncio.run(generator.generate("0", prompt_ids=[1], sampling_params={}, image_data=[1]))
