@@ -14,6 +14,9 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 #: Past these: the shared helpers that make an all-reduce for their callers, and the tests.
 _PASSED = (os.path.join(ROOT, "strategies", "distributed.py"), os.path.join(ROOT, "tests", ""))
+#: Installed packages (a virtual environment inside the repository, as CI makes it) are not
+#: the project's code.
+_INSTALLED = f"{os.sep}site-packages{os.sep}"
 #: The step's one all-reduce of counts (tokens, sequences, mask sums, and the refusal flag).
 COUNTS = "engine/step.py:prepare_step"
 #: A step's other all-reduces, none of them a count: the reported global loss, the non-finite
@@ -33,7 +36,7 @@ def _origin() -> str:
     shared helpers of ``strategies/distributed.py``); ``?`` for none (torch or megatron alone)."""
     for frame in reversed(traceback.extract_stack()[:-2]):
         path = frame.filename
-        if path.startswith(ROOT) and not path.startswith(_PASSED):
+        if path.startswith(ROOT) and not path.startswith(_PASSED) and _INSTALLED not in path:
             return f"{os.path.relpath(path, ROOT)}:{frame.name}"
     return "?"
 
