@@ -170,10 +170,13 @@ class HFGenerator:
             )
         self.model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
         self.shapes = {name: p.shape for name, p in self.model.named_parameters()}
-        self.targets = self._targets()
+        # the model's parameters and buffers by name: the same objects for its whole life
+        # (release and resume swap a parameter's storage, not the parameter)
+        self.state = self.model.state_dict(keep_vars=True)
+        self.layout = CheckpointLayout(hf_config.model_type)
         # what a sync must fill: each parameter's checkpoint tensors (one, or its experts')
-        layout = CheckpointLayout(hf_config.model_type)
-        self.pieces = {name: layout.names(name, shape) for name, shape in self.shapes.items()}
+        self.pieces = {name: self.layout.names(name, shape) for name, shape in self.shapes.items()}
+        self.targets = self._targets()
         self.received: set[str] = set()
         self.stop_ids = _stop_token_ids(hf_config, path)
         self.max_model_len = config.max_model_len or (config.prompt_length + config.response_length)
@@ -398,7 +401,6 @@ class HFGenerator:
         engine's export; a mixture-of-experts layer's experts one tensor each) or transformers'
         own parameter names."""
         self.resume(["weights"])
-        state = self.model.state_dict(keep_vars=True)
         for name, tensor in named:
             target = self.targets.get(name)
             if target is None:
@@ -407,7 +409,7 @@ class HFGenerator:
                     f"{type(self.model).__name__} does not have"
                 )
             parameter, rows = target
-            destination = state[parameter].data
+            destination = self.state[parameter].data
             if rows is not None:  # one expert's projection inside a fused parameter
                 destination = destination.view(-1, destination.shape[-1])[rows]
             if destination.shape != tensor.shape:
@@ -434,12 +436,11 @@ class HFGenerator:
 
     def _targets(self) -> dict[str, tuple[str, slice | None]]:
         """Each name a sync may send -> (the model's parameter or buffer, its rows or None)."""
-        layout = CheckpointLayout(self.model.config.model_type)
         targets: dict[str, tuple[str, slice | None]] = {}
-        for name, tensor in self.model.state_dict(keep_vars=True).items():
+        for name, tensor in self.state.items():
             shape = self.shapes.get(name, tensor.shape)
             targets[name] = (name, None)
-            pieces = layout.names(name, shape)
+            pieces = self.pieces.get(name) or self.layout.names(name, shape)
             if len(pieces) > 1:
                 rows = math.prod(shape[:-1]) // len(pieces)
                 for index, piece in enumerate(pieces):
@@ -452,11 +453,10 @@ class HFGenerator:
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The generator's weights under checkpoint names (for checks: the trainer's sync must
         equal them)."""
-        layout = CheckpointLayout(self.model.config.model_type)
         return {
             stored: piece.detach().clone()
             for name, tensor in self.model.state_dict().items()
-            for stored, piece in layout.split(name, tensor)
+            for stored, piece in self.layout.split(name, tensor)
         }
 
     def statistics(self) -> dict[str, int]:
