@@ -870,7 +870,7 @@ def test_every_refused_setting_is_named_in_one_error(qwen3: str, distributed: No
         lora={"rank": 4, "type": "dora", "dropout_position": "post"},
     )
     engine = FSDPEngineConfig(
-        strategy="fsdp2", mixed_precision={"param_dtype": "fp32"}, offload_policy=True
+        strategy="fsdp2", mixed_precision={"param_dtype": "fp32"}, model_dtype="fp16"
     )
     optimizer = FSDPOptimizerConfig(num_cycles=1.0)
     with pytest.raises(ConfigError) as refused:
@@ -881,7 +881,7 @@ def test_every_refused_setting_is_named_in_one_error(qwen3: str, distributed: No
         ("model setting use_liger=True", "Liger kernels"),
         ("model setting lora.type='dora'", "plain LoRA only"),
         ("model setting lora.dropout_position='post'", "dropout is on the adapter's input"),
-        ("engine setting offload_policy=True", "use param_offload"),
+        ("engine setting model_dtype='fp16'", "fp32 or bf16"),
         ("optimizer setting num_cycles=1.0", "a half-cosine only"),
     ):
         assert f"- verl {setting}: {hint}" in message, (setting, message)
@@ -915,6 +915,68 @@ def test_override_config_keys_that_change_the_model_are_applied_and_others_refus
     )
     with pytest.raises(ConfigError, match=r"override_config\.num_hidden_layers=1.*not read"):
         engine_config_from_verl(model_config=model, **settings)
+
+
+def test_memory_settings_of_real_configs_reach_the_backends(qwen3: str, distributed: None) -> None:
+    """verl's ``model_dtype``, ``offload_policy`` and megatron's CPU optimizer offload
+    (``override_optimizer_config``, ``use_precision_aware_optimizer``) become the backends' own
+    settings, as verl's engines apply them (a forward-only FSDP2 engine lives in host memory,
+    where verl turns its phase offloads off); what neither backend has is refused by name."""
+    from verl.workers.config import McoreOptimizerConfig
+    from verl.workers.config.engine import McoreEngineConfig
+
+    from engine.integrations.verl.config import engine_config_from_verl
+
+    model = HFModelConfig(path=qwen3, load_tokenizer=False)
+
+    def translated(engine: Any, optimizer: Any) -> dict[str, Any]:
+        _, _, config = engine_config_from_verl(
+            model_config=model,
+            engine_config=engine,
+            optimizer_config=optimizer,
+            checkpoint_config=CheckpointConfig(),
+            world_size=1,
+        )
+        return config.backend
+
+    fsdp = FSDPOptimizerConfig()
+    options = translated(FSDPEngineConfig(strategy="fsdp2"), fsdp)
+    assert (options["weights_dtype"], options["cpu_offload"]) == ("float32", False)
+    options = translated(
+        FSDPEngineConfig(strategy="fsdp2", model_dtype="bf16", offload_policy=True), fsdp
+    )
+    assert (options["weights_dtype"], options["cpu_offload"]) == ("bfloat16", True)
+    reference = FSDPEngineConfig(strategy="fsdp2", forward_only=True, model_dtype=None)
+    options = translated(reference, fsdp)
+    assert (options["weights_dtype"], options["cpu_offload"]) == ("bfloat16", True)
+    resident = FSDPEngineConfig(strategy="fsdp2", offload_policy=True, param_offload=True)
+    worker = ComposableEngine(model, resident, fsdp, CheckpointConfig())
+    assert not worker.is_param_offload_enabled and not worker.is_optimizer_offload_enabled
+
+    offload = {
+        "optimizer_cpu_offload": True,
+        "optimizer_offload_fraction": 1,
+        "overlap_cpu_optimizer_d2h_h2d": True,
+    }
+    megatron = McoreEngineConfig(use_distributed_optimizer=True)
+    options = translated(
+        megatron,
+        McoreOptimizerConfig(override_optimizer_config=offload, use_precision_aware_optimizer=True),
+    )
+    assert options["optimizer_overrides"] == {
+        **offload,
+        "optimizer_offload_fraction": 1.0,
+        "use_precision_aware_optimizer": True,
+    }
+    with pytest.raises(ConfigError) as refused:
+        translated(megatron, McoreOptimizerConfig(override_optimizer_config={"optimizer": "sgd"}))
+    assert "override_optimizer_config.optimizer='sgd'" in str(refused.value)
+    with pytest.raises(ConfigError) as refused:
+        translated(
+            FSDPEngineConfig(strategy="fsdp2"),
+            FSDPOptimizerConfig(override_optimizer_config={"optimizer_cpu_offload": True}),
+        )
+    assert "megatron's optimizer settings only" in str(refused.value)
 
 
 @pytest.mark.parametrize(("strategy", "backend"), STRATEGIES)

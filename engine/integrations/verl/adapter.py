@@ -174,11 +174,18 @@ class ComposableEngine(BaseEngine):
 
     @property
     def is_param_offload_enabled(self) -> bool:
-        return bool(getattr(self.engine_config, "param_offload", False))
+        return bool(getattr(self.engine_config, "param_offload", False)) and not self._in_host
 
     @property
     def is_optimizer_offload_enabled(self) -> bool:
-        return bool(getattr(self.engine_config, "optimizer_offload", False))
+        offload = bool(getattr(self.engine_config, "optimizer_offload", False))
+        return offload and not self._in_host
+
+    @property
+    def _in_host(self) -> bool:
+        """The model lives in host memory already (fsdp2's ``cpu_offload``, verl's
+        ``offload_policy``): verl turns its phase offloads off then."""
+        return bool(self.engine.config.backend.get("cpu_offload", False))
 
     @contextlib.contextmanager
     def train_mode(self, **kwargs: Any) -> Iterator[ComposableEngine]:

@@ -56,21 +56,17 @@ REFUSED: list[tuple[str, str, Callable[[Any], bool], str]] = [
         "routes travel in the batch's routed_experts, not in files (record_file / replay_file)",
     ),
     ("engine", "qat", lambda v: not _get(v, "enable", False), "no quantization-aware training"),
-    ("engine", "offload_policy", _off, "use param_offload / optimizer_offload"),
-    ("engine", "model_dtype", lambda v: v in ("fp32", "float32"), "weights are kept in fp32"),
     ("engine", "expert_tensor_parallel_size", lambda v: v in (None, 1), "no expert TP"),
     ("engine", "dynamic_context_parallel", _off, "no dynamic context parallelism"),
     ("engine", "use_dist_checkpointing", _off, "checkpoints are this engine's own"),
     ("engine", "use_megatron_fsdp", _off, "use the fsdp2 backend"),
     ("engine", "override_ddp_config", _no_mapping_entries, "not configurable here"),
     ("engine", "override_mcore_model_config", _no_mapping_entries, "not configurable here"),
-    ("optimizer", "override_optimizer_config", _no_mapping_entries, "not configurable here"),
     ("optimizer", "optimizer", lambda v: str(v).lower() in ("adamw", "adam"), "AdamW only"),
     ("optimizer", "optimizer_impl", lambda v: v == "torch.optim", "torch.optim.AdamW only"),
     ("optimizer", "num_cycles", lambda v: v == 0.5, "a half-cosine only"),
     ("optimizer", "lr_warmup_init", lambda v: not v, "warmup starts from 0"),
     ("optimizer", "weight_decay_incr_style", lambda v: v == "constant", "constant decay only"),
-    ("optimizer", "use_precision_aware_optimizer", _off, "not supported"),
     ("checkpoint", "async_save", _off, "use a backend with async checkpoints directly"),
 ]
 
@@ -345,7 +341,7 @@ def _backend_options(
         ulysses = int(_get(engine_config, "ulysses_sequence_parallel_size", 1) or 1)
         if ulysses > 1:
             options["ulysses_size"] = ulysses
-        return options
+        return options | _fsdp2_memory(engine_config, refusals)
     ulysses = _get(engine_config, "ulysses_sequence_parallel_size", 1)
     if ulysses not in (None, 1):
         refusals.add(
@@ -363,6 +359,59 @@ def _backend_options(
         "use_distributed_optimizer": bool(_get(engine_config, "use_distributed_optimizer", False)),
         "transformer_overrides": overrides,
     }
+
+
+def uses_cpu_offload_policy(engine_config: Any) -> bool:
+    """verl's FSDP2 engines keep a model in host memory (``CPUOffloadPolicy``) with
+    ``offload_policy`` and always for a forward-only one (the reference); its phase offloads
+    (``param_offload``, ``optimizer_offload``) are then off."""
+    return bool(_get(engine_config, "offload_policy", False)) or bool(
+        _get(engine_config, "forward_only", False)
+    )
+
+
+def _fsdp2_memory(engine_config: Any, refusals: Refusals) -> dict[str, Any]:
+    """The fsdp2 backend's ``weights_dtype`` (verl's ``model_dtype``: float32 by default, bf16
+    for a forward-only engine when unset) and ``cpu_offload``."""
+    forward_only = bool(_get(engine_config, "forward_only", False))
+    value = _get(engine_config, "model_dtype", "fp32")
+    if value is None:
+        value = "bf16" if forward_only else "fp32"
+    if str(value) not in _DTYPES:
+        refusals.add("engine", "model_dtype", value, "fp32 or bf16")
+    return {
+        "weights_dtype": _DTYPES.get(str(value), "float32"),
+        "cpu_offload": uses_cpu_offload_policy(engine_config),
+    }
+
+
+#: verl's ``optimizer.override_optimizer_config`` keys the megatron backend passes to megatron's
+#: ``OptimizerConfig`` (CPU optimizer offload), with ``optimizer.use_precision_aware_optimizer``.
+OPTIMIZER_OVERRIDES = (
+    "optimizer_cpu_offload",
+    "optimizer_offload_fraction",
+    "overlap_cpu_optimizer_d2h_h2d",
+    "use_precision_aware_optimizer",
+)
+
+
+def optimizer_overrides(backend: str, optimizer_config: Any, refusals: Refusals) -> dict[str, Any]:
+    """The megatron backend's ``optimizer_overrides`` from verl's optimizer config; another key,
+    or any on the fsdp2 backend (whose AdamW has no such settings), is refused by name."""
+    given = dict(_get(optimizer_config, "override_optimizer_config", None) or {})
+    entries = [(f"override_optimizer_config.{key}", key, value) for key, value in given.items()]
+    if _get(optimizer_config, "use_precision_aware_optimizer", False):
+        name = "use_precision_aware_optimizer"
+        entries.append((name, name, True))
+    kept: dict[str, Any] = {}
+    for setting, key, value in entries:
+        if backend != "megatron":
+            refusals.add("optimizer", setting, value, "megatron's optimizer settings only")
+        elif key not in OPTIMIZER_OVERRIDES:
+            refusals.add("optimizer", setting, value, f"one of {', '.join(OPTIMIZER_OVERRIDES)}")
+        else:
+            kept[key] = float(value) if key == "optimizer_offload_fraction" else bool(value)
+    return kept
 
 
 def _optimizer_and_schedule(
@@ -461,6 +510,9 @@ def engine_config_from_verl(
     optimizer, schedule, total_steps = _optimizer_and_schedule(optimizer_config, refusals)
     dtype = compute_dtype(engine_config, backend, refusals)
     options = _backend_options(backend, model_config, engine_config, world_size, refusals)
+    settings = optimizer_overrides(backend, optimizer_config, refusals)
+    if settings:
+        options["optimizer_overrides"] = settings
     lora = lora_from_verl(model_config, refusals)
     replay = replay_mode(engine_config, refusals) != "disabled"
     refusals.raise_any()

@@ -79,6 +79,13 @@ class Fsdp2Backend:
     #: exchange heads for sequence around attention (``fsdp2.ulysses``); data parallel over the
     #: world divided by it.
     ulysses_size: int = int_field(1)
+    #: The dtype the weights are held in, and stepped in by AdamW (with its gradients and
+    #: moments): float32, or bfloat16 for half the memory (no float32 master copy; compute in
+    #: ``EngineConfig.dtype``).
+    weights_dtype: str = attrs.field(default="float32", validator=one_of("float32", "bfloat16"))
+    #: FSDP2's CPU offload policy: the sharded weights, their gradients and the optimizer step
+    #: stay in host memory; each unit's weights are copied to the device for its compute.
+    cpu_offload: bool = bool_field(False)
 
     _model: CausalModel | None = attrs.field(default=None, init=False)
     _optimizer: torch.optim.AdamW | None = attrs.field(default=None, init=False)
@@ -129,25 +136,28 @@ class Fsdp2Backend:
     def memory_per_rank(
         self, config: PartsConfig, count: ParameterCount, world_size: int
     ) -> RankMemory:
-        """The larger of the build's peak, the whole model's float32 weights on every rank
+        """The larger of the build's peak, the whole model's weights on every rank
         (``build_causal_model`` materialises them before ``fully_shard`` splits them), and the
-        rank's shard once trained: float32 weights (the master ones under bfloat16), gradients
-        and AdamW's moments."""
+        rank's shard once trained: weights (the master ones under bfloat16 compute), gradients
+        and AdamW's moments, in ``weights_dtype`` (counted as float32: an upper bound)."""
         whole = count.total
-        built = whole * DTYPE_BYTES["float32"]
+        weight = DTYPE_BYTES[self.weights_dtype]
+        built = whole * weight
         shards = max(world_size // self.replicate_size, 1)
         trained, what = training_state(config)
         shard = -(-whole // shards)
-        sharded = int(shard * (DTYPE_BYTES["float32"] + trained))
+        sharded = int(shard * (weight + trained))
         if built >= sharded:
             return RankMemory(
                 parameters=whole,
                 bytes=built,
-                counted="float32 weights of the whole model, which the fsdp2 backend builds on "
-                "every rank before sharding it",
+                counted=f"{self.weights_dtype} weights of the whole model, which the fsdp2 "
+                "backend builds on every rank before sharding it",
             )
         part = f" of its 1/{shards} shard" if shards > 1 else ""
-        return RankMemory(parameters=shard, bytes=sharded, counted=f"float32 weights{what}{part}")
+        return RankMemory(
+            parameters=shard, bytes=sharded, counted=f"{self.weights_dtype} weights{what}{part}"
+        )
 
     # -- lifecycle -----------------------------------------------------------------------------
     def init_mesh(self, parallel: ParallelConfig) -> None:
@@ -191,7 +201,14 @@ class Fsdp2Backend:
         spec = head.output_spec()
         self._fused = spec.fused
         self._head_layer = head_layer(config.model, head)
-        model = build_causal_model(config, spec, self._head_layer, device, self.attention)
+        model = build_causal_model(
+            config,
+            spec,
+            self._head_layer,
+            device,
+            self.attention,
+            weights_dtype=getattr(torch, self.weights_dtype),
+        )
         if config.lora is not None:
             from strategies.backends.fsdp2.lora import attach_adapters
 
@@ -202,7 +219,12 @@ class Fsdp2Backend:
             )
         mesh = sharding.device_mesh(device.type, self.replicate_size)
         sharding.shard_model(
-            model, mesh, config.dtype, reshard_after_forward=self.reshard_after_forward
+            model,
+            mesh,
+            config.dtype,
+            weights_dtype=self.weights_dtype,
+            reshard_after_forward=self.reshard_after_forward,
+            cpu_offload=self.cpu_offload,
         )
         self._model = model
 

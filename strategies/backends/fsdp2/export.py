@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 
 from strategies.backends.fsdp2.lora import is_adapter_parameter, is_head_layer_parameter
+from strategies.backends.fsdp2.sharding import on_mesh_device
 from strategies.config import LoraConfig, ModelConfig
 from strategies.distributed import barrier, rank
 from strategies.hf.classification import (
@@ -77,7 +78,7 @@ def _full(param: torch.Tensor) -> torch.Tensor:
 
     held = param.detach()
     shard = held.to_local() if isinstance(held, DTensor) else held
-    full = held.full_tensor() if isinstance(held, DTensor) else held
+    full = on_mesh_device(held).full_tensor() if isinstance(held, DTensor) else held
     if full.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr():
         full = full.clone()  # a world of one may hand back the parameter's own storage
     return full

@@ -95,10 +95,16 @@ class CausalModel(torch.nn.Module):
 
 
 def build_causal_model(
-    config: PartsConfig, spec: OutputSpec, layer: HeadLayer, device: torch.device, attention: str
+    config: PartsConfig,
+    spec: OutputSpec,
+    layer: HeadLayer,
+    device: torch.device,
+    attention: str,
+    weights_dtype: torch.dtype = torch.float32,
 ) -> CausalModel:
-    """The full (unsharded) model on ``device``, with its weights in place (``layer``: the
-    head layer's bias and whether the checkpoint holds it)."""
+    """The full (unsharded) model on ``device``, its weights in ``weights_dtype`` and in place
+    (``layer``: the head layer's bias and whether the checkpoint holds it). Weights are drawn or
+    read in float32 and rounded to ``weights_dtype``."""
     from transformers import AutoModel
 
     model_config = config.model
@@ -107,17 +113,21 @@ def build_causal_model(
         # sdpa: transformers' own for right-padded rows, and packed rows too
         implementation = packed_sdpa() if attention == "sdpa" else attention
         body = AutoModel.from_config(
-            hf_config, attn_implementation=implementation, dtype=torch.float32
+            hf_config, attn_implementation=implementation, dtype=weights_dtype
         )
         hidden = model_config.hidden_size
         if spec.kind == "vocab":
-            output = torch.nn.Linear(hidden, model_config.vocab_size, bias=False)
+            output = torch.nn.Linear(
+                hidden, model_config.vocab_size, bias=False, dtype=weights_dtype
+            )
             if spec.allow_tied_embeddings and model_config.tie_embeddings:
                 output.weight = body.get_input_embeddings().weight
             model = CausalModel(body, LM_HEAD, output)
         else:
             model = CausalModel(
-                body, VALUE_HEAD, torch.nn.Linear(hidden, spec.features, bias=layer.bias)
+                body,
+                VALUE_HEAD,
+                torch.nn.Linear(hidden, spec.features, bias=layer.bias, dtype=weights_dtype),
             )
     if model_config.hf_path is None:
         initialize_parameters(model, config)

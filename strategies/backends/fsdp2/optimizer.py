@@ -15,6 +15,7 @@ from typing import Any, cast
 import attrs
 import torch
 
+from strategies.backends.fsdp2.sharding import on_mesh_device
 from strategies.config import PartsConfig
 
 
@@ -117,7 +118,7 @@ def gradient_norm_tensor(parameters: Iterable[torch.nn.Parameter]) -> torch.Tens
         return None
     total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     if isinstance(total, DTensor):
-        total = total.full_tensor()
+        total = on_mesh_device(total).full_tensor()
     return total
 
 

@@ -43,35 +43,76 @@ def device_mesh(device_type: str, replicate_size: int) -> DeviceMesh:
 
 
 def shard_model(
-    model: CausalModel, mesh: DeviceMesh, dtype: str, *, reshard_after_forward: bool
+    model: CausalModel,
+    mesh: DeviceMesh,
+    dtype: str,
+    *,
+    weights_dtype: str = "float32",
+    reshard_after_forward: bool,
+    cpu_offload: bool = False,
 ) -> None:
-    """``fully_shard`` each decoder layer, then the root; gradients summed over ranks."""
-    from torch.distributed.fsdp import fully_shard
+    """``fully_shard`` each decoder layer, then the root; gradients summed over ranks.
 
+    ``cpu_offload``: FSDP2's ``CPUOffloadPolicy``, the sharded weights, their gradients and the
+    optimizer step in host memory, each unit's weights copied to the device for its compute
+    (from pinned memory where the device is not the host)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    offload = (
+        CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else OffloadPolicy()
+    )
     for layer in model.decoder_layers:
         fully_shard(
             layer,
             mesh=mesh,
-            mp_policy=mixed_precision(dtype, root=False),
+            mp_policy=mixed_precision(dtype, weights_dtype, root=False),
             reshard_after_forward=reshard_after_forward,
+            offload_policy=offload,
         )
-    fully_shard(model, mesh=mesh, mp_policy=mixed_precision(dtype, root=True))
+    fully_shard(
+        model,
+        mesh=mesh,
+        mp_policy=mixed_precision(dtype, weights_dtype, root=True),
+        offload_policy=offload,
+    )
     for unit in fsdp_modules(model):
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
 
 
-def mixed_precision(dtype: str, *, root: bool) -> Any:
-    """float32: none. bfloat16: bf16 compute and all-gathers, float32 gradient reduction and
-    sharded (master) parameters; the root returns float32 outputs, as megatron does."""
+def mixed_precision(dtype: str, weights_dtype: str = "float32", *, root: bool) -> Any:
+    """Compute (``dtype``) and weights both float32: none. Otherwise compute and all-gathers in
+    ``dtype``, gradients reduced in float32 (then kept in the weights' dtype), and the root
+    returns float32 outputs, as megatron does. bfloat16 compute on float32 weights is mixed
+    precision with float32 master weights."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if dtype != "bfloat16":
+    if dtype == weights_dtype == "float32":
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16,
+        param_dtype=getattr(torch, dtype),
         reduce_dtype=torch.float32,
         output_dtype=torch.float32 if root else None,
+    )
+
+
+def on_mesh_device(tensor: Any) -> Any:
+    """A DTensor whose shard is on its mesh's device type, for a collective on it: under
+    ``cpu_offload`` shards (and gradients) live in host memory, which an accelerator's
+    collectives cannot read. The tensor itself where its shard is there already."""
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local()
+    mesh = tensor.device_mesh
+    if local.device.type == mesh.device_type:
+        return tensor
+    return DTensor.from_local(
+        local.to(mesh.device_type),
+        mesh,
+        tensor.placements,
+        run_check=False,
+        shape=tensor.shape,
+        stride=tensor.stride(),
     )
 
 

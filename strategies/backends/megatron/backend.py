@@ -30,7 +30,9 @@ from strategies.backends.megatron.model import (
 from strategies.backends.megatron.optimizer import (
     build_optimizer,
     build_scheduler,
+    check_optimizer_overrides,
     grad_norm_parts,
+    optimizer_overrides_on,
     step_with_grad_norm,
 )
 from strategies.backends.megatron.routing import Routing
@@ -73,6 +75,9 @@ class MegatronBackend:
     use_distributed_optimizer: bool = bool_field(False)
     #: Extra megatron ``TransformerConfig`` fields (also handed to MindSpeed's repatch on NPU).
     transformer_overrides: dict[str, Any] = attrs.field(factory=dict, validator=of_type(dict))
+    #: megatron ``OptimizerConfig`` fields (``optimizer.OPTIMIZER_OVERRIDES``): CPU optimizer
+    #: offload and the precision-aware optimizer (both need ``use_distributed_optimizer``).
+    optimizer_overrides: dict[str, Any] = attrs.field(factory=dict, validator=of_type(dict))
 
     _chunks: list[torch.nn.Module] = attrs.field(factory=list, init=False)
     _wrapped: list[torch.nn.Module] = attrs.field(factory=list, init=False)
@@ -137,6 +142,7 @@ class MegatronBackend:
             self._check_hf_experts(config)
         uses_transformer_engine(self.layer_spec)
         check_transformer_overrides(self.transformer_overrides)
+        check_optimizer_overrides(self.optimizer_overrides, self.use_distributed_optimizer)
         if config.model.max_sequence_length <= 1:
             raise ConfigError("ModelConfig.max_sequence_length must be > 1")
 
@@ -280,7 +286,10 @@ class MegatronBackend:
 
     def build_optimizer(self, config: PartsConfig) -> None:
         self._optimizer = build_optimizer(
-            config, self._wrapped, distributed=self.use_distributed_optimizer
+            config,
+            self._wrapped,
+            distributed=self.use_distributed_optimizer,
+            overrides=optimizer_overrides_on(self._device, self.optimizer_overrides),
         )
         self._scheduler = build_scheduler(config, self._optimizer)
 

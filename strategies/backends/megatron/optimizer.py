@@ -8,14 +8,76 @@ from typing import Any
 
 import torch
 
+from heads.errors import ConfigError
 from strategies.config import PartsConfig
+
+#: megatron ``OptimizerConfig`` fields a backend's ``optimizer_overrides`` may set, each with
+#: the values it takes: CPU optimizer offload (the optimizer state and step, or a fraction of
+#: it, in host memory) and the precision-aware optimizer.
+OPTIMIZER_OVERRIDES: dict[str, tuple[type, ...]] = {
+    "optimizer_cpu_offload": (bool,),
+    "optimizer_offload_fraction": (int, float),
+    "overlap_cpu_optimizer_d2h_h2d": (bool,),
+    "use_precision_aware_optimizer": (bool,),
+}
+
+
+def check_optimizer_overrides(overrides: dict[str, Any], distributed: bool) -> None:
+    """ConfigError naming each unknown field or bad value; both features need the distributed
+    optimizer, as megatron's own arguments require."""
+    for name, value in overrides.items():
+        kinds = OPTIMIZER_OVERRIDES.get(name)
+        if kinds is None:
+            raise ConfigError(
+                f"optimizer_overrides: unknown megatron OptimizerConfig field {name!r} (known: "
+                f"{', '.join(OPTIMIZER_OVERRIDES)})"
+            )
+        if not isinstance(value, kinds) or (kinds != (bool,) and isinstance(value, bool)):
+            kind = kinds[-1].__name__
+            raise ConfigError(f"optimizer_overrides: {name}={value!r} must be a {kind}")
+    fraction = overrides.get("optimizer_offload_fraction", 0.0)
+    if not 0.0 <= fraction <= 1.0:
+        raise ConfigError(
+            f"optimizer_overrides: optimizer_offload_fraction={fraction} must be in [0, 1]"
+        )
+    for name in ("optimizer_cpu_offload", "use_precision_aware_optimizer"):
+        if overrides.get(name) and not distributed:
+            raise ConfigError(
+                f"optimizer_overrides: {name}=True needs use_distributed_optimizer=True "
+                "(megatron offloads and keeps low-precision state only for the distributed "
+                "optimizer)"
+            )
+
+
+def optimizer_overrides_on(device: torch.device, overrides: dict[str, Any]) -> dict[str, Any]:
+    """What of ``overrides`` megatron is given on ``device``. Where the device is the host (the
+    CPU platform), none: the optimizer state and step are in host memory already (megatron's
+    offloading optimizer asks for CUDA streams), and the precision-aware optimizer with its
+    default float32 master weights and moments is the AdamW the engine runs. Elsewhere all;
+    the precision-aware optimizer needs TransformerEngine (megatron 0.16 reads its version
+    for the setting, and uses its fused Adam without offload)."""
+    if device.type == "cpu":
+        return {}
+    if overrides.get("use_precision_aware_optimizer"):
+        import importlib.util
+
+        if importlib.util.find_spec("transformer_engine") is None:
+            raise ConfigError(
+                "optimizer_overrides: use_precision_aware_optimizer=True needs "
+                "TransformerEngine, which is not installed"
+            )
+    return dict(overrides)
 
 
 def build_optimizer(
-    config: PartsConfig, chunks: list[torch.nn.Module], *, distributed: bool
+    config: PartsConfig,
+    chunks: list[torch.nn.Module],
+    *,
+    distributed: bool,
+    overrides: dict[str, Any] | None = None,
 ) -> Any:
     """``get_megatron_optimizer`` for the DDP-wrapped model chunks (``distributed``: shard the
-    optimizer state over data-parallel ranks)."""
+    optimizer state over data-parallel ranks; ``overrides``: more ``OptimizerConfig`` fields)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     opt = config.optimizer
@@ -32,6 +94,7 @@ def build_optimizer(
         use_distributed_optimizer=distributed,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        **(overrides or {}),
     )
     return get_megatron_optimizer(megatron_config, chunks)
 

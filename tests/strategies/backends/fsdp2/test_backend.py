@@ -266,6 +266,54 @@ def test_bfloat16_engines_train_keep_float32_master_weights_and_return_float32()
     assert engine.infer_batch(BATCHES[0])["values"].dtype == torch.float32
 
 
+def test_cpu_offload_policy_trains_and_exports_bit_exactly() -> None:
+    """FSDP2's CPU offload policy moves where the shards live, not a number: on the CPU
+    platform (host memory is the device's) the losses, norms, outputs and exported weights of
+    an offloaded engine equal the plain one's exactly."""
+    plain, offloaded = build(), build(backend={"cpu_offload": True})
+    results = [
+        [engine.train_batch(batch, sft_loss) for batch in BATCHES[:3]]
+        for engine in (plain, offloaded)
+    ]
+    for name in ("loss", "grad_norm"):
+        assert [r[name] for r in results[1]] == [r[name] for r in results[0]], name
+    assert max_diff(weights(offloaded), weights(plain)) == 0.0
+    torch.testing.assert_close(
+        offloaded.infer_batch(BATCHES[3])["log_probs"].values(),
+        plain.infer_batch(BATCHES[3])["log_probs"].values(),
+        atol=0.0,
+        rtol=0.0,
+    )
+
+
+@pytest.mark.parametrize("head", ["lm", "value"])
+def test_bfloat16_weights_halve_the_model_and_give_bfloat16_compute_its_numbers(head: str) -> None:
+    """``weights_dtype="bfloat16"`` keeps the weights (and AdamW's step on them) in bf16: half
+    the bytes. A forward-only engine's outputs under bf16 compute equal those of float32 weights
+    cast to bf16 for compute exactly (the same rounding of the same drawn weights); training
+    changes the bf16 weights and learns."""
+    key = "log_probs" if head == "lm" else "values"
+    master = build(head, dtype="bfloat16", forward_only=True)
+    half = build(head, dtype="bfloat16", forward_only=True, backend={"weights_dtype": "bfloat16"})
+    params = [list(engine.backend.modules()[0].parameters()) for engine in (master, half)]
+    assert {p.dtype for p in params[1]} == {torch.bfloat16}
+    sizes = [sum(p.to_local().untyped_storage().nbytes() for p in ps) for ps in params]
+    assert sizes[1] * 2 == sizes[0]
+    expected, got = (engine.infer_batch(BATCHES[0])[key] for engine in (master, half))
+    assert torch.equal(
+        got.values() if got.is_nested else got,
+        expected.values() if expected.is_nested else expected,
+    )
+
+    trained = build(head, dtype="bfloat16", backend={"weights_dtype": "bfloat16"})
+    before = weights(trained)
+    losses = train(trained, head, steps=4)
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+    after = weights(trained)
+    assert {t.dtype for t in after.values()} == {torch.bfloat16}
+    assert max_diff(after, before) > 0.0
+
+
 @settings(
     max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -158,3 +158,97 @@ def test_unknown_transformer_overrides_are_refused_before_any_build_naming_the_k
             device="cpu",
             config={"backend": {"transformer_overrides": {"no_such_knob": 1}}},
         )
+
+
+CPU_OPTIMIZER_OFFLOAD = {
+    "optimizer_cpu_offload": True,
+    "optimizer_offload_fraction": 1.0,
+    "overlap_cpu_optimizer_d2h_h2d": True,
+    "use_precision_aware_optimizer": True,
+}
+
+
+def test_cpu_optimizer_offload_on_the_cpu_platform_trains_like_the_plain_optimizer(
+    fresh_mesh: None,
+) -> None:
+    """On the CPU platform the optimizer state and step are in host memory already, so
+    megatron's CPU optimizer offload (and the precision-aware optimizer with its float32
+    defaults) is the distributed optimizer's AdamW itself: the same losses exactly."""
+    base = {
+        "model": tiny_model(),
+        "optimizer": {"lr": 1e-3},
+        "backend": {"use_distributed_optimizer": True},
+    }
+    plain = train_losses(base)
+    backend = {"use_distributed_optimizer": True, "optimizer_overrides": CPU_OPTIMIZER_OFFLOAD}
+    assert train_losses({**base, "backend": backend}) == plain
+
+
+def test_cpu_optimizer_offload_reaches_megatrons_optimizer_config_on_an_accelerator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Off the host, each override is a field of the ``OptimizerConfig`` megatron builds its
+    optimizer from (its offloading optimizer needs CUDA, so it is not built here)."""
+    import megatron.core.optimizer as megatron_optimizer
+
+    from strategies.backends.megatron.optimizer import build_optimizer, optimizer_overrides_on
+    from strategies.config import PartsConfig
+
+    assert optimizer_overrides_on(torch.device("cpu"), CPU_OPTIMIZER_OFFLOAD) == {}
+    offload = {k: v for k, v in CPU_OPTIMIZER_OFFLOAD.items() if k.startswith(("opt", "over"))}
+    overrides = optimizer_overrides_on(torch.device("cuda"), offload)
+    assert overrides == offload and len(offload) == 3
+    seen: list[Any] = []
+    monkeypatch.setattr(
+        megatron_optimizer, "get_megatron_optimizer", lambda config, chunks: seen.append(config)
+    )
+    config = Engine.build(head="lm", device="cpu", config={"model": tiny_model()}).config
+    parts: PartsConfig = config
+    build_optimizer(parts, [], distributed=True, overrides=overrides)
+    (built,) = seen
+    for name, value in offload.items():
+        assert getattr(built, name) == value, name
+
+
+def test_precision_aware_optimizer_without_transformer_engine_is_refused_on_an_accelerator() -> (
+    None
+):
+    import importlib.util
+
+    from strategies.backends.megatron.optimizer import optimizer_overrides_on
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("TransformerEngine is installed: its fused Adam takes the setting")
+    with pytest.raises(ConfigError, match="needs TransformerEngine"):
+        optimizer_overrides_on(torch.device("cuda"), CPU_OPTIMIZER_OFFLOAD)
+
+
+@pytest.mark.parametrize(
+    ("backend", "message"),
+    [
+        ({"optimizer_overrides": {"optimizer": "sgd"}}, "unknown megatron OptimizerConfig field"),
+        (
+            {"optimizer_overrides": {"optimizer_cpu_offload": True}},
+            "optimizer_cpu_offload=True needs use_distributed_optimizer=True",
+        ),
+        (
+            {
+                "use_distributed_optimizer": True,
+                "optimizer_overrides": {"optimizer_offload_fraction": 1.5},
+            },
+            r"optimizer_offload_fraction=1.5 must be in \[0, 1\]",
+        ),
+        (
+            {
+                "use_distributed_optimizer": True,
+                "optimizer_overrides": {"optimizer_cpu_offload": 1},
+            },
+            "optimizer_cpu_offload=1 must be a bool",
+        ),
+    ],
+)
+def test_bad_optimizer_overrides_are_refused_before_any_build(
+    backend: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Engine.build(head="lm", device="cpu", config={"backend": backend})
