@@ -220,8 +220,9 @@ def test_grpo_with_lora_uses_the_actor_without_its_adapter_as_reference(
 def test_what_the_generator_or_engine_cannot_run_is_refused_before_ray_starts(
     files: dict[str, str], tmp_path: Path
 ) -> None:
-    """A rollout setting the generator cannot honour and a model family the engine does not
-    read are refused by name in the launcher, before any worker starts."""
+    """A rollout setting the generator cannot honour, a model family the engine does not read
+    and a reward function verl cannot load are refused by name in the launcher, before any
+    worker starts."""
     from transformers import GPT2Config
 
     result = launch(
@@ -237,3 +238,13 @@ def test_what_the_generator_or_engine_cannot_run_is_refused_before_ray_starts(
     assert result.returncode != 0
     assert "actor_rollout_ref.model.path=" in output and "model_type='gpt2'" in output
     assert "Started a local Ray instance" not in output
+    for setting, expected in (
+        ("reward.custom_reward_function.name=no_such_function", "no_such_function"),
+        (f"reward.custom_reward_function.path={tmp_path / 'missing.py'}", "missing.py"),
+    ):
+        result = launch(files, tmp_path / "reward", setting)
+        output = result.stdout + result.stderr
+        assert result.returncode != 0
+        assert "reward.custom_reward_function" in output and "verl cannot load it" in output
+        assert expected in output
+        assert "Started a local Ray instance" not in output

@@ -134,10 +134,13 @@ def console_metrics(output: str) -> dict[int, dict[str, float]]:
 
 def check(config: Any) -> None:
     """Refuse before Ray starts what a worker would refuse minutes later: rollout settings the
-    ``composable_hf`` generator cannot honour, and local models of a family the engine does
-    not read (actor, critic), each by name."""
+    ``composable_hf`` generator cannot honour, local models of a family the engine does not
+    read (actor, critic), each by name, and a custom reward function verl cannot load (its
+    file or function missing, or the file failing to import), as verl's reward workers load
+    it."""
     from pathlib import Path
 
+    from verl.trainer.ppo.reward import get_custom_reward_fn
     from verl.trainer.ppo.utils import need_critic
 
     from strategies.hf.config import model_config_from_hf
@@ -156,6 +159,14 @@ def check(config: Any) -> None:
                 model_config_from_hf(Path(str(path)).expanduser())
             except ConfigError as error:
                 raise ConfigError(f"{key}={path}: {error}") from error
+    try:
+        get_custom_reward_fn(config)
+    except (OSError, RuntimeError, AttributeError, ImportError, SyntaxError) as error:
+        settings = config.reward.get("custom_reward_function") or {}
+        raise ConfigError(
+            f"reward.custom_reward_function (path={settings.get('path')}, name="
+            f"{settings.get('name')}): verl cannot load it: {error}"
+        ) from error
 
 
 def run(config: Any, overrides: list[str] | None = None) -> None:
