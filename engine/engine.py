@@ -633,13 +633,20 @@ class Engine:
         ``adapter_only=True`` yields the adapters alone, under peft's names
         (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), and a value or
         reward head's output layer, which trains whole, as peft's ``modules_to_save`` has it
-        (``base_model.model.score.weight``, and a zero ``score.bias``)."""
+        (``base_model.model.score.weight``, and a zero ``score.bias``). Inside
+        ``disable_adapter()`` the weights are the base model's, the adapters not merged."""
         self._require_initialized("get_per_tensor_param")
         self._require_resident("get_per_tensor_param", ("model",))
         if adapter_only:
             weights = self._peft_adapter("get_per_tensor_param")
         else:
-            weights = require(self.backend, HuggingFaceExport).export_hf(self.config)
+            config = self.config
+            if (
+                config.lora is not None
+                and not require(self.backend, LowRankAdapters).adapters_enabled()
+            ):
+                config = config.replace(lora=None)  # the base model's weights
+            weights = require(self.backend, HuggingFaceExport).export_hf(config)
         return _WhileResident(weights, lambda: self._require_resident(WHILE_ITERATING, ("model",)))
 
     def _peft_adapter(self, what: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -111,6 +111,7 @@ def runs(checkpoint: Path) -> Iterator[dict[str, dict[str, Any]]]:
         run["log_probs"] = log_probs(engine, batch)
         with engine.disable_adapter():
             run["disabled_log_probs"] = log_probs(engine, batch)
+            run["disabled_weights"] = dict(engine.get_per_tensor_param())
         run["merged"] = dict(engine.get_per_tensor_param())
         run["adapters"] = dict(engine.get_per_tensor_param(adapter_only=True))
         found[backend] = run
@@ -164,6 +165,11 @@ def test_disable_adapter_gives_a_fresh_base_engine_bit_for_bit(
     run = runs[backend]
     assert torch.equal(run["disabled_log_probs"], run["base_log_probs"])
     assert torch.equal(log_probs(run["engine"], run["batch"]), run["log_probs"])  # on again
+    # its weights are the base model's, under the same names as the merged ones
+    disabled, base, merged = run["disabled_weights"], run["base_weights"], run["merged"]
+    assert disabled.keys() == base.keys() == merged.keys()
+    assert all(torch.equal(disabled[name], base[name]) for name in base)
+    assert any(not torch.equal(disabled[name], merged[name]) for name in base)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

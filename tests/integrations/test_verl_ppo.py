@@ -125,19 +125,21 @@ def test_grpo_on_two_trainer_processes_saves_and_resumes_where_it_left_off(
 ) -> None:
     """GRPO with the fsdp2 backend on 2 trainer processes and one generator: three iterations,
     a checkpoint after the second; a second run resumed from that checkpoint
-    (``resume_mode=auto``) runs the third iteration only, and its generator, given the
-    restored actor's weights by the sync, samples exactly the responses the uninterrupted run
-    sampled there (``full_determinism``: each sample's stream depends on the seed, the step and
-    its request; a generator given other weights, the initial ones say, samples others). verl's
-    v1 trainer pairs prompts with requests in an order that differs between runs, so the
-    responses are compared as a multiset, and the iteration's losses are not compared."""
+    (``resume_mode=auto``) runs the third iteration only, where the generator, given the
+    restored actor's weights by the sync, samples for each prompt exactly what the
+    uninterrupted run sampled (``full_determinism``: each sample's stream depends on the seed,
+    the step, its request and its prompt; a generator given other weights samples others), and
+    the iteration's numbers are the uninterrupted run's: equal, but for rounding where verl's
+    batch holds the samples in another order (the order they finished). Such a sum of ``n``
+    positive terms in another order differs by at most ``n`` float32 epsilons relative, with
+    ``n`` at most the 128 response tokens a rank holds (1.5e-5)."""
     import json
 
     settings = (*FP32, "trainer.n_gpus_per_node=2", "trainer.total_training_steps=3")
 
-    def responses(run: str) -> list[str]:
+    def samples(run: str) -> list[tuple[str, str]]:
         lines = (tmp_path / run / "rollouts" / "3.jsonl").read_text().splitlines()
-        return sorted(json.loads(line)["output"] for line in lines)
+        return sorted((row["input"], row["output"]) for row in map(json.loads, lines))
 
     dump = "trainer.rollout_data_dir={}"
     whole = main_ppo(
@@ -162,8 +164,13 @@ def test_grpo_on_two_trainer_processes_saves_and_resumes_where_it_left_off(
     )
     assert sorted(resumed) == [3]
     assert_iterations({1: whole[1], 2: whole[2], 3: resumed[3]}, 3)
-    assert responses("resumed") == responses("whole")
-    assert resumed[3]["actor/lr"] == whole[3]["actor/lr"]
+    assert samples("resumed") == samples("whole")
+    measured = ("timing", "perf/", "actor/perf/")  # wall time and memory
+    compared = {k: v for k, v in whole[3].items() if not k.startswith(measured)}
+    assert compared.keys() <= resumed[3].keys()
+    for key, value in compared.items():
+        assert resumed[3][key] == pytest.approx(value, rel=1.5e-5, abs=1e-7), key
+    assert resumed[3]["critic/score/mean"] == whole[3]["critic/score/mean"]
 
 
 @pytest.mark.multiprocess
@@ -198,7 +205,9 @@ def test_grpo_with_lora_uses_the_actor_without_its_adapter_as_reference(
 ) -> None:
     """LoRA: verl builds no reference worker (``ref_in_actor``); the reference is the actor
     with its adapter disabled, so the KL to it is 0 before the first update (fresh adapters
-    add nothing) and positive after it; the generator receives the adapters merged."""
+    add nothing) and positive after it; the generator receives the base model once and the
+    adapters alone after every update (verl's default, ``lora.merge=False``), and samples
+    from the actor's weights."""
     steps = main_ppo(
         files,
         tmp_path,
@@ -248,3 +257,27 @@ def test_what_the_generator_or_engine_cannot_run_is_refused_before_ray_starts(
         assert "reward.custom_reward_function" in output and "verl cannot load it" in output
         assert expected in output
         assert "Started a local Ray instance" not in output
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="verl's v1 trainer hands a sampled batch over in the order its trajectories finished "
+    "(verl/trainer/ppo/v1/replay_buffer.py:401 _materialize_batch walks the transfer queue's "
+    "snapshot, filled as trajectories complete), not the order it selected the prompts in: two "
+    "runs of one configuration order their batches differently, so with more than one "
+    "mini-batch per iteration a resumed iteration updates on other mini-batches",
+)
+def test_verls_sampled_batch_is_in_the_order_of_its_prompts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import types
+
+    from verl.trainer.ppo.v1 import replay_buffer
+
+    monkeypatch.setattr(replay_buffer.tq, "kv_clear", lambda **kwargs: None)
+    # prompt "a" was selected first; prompt "b"'s samples finished first
+    finished = {key: {"status": "finished"} for key in ("b_0_0", "a_0_0", "b_1_0", "a_1_0")}
+    batch = replay_buffer.ReplayBuffer._materialize_batch(
+        types.SimpleNamespace(), "train", ["a", "b"], finished
+    )
+    assert batch.keys == ["a_0_0", "a_1_0", "b_0_0", "b_1_0"]

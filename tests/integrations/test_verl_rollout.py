@@ -152,7 +152,8 @@ def test_under_full_determinism_a_request_samples_alike_whatever_shares_its_batc
     model: str,
 ) -> None:
     """verl's ``full_determinism`` sends stable request ids: a request's tokens depend on the
-    seed, the weights' step and its id, so a resumed run samples what the first one did."""
+    seed, the weights' step, its id and its prompt, not on what shares its batch or arrives
+    first, so a resumed run samples what the first one did."""
     generator, _ = _synced(model, full_determinism=True)
     generator.set_global_steps(3)
     alone = _generate(generator, PROMPTS[:1], ["det-5"], temperature=1.0)
@@ -166,6 +167,21 @@ def test_under_full_determinism_a_request_samples_alike_whatever_shares_its_batc
     generator.set_global_steps(4)
     same = _generate(generator, PROMPTS[:1] * 8, ["det-1"] * 8, temperature=1.0)
     assert len({tuple(o.token_ids) for o in same}) > 1
+    # verl's transfer-queue trainer sends every request under "det-0", in an order that differs
+    # between runs: each prompt still draws the same samples, whatever the order
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[1], PROMPTS[0]]
+
+    def by_prompt(order: list[int]) -> dict[str, list[tuple[int, ...]]]:
+        run, _ = _synced(model, full_determinism=True)
+        run.set_global_steps(5)
+        given = [prompts[i] for i in order]
+        outputs = _generate(run, given, ["det-0"] * len(given), temperature=1.0)
+        found: dict[str, list[tuple[int, ...]]] = {}
+        for prompt, output in zip(given, outputs, strict=True):
+            found.setdefault(str(prompt), []).append(tuple(output.token_ids))
+        return {prompt: sorted(samples) for prompt, samples in found.items()}
+
+    assert by_prompt([0, 1, 2, 3, 4, 5]) == by_prompt([5, 3, 1, 0, 4, 2])
 
 
 def test_generation_stops_at_end_of_sequence_unless_told_to_ignore_it(model: str) -> None:
@@ -288,6 +304,105 @@ def test_a_sync_from_the_engine_gives_the_generator_its_weights_bit_for_bit(
         destroy_mesh()
 
 
+@pytest.mark.parametrize("strategy", ["fsdp2", "megatron"])
+def test_lora_adapters_synced_alone_set_the_generator_to_the_merged_weights_bit_for_bit(
+    model: str, distributed: None, strategy: str
+) -> None:
+    """verl's LoRA sync with ``lora.merge`` off (its default), through the adapter and the
+    server adapter's buckets: the base model once (adapted linears under ``base_layer``
+    names), then the adapters alone under peft's names with their PEFT config, after each
+    update. The generator's weights then equal the engine's merged export bit for bit
+    (megatron: verl trains it in bf16, and the trainer's merge rounds an adapted weight to
+    bf16 before its float32 export, so those are within a bf16 rounding, 2^-8 relative), the
+    base model stays through sleep, and an adapter before any base is refused naming
+    verl's setting."""
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, McoreEngineConfig
+    from verl.workers.config.checkpoint import CheckpointConfig
+
+    from engine.integrations.verl.adapter import ComposableEngine
+    from engine.losses import sft_loss
+
+    engine_config = (
+        FSDPEngineConfig(strategy="fsdp2", mixed_precision={"param_dtype": "fp32"})
+        if strategy == "fsdp2"
+        else McoreEngineConfig()  # verl's megatron: bf16 (weights sent in bf16)
+    )
+    lora = {"lora_rank": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    worker = ComposableEngine(
+        HFModelConfig(path=model, load_tokenizer=False, **lora),
+        engine_config,
+        FSDPOptimizerConfig(lr=1e-2),
+        CheckpointConfig(),
+    )
+    worker.initialize()
+    engine = worker.engine
+    batch = TensorDict(
+        {"input_ids": jagged([torch.tensor(p) for p in PROMPTS])}, batch_size=[len(PROMPTS)]
+    )
+    generator = HFGenerator(_config(), HFModelConfig(path=model), replica_rank=0)
+
+    class Server:  # the server adapter's actor handle, in process
+        def __getattr__(self, method: str) -> Any:
+            class Remote:
+                @staticmethod
+                def remote(*args: Any) -> Any:
+                    result = getattr(generator, method)(*args)
+
+                    async def done() -> Any:
+                        return result
+
+                    return done()
+
+            return Remote
+
+    adapter = HFServerAdapter(_config(), HFModelConfig(path=model), None)
+    adapter._server, adapter.bucket_bytes = Server(), 1 << 11
+
+    adapted = tuple(f"{target}.weight" for target in lora["target_modules"])
+
+    def sync(base_sync_done: bool) -> list[str]:
+        weights, peft_config = worker.get_per_tensor_param(base_sync_done=base_sync_done)
+        assert peft_config is not None and peft_config.r == 4 and peft_config.lora_alpha == 8
+        names: list[str] = []
+
+        def seen() -> Any:
+            for name, tensor in weights:
+                names.append(name)
+                yield name, tensor
+
+        asyncio.run(adapter.update_weights(seen(), peft_config=peft_config, global_steps=1))
+        return names
+
+    with pytest.raises(RuntimeError, match=r"rollout\.load_format"):
+        sync(base_sync_done=True)
+    for step in range(2):
+        engine.train_batch(batch, sft_loss)  # adapters move (B leaves 0)
+        if step == 0:
+            base_names = sync(base_sync_done=False)
+            assert "model.layers.0.self_attn.q_proj.base_layer.weight" in base_names
+            assert "model.layers.0.self_attn.k_proj.base_layer.weight" in base_names  # verl's
+            assert "model.embed_tokens.weight" in base_names
+        adapter_names = sync(base_sync_done=True)
+        assert set(adapter_names) == set(dict(engine.get_per_tensor_param(adapter_only=True)))
+        assert all(name.startswith("base_model.model.") for name in adapter_names)
+        generator.sleep()  # the base model is sent once: sleep keeps it
+        merged = dict(engine.get_per_tensor_param())
+        mine = generator.named_weights()
+        assert set(mine) == set(merged)
+        for name, tensor in merged.items():
+            if strategy == "fsdp2" or not name.endswith(adapted):
+                assert torch.equal(mine[name], tensor.float()), (step, name)
+            else:  # verl's megatron trains in bf16 and the trainer's merge rounds to it
+                torch.testing.assert_close(mine[name], tensor.float(), rtol=2**-8, atol=0.0)
+    with engine.disable_adapter():
+        base = dict(engine.get_per_tensor_param())
+    assert any(not torch.equal(base[name], merged[name]) for name in merged)
+    if strategy == "megatron":
+        from strategies.backends.megatron.mesh import destroy_mesh
+
+        destroy_mesh()
+
+
 def test_the_adapter_sends_from_the_replicas_first_rank_and_others_walk_the_weights(
     model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -306,7 +421,7 @@ def test_the_adapter_sends_from_the_replicas_first_rank_and_others_walk_the_weig
                 @staticmethod
                 def remote(*args: Any) -> Any:
                     if method == "update_weights":
-                        bucket, last = args
+                        bucket, last, _ = args
                         sent.append((outer.replica, [n for n, _ in bucket], last))
 
                     async def done() -> None:

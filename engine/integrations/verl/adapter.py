@@ -38,7 +38,12 @@ from engine import checkpointing
 from engine.config import CallSettings, EngineConfig, head_options
 from engine.data.batching import ROUTED_EXPERTS, jagged_offsets, jagged_values
 from engine.engine import Engine
-from engine.integrations.verl.config import engine_config_from_verl, replay_mode
+from engine.integrations.verl.config import (
+    engine_config_from_verl,
+    lora_base_name,
+    lora_merged,
+    replay_mode,
+)
 from engine.losses.contract import LossContext
 from heads.base import PER_SEQUENCE, ResultSpec, declared_results
 from heads.errors import BatchError, ConfigError
@@ -461,24 +466,54 @@ class ComposableEngine(BaseEngine):
 
     # -- weights and checkpoints ---------------------------------------------------------------
     def get_per_tensor_param(
-        self, **kwargs: Any
-    ) -> tuple[Generator[tuple[str, torch.Tensor], None, None], dict[Any, Any] | None]:
-        """(Hugging Face name, full tensor) one at a time, and no PEFT config. An offloaded model
-        is loaded for the export and offloaded again once the generator is exhausted (or
-        closed). With LoRA the adapters come merged into their linears, as verl's
-        ``lora.merge: true`` hands them over, whatever ``lora.merge`` says (a rollout engine
-        given no PEFT config loads them as plain weights); verl's LoRA arguments
-        (``layered_summon``, ``base_sync_done``) do not apply."""
+        self, layered_summon: bool = False, base_sync_done: bool = False, **kwargs: Any
+    ) -> tuple[Generator[tuple[str, torch.Tensor], None, None], Any]:
+        """(Hugging Face name, full tensor) one at a time, and the PEFT config (None without
+        adapters). An offloaded model is loaded for the export and offloaded again once the
+        generator is exhausted (or closed).
+
+        With LoRA, as verl's own engines hand it over: with ``model.lora.merge=True`` the
+        adapters merged into their linears (no PEFT config); otherwise (verl's default) the
+        adapters alone under peft's names when ``base_sync_done``, else the base model's
+        weights with each adapted linear's under its LoRA wrapper's name
+        (``...q_proj.base_layer.weight``, as a LoRA-enabled rollout holds it), with the PEFT
+        config either way. Every tensor is exported one at a time, so ``layered_summon`` needs
+        nothing of its own."""
+        engine = self._initialized()
+        lora = engine.config.lora
+        adapter = lora is not None and not lora_merged(self.model_config)
         with contextlib.ExitStack() as stack:
             engine = stack.enter_context(self._resident(("model",)))
-            weights = engine.get_per_tensor_param()
+            if adapter and not base_sync_done:
+                stack.enter_context(engine.disable_adapter())
+            weights = engine.get_per_tensor_param(adapter_only=adapter and base_sync_done)
             loaded = stack.pop_all()
+        if adapter and not base_sync_done:
+            assert lora is not None
+            weights = ((lora_base_name(name, lora.target_modules), t) for name, t in weights)
 
         def each() -> Generator[tuple[str, torch.Tensor], None, None]:
             with loaded:
                 yield from weights
 
-        return each(), None
+        return each(), (self._peft_config() if adapter else None)
+
+    def _peft_config(self) -> Any:
+        """The adapter's PEFT config: peft's ``LoraConfig`` (a LoRA rollout reads it as a
+        dataclass), or its mapping where peft is not installed."""
+        from strategies.lora import peft_config
+
+        engine = self.engine
+        assert engine.config.lora is not None
+        settings: dict[str, Any] = dict(
+            peft_config(engine.config.lora, engine.config.model, head_layer=False)
+        )
+        try:
+            import peft
+        except ImportError:
+            return settings
+        fields = {"task_type", "r", "lora_alpha", "lora_dropout", "target_modules", "bias"}
+        return peft.LoraConfig(**{key: settings[key] for key in fields})
 
     def save_checkpoint(
         self,

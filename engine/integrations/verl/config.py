@@ -17,7 +17,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.integrations.verl.cells import BACKENDS, HEADS
 from heads.errors import ConfigError
-from strategies.config import LoraConfig
+from strategies.config import LORA_TARGETS, LoraConfig
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:
@@ -146,6 +146,31 @@ MEGATRON_LORA_TARGETS: dict[str, dict[str, tuple[str, ...]]] = {
         "linear_fc2": ("down_proj",),
     },
 }
+
+
+#: What a LoRA-enabled rollout (vLLM's, verl's own engines' base sync) calls an adapted
+#: linear's own weight: ``...q_proj.base_layer.weight``.
+LORA_WRAPPER = ".base_layer"
+
+
+def lora_merged(model_config: Any) -> bool:
+    """verl's ``model.lora.merge``: adapters reach the rollout merged into their linears."""
+    return bool(_get(_get(model_config, "lora", None) or {}, "merge", False))
+
+
+def lora_base_name(name: str, targets: Sequence[str]) -> str:
+    """``name`` as verl's base sync sends it to a LoRA rollout: the weight or bias of a linear
+    adapters may wrap (one of the seven projections, or a target) under ``.base_layer``
+    (verl/utils/fsdp_utils.py ``replace_lora_wrapper``); any other name unchanged."""
+    module, _, leaf = name.rpartition(".")
+    if leaf in ("weight", "bias") and module.rpartition(".")[2] in (*LORA_TARGETS, *targets):
+        return f"{module}{LORA_WRAPPER}.{leaf}"
+    return name
+
+
+def lora_unwrapped_name(name: str) -> str:
+    """The inverse of :func:`lora_base_name`: the linear's own name."""
+    return name.replace(f"{LORA_WRAPPER}.", ".")
 
 
 def lora_from_verl(model_config: Any, refusals: Refusals) -> dict[str, Any] | None:

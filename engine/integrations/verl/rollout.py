@@ -20,9 +20,15 @@ which receives the actor's weights). The plug-in registers both under :data:`NAM
   ``checkpoint_engine.update_weights_bucket_megabytes``; every other rank still walks the
   generator, whose collectives every rank takes part in. Nothing is read from disk but the
   model's config.
+- **LoRA**: with ``model.lora.merge=True`` the adapters arrive merged, as plain weights.
+  Otherwise (verl's default) the first sync sends the base model (each adapted linear's weight
+  under its LoRA wrapper's name, ``...q_proj.base_layer.weight``) and every sync the adapters
+  alone, under peft's names, with their PEFT config; the generator keeps each adapted linear's
+  base weight and sets the linear to ``W + (B @ A) * alpha / r``, as the engine merges it.
 - **Sleep** (``free_cache_engine``, verl's default) frees the generator's weights; the sync
-  allocates them again (``resume(["weights"])``) and fills them. Generating from released or
-  never-synced weights is refused by name.
+  allocates them again (``resume(["weights"])``) and fills them. With adapters synced alone
+  the base model is sent once, so sleep keeps the weights (verl's level-1 sleep). Generating
+  from released or never-synced weights is refused by name.
 
 Settings this generator cannot honour (a tensor-, pipeline- or expert-parallel rollout,
 multi-modal inputs, speculative decoding) are refused by name.
@@ -46,10 +52,11 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from engine.integrations.verl.cells import ROLLOUT
-from engine.integrations.verl.config import Refusals, model_overrides
+from engine.integrations.verl.config import Refusals, lora_unwrapped_name, model_overrides
 from heads.errors import ConfigError
 from strategies.hf.config import apply_overrides
 from strategies.hf.experts import CheckpointLayout
+from strategies.lora import PEFT_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +185,15 @@ class HFGenerator:
         self.pieces = {name: self.layout.names(name, shape) for name, shape in self.shapes.items()}
         self.targets = self._targets()
         self.received: set[str] = set()
+        #: LoRA synced alone: each adapted linear's base weight, and adapter halves received
+        #: (module -> {"lora_A": ..., "lora_B": ...}) until both are in.
+        self.base_weights: dict[str, torch.Tensor] = {}
+        #: The dtype each weight was sent in: a merged adapter is rounded to it, as the
+        #: trainer's merged export rounds it.
+        self.sent_dtypes: dict[str, torch.dtype] = {}
+        self.adapter_halves: dict[str, dict[str, torch.Tensor]] = {}
+        self.adapted: set[str] = set()
+        self.adapter_mode = False
         self.stop_ids = _stop_token_ids(hf_config, path)
         self.max_model_len = config.max_model_len or (config.prompt_length + config.response_length)
         self.loaded = True  # weights allocated
@@ -234,7 +250,8 @@ class HFGenerator:
         params.setdefault("ignore_eos", bool(getattr(self.config, "ignore_eos", False)))
         sampling = Sampling.of(params, max(1, min(int(requested), room)))
         done: asyncio.Future[TokenOutput] = asyncio.get_running_loop().create_future()
-        self.pending.append(_Request(self._stream_key(str(request_id)), prompt_ids, sampling, done))
+        key = self._stream_key(str(request_id), prompt_ids)
+        self.pending.append(_Request(key, prompt_ids, sampling, done))
         loop = asyncio.get_running_loop()
         if self.wakeup is None or self.loop is not loop:  # one serving task per event loop
             self.loop, self.wakeup = loop, asyncio.Event()
@@ -270,14 +287,19 @@ class HFGenerator:
                         if not request.done.done():
                             request.done.set_result(output)
 
-    def _stream_key(self, request_id: str) -> str:
-        """A request's stream key: its id and how many times the id came before in this step
-        (verl sends the ``n`` samples of a prompt under one id; each draws its own stream)."""
+    def _stream_key(self, request_id: str, prompt_ids: list[int]) -> str:
+        """A request's stream key: its id, its prompt, and how many requests with both came
+        before in this step. verl sends the ``n`` samples of a prompt under one id (its
+        transfer-queue trainer every request under ``det-0``), in an order that differs from
+        run to run: keyed by the prompt too, each prompt draws the same streams whatever the
+        order (its samples may swap streams among themselves, being alike)."""
         if self.seen_step != self.global_steps:
             self.seen_step, self.seen = self.global_steps, {}
-        count = self.seen.get(request_id, 0)
-        self.seen[request_id] = count + 1
-        return f"{request_id}#{count}"
+        prompt = hashlib.sha256(str(prompt_ids).encode()).hexdigest()[:16]
+        base = f"{request_id}/{prompt}"
+        count = self.seen.get(base, 0)
+        self.seen[base] = count + 1
+        return f"{base}#{count}"
 
     def _row_generators(self, request_ids: list[str]) -> list[torch.Generator]:
         """Each row's random stream. Under ``full_determinism`` (verl then sends stable request
@@ -384,7 +406,10 @@ class HFGenerator:
             self.release()
 
     def release(self) -> None:
-        """Free the parameters' storage (buffers such as rotary tables stay)."""
+        """Free the parameters' storage (buffers such as rotary tables stay); not while
+        adapters are synced alone: the base model they adapt is sent once."""
+        if self.adapter_mode:
+            return
         for parameter in self.model.parameters():
             parameter.data = torch.empty(0, dtype=parameter.dtype)
         self.loaded = self.synced = False
@@ -396,11 +421,21 @@ class HFGenerator:
                 parameter.data = torch.empty(self.shapes[name], dtype=parameter.dtype)
             self.loaded = True
 
-    def update_weights(self, named: list[tuple[str, torch.Tensor]], last: bool) -> None:
+    def update_weights(
+        self, named: list[tuple[str, torch.Tensor]], last: bool, lora: Any = None
+    ) -> None:
         """Copy one bucket of (Hugging Face name, tensor) into the model: checkpoint names (the
         engine's export; a mixture-of-experts layer's experts one tensor each) or transformers'
-        own parameter names."""
+        own parameter names. ``lora`` (the PEFT config's ``r``, ``lora_alpha``,
+        ``use_rslora``): the base model under LoRA wrapper names, or adapters alone."""
+        if lora is not None and named and named[0][0].startswith(PEFT_PREFIX):
+            self._update_adapters(named, last, lora)
+            return
         self.resume(["weights"])
+        if lora is not None:  # the base model: adapters are merged again at their next sync
+            named = [(lora_unwrapped_name(name), tensor) for name, tensor in named]
+        self.base_weights, self.adapted = {}, set()  # the adapters' base is being replaced
+        self.adapter_mode = lora is not None
         for name, tensor in named:
             target = self.targets.get(name)
             if target is None:
@@ -418,6 +453,7 @@ class HFGenerator:
                     f"trainer and {tuple(destination.shape)} in the generator"
                 )
             destination.copy_(tensor)
+            self.sent_dtypes[name] = tensor.dtype
             self.received.update(self.pieces.get(parameter, ()) if rows is None else (name,))
         if last:
             missing = sorted(
@@ -433,6 +469,63 @@ class HFGenerator:
                     f"needs, e.g. {missing[:3]} (they would keep stale or released values)"
                 )
             self.synced = True
+
+    def _update_adapters(
+        self, named: list[tuple[str, torch.Tensor]], last: bool, lora: Any
+    ) -> None:
+        """One bucket of adapters under peft's names (``base_model.model.<linear>.lora_A.weight``
+        and ``lora_B``): each linear whose pair is complete becomes its base weight plus
+        ``(B @ A) * scale`` (float32, as the engine's merged export); the last bucket must have
+        completed every pair, and every linear a previous sync adapted."""
+        if not self.synced:
+            raise RuntimeError(
+                f"{NAME} rollout: LoRA adapters arrived before the base model (verl sends it "
+                "once, when rollout.load_format contains 'dummy', its default; or set "
+                "actor_rollout_ref.model.lora.merge=True to send merged weights every step)"
+            )
+        r, alpha = int(_field(lora, "r")), float(_field(lora, "lora_alpha"))
+        scale = alpha / math.sqrt(r) if _field(lora, "use_rslora", False) else alpha / r
+        for name, tensor in named:
+            module, _, half = name[len(PEFT_PREFIX) :].removesuffix(".weight").rpartition(".")
+            if half not in ("lora_A", "lora_B") or f"{module}.weight" not in self.targets:
+                raise KeyError(
+                    f"{NAME} rollout: the trainer sent the adapter tensor {name!r}, which "
+                    f"adapts no linear of the generator's {type(self.model).__name__}"
+                )
+            halves = self.adapter_halves.setdefault(module, {})
+            halves[half] = tensor
+            if len(halves) == 2:
+                self._merge_adapter(module, halves.pop("lora_A"), halves.pop("lora_B"), scale)
+                del self.adapter_halves[module]
+        if last:
+            incomplete = sorted(self.adapter_halves)
+            missing = sorted(self.adapted - self.received)
+            self.adapter_halves, self.received = {}, set()
+            if incomplete or missing:
+                raise ValueError(
+                    f"{NAME} rollout: the adapter sync left linears with an old or half "
+                    f"adapter: {(incomplete + missing)[:3]}"
+                )
+
+    def _merge_adapter(
+        self, module: str, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float
+    ) -> None:
+        name = f"{module}.weight"
+        parameter, rows = self.targets[name]
+        weight = self.state[parameter].data
+        if rows is not None:
+            weight = weight.view(-1, weight.shape[-1])[rows]
+        base = self.base_weights.setdefault(name, weight.detach().clone())
+        delta = (lora_b.float() @ lora_a.float()) * scale
+        if delta.shape != base.shape:
+            raise ValueError(
+                f"{NAME} rollout: the adapter of {module!r} makes {tuple(delta.shape)}, its "
+                f"weight is {tuple(base.shape)}"
+            )
+        sent = self.sent_dtypes.get(name, base.dtype)
+        weight.copy_((base.float() + delta).to(sent))
+        self.adapted.add(name)
+        self.received.add(name)
 
     def _targets(self) -> dict[str, tuple[str, slice | None]]:
         """Each name a sync may send -> (the model's parameter or buffer, its rows or None)."""
@@ -612,22 +705,32 @@ class HFServerAdapter(BaseRollout):
             raise ConfigError(
                 f"{NAME} rollout: weights in {wire_format!r} are not supported (named_tensors)"
             )
-        if kwargs.get("peft_config") is not None:
-            raise ConfigError(
-                f"{NAME} rollout: LoRA adapters must arrive merged (model.lora.merge=True)"
-            )
+        lora = _lora_settings(kwargs.get("peft_config"))
         if not self.leader:
             for _ in weights:
                 pass
             return
         sent = []
         for bucket, last in _buckets(weights, self.bucket_bytes):
-            sent.append(self.server.update_weights.remote(bucket, last))
+            sent.append(self.server.update_weights.remote(bucket, last, lora))
             if len(sent) > 1:  # at most two buckets in flight
                 await sent.pop(0)
         for pending in sent:
             await pending
         await self.server.set_global_steps.remote(kwargs.get("global_steps"))
+
+
+def _field(settings: Any, key: str, default: Any = None) -> Any:
+    if isinstance(settings, dict):
+        return settings.get(key, default)
+    return getattr(settings, key, default)
+
+
+def _lora_settings(peft_config: Any) -> dict[str, Any] | None:
+    """What the generator needs of a PEFT config (peft's ``LoraConfig`` or its mapping)."""
+    if peft_config is None:
+        return None
+    return {key: _field(peft_config, key) for key in ("r", "lora_alpha", "use_rslora")}
 
 
 def _buckets(
