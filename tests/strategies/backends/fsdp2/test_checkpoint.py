@@ -26,8 +26,14 @@ LENGTHS = [5, 7, 9, 4]
 LOSSES = {"lm": sft_loss, "value": value_regression_loss}
 
 
-def _engine(head: str = "lm", backend: str = "fsdp2", **config: Any) -> Engine:
+def _engine(
+    head: str = "lm",
+    backend: str = "fsdp2",
+    backend_options: dict[str, Any] | None = None,
+    **config: Any,
+) -> Engine:
     settings = {
+        "backend": backend_options or {},
         "model": tiny_model(),
         "micro_batch_size": 2,
         "seed": 5,
@@ -65,17 +71,24 @@ def _assert_same_weights(first: dict[str, torch.Tensor], second: dict[str, torch
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("head", ["lm", "value"])
+@pytest.mark.parametrize(
+    ("head", "options"),
+    [
+        ("lm", {}),
+        ("value", {}),
+        ("lm", {"cpu_offload": True, "weights_dtype": "bfloat16"}),  # host memory, bf16 weights
+    ],
+)
 def test_resuming_from_a_checkpoint_reproduces_training_bit_exactly(
-    tmp_path: Path, head: str
+    tmp_path: Path, head: str, options: dict[str, Any]
 ) -> None:
-    original = _engine(head)
+    original = _engine(head, backend_options=options)
     _train(original, head, range(2))
     saved = original.save_checkpoint(tmp_path)
     assert sorted(os.listdir(saved)) == ["dcp", "manifest.json", "rng", "scheduler.json"]
     expected = _train(original, head, range(2, 4))
 
-    resumed = _engine(head)
+    resumed = _engine(head, backend_options=options)
     assert resumed.load_checkpoint(tmp_path) == saved
     assert resumed.global_step == 2
     assert _train(resumed, head, range(2, 4)) == expected
