@@ -1249,9 +1249,10 @@ def test_verl_lora_settings_train_adapters_and_the_reference_is_the_base_model(
     ]
     assert max(gaps) > 1e-4  # the adapters trained
 
-    # Only the adapters trained: every weight without one exports as it was saved.
+    # Only the adapters trained: every weight without one exports as it was saved (merged, as
+    # verl's lora.merge=True has it; the adapter's other forms: test_verl_rollout.py).
     saved = load_file(os.path.join(qwen3, "model.safetensors"))
-    exported = dict(worker.engine.get_per_tensor_param()[0])
+    exported = dict(worker.engine.engine.get_per_tensor_param())
     targets = lora.target_modules
     for name, tensor in saved.items():
         adapted = any(f"{target}.weight" in name for target in targets)
