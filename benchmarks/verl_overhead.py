@@ -1,10 +1,26 @@
 """verl's ``TrainingWorker.train_batch`` (verl's PPO loss, through the plug-in's
 ``ComposableEngine``) against ``Engine.train_batch`` called directly (``ActorLoss``) on the same
 model, batch and seed, in one process on CPU; steps alternate so machine noise hits both alike.
-Prints the median step time of each, their ratio (target <= 1.10), and the largest difference
-between the two paths' losses and log-probabilities after the first step.
+Prints the median step time of each, their ratio, where the verl path's extra time goes, and the
+largest difference between the two paths' losses and log-probabilities.
 
     python -m benchmarks.verl_overhead [--steps 20] [--sequences 16] [--layers 2]
+
+The breakdown times each part by lightweight wrappers (exclusive time: a wrapped call's time
+less that of the wrapped calls inside it) and autograd hooks around each loss's backward:
+
+- verl's own code: ``TrainingWorker.train_batch`` and ``BaseEngine.train_batch`` (batch flags,
+  ``_postprocess_output``: loss sum, metrics, MFU), and verl's ``ppo_loss`` per micro-batch,
+  forward and backward;
+- the adapter (``engine.integrations.verl.adapter``): its mode context, batch translation,
+  the wrapped loss (layout translation, each micro-batch's rows of verl's TensorDict) forward
+  and backward, output and metrics translation;
+- the engine: the rest (model forward and backward, head, optimizer), in both paths; the
+  direct path's loss, ``ActorLoss``, forward and backward, apart.
+
+``ratio excluding verl's own`` divides the verl path's time by the direct path's plus verl's
+own code that has no counterpart there (its worker's bookkeeping, and its loss's cost beyond
+``ActorLoss``'s): the adapter's and engine's overhead alone (target <= 1.05).
 
 Needs verl (``pip install -e '.[verl]'``).
 """
@@ -17,12 +33,104 @@ import os
 import statistics
 import tempfile
 import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
+
+#: The breakdown's parts (``Clock`` labels).
+VERL, VERL_LOSS, ADAPTER, ENGINE, DIRECT_LOSS = (
+    "verl's own",
+    "verl's ppo_loss",
+    "adapter",
+    "engine",
+    "ActorLoss",
+)
+
+
+class Clock:
+    """Exclusive seconds per label of wrapped calls: time inside a wrapped call made from
+    another counts for the inner call's label only."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self._inner: list[float] = []  # per open call: time spent in wrapped calls inside it
+
+    def add(self, label: str, seconds: float) -> None:
+        """``seconds`` measured apart (e.g. by hooks) moved to ``label`` from the open call's."""
+        self.totals[label] += seconds
+        if self._inner:
+            self._inner[-1] += seconds
+
+    def wrap(self, label: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._inner.append(0.0)
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                self.totals[label] += elapsed - self._inner.pop()
+                if self._inner:
+                    self._inner[-1] += elapsed
+
+        return timed
+
+    def wrap_context(self, label: str, factory: Callable[..., Any]) -> Callable[..., Any]:
+        """A context manager factory whose managers' enter and exit count for ``label`` (their
+        body: for whatever runs in it)."""
+        clock = self
+
+        @functools.wraps(factory)
+        def make(*args: Any, **kwargs: Any) -> Any:
+            manager = factory(*args, **kwargs)
+
+            class Timed:
+                def __enter__(self) -> Any:
+                    return clock.wrap(label, manager.__enter__)()
+
+                def __exit__(self, *exc: Any) -> Any:
+                    return clock.wrap(label, manager.__exit__)(*exc)
+
+            return Timed()
+
+        return make
+
+    def patch(self, target: Any, label: str, *names: str, context: bool = False) -> None:
+        """Time the instance's methods ``names`` (context managers with ``context``)."""
+        for name in names:
+            wrap = self.wrap_context if context else self.wrap
+            setattr(target, name, wrap(label, getattr(target, name)))
+
+    def backward(self, output: torch.Tensor, stages: list[tuple[str, torch.Tensor]]) -> None:
+        """Time the backward pass from ``output`` stage by stage: ``stages`` are ``(label,
+        tensor)`` from the output back towards the inputs, the time from the gradient of one
+        (or of ``output``) to that of the next counting for the next one's label (the CPU's
+        autograd runs one node at a time, a loss's nodes before those of its inputs), moved out
+        of the wrapped call that runs the backward pass."""
+        last: list[float] = []
+
+        def reached(label: str | None) -> Callable[[torch.Tensor], None]:
+            def hook(grad: torch.Tensor) -> None:
+                now = time.perf_counter()
+                if label is not None and last:
+                    self.add(label, now - last[0])
+                last[:] = [now]
+
+            return hook
+
+        if not output.requires_grad:  # forward only
+            return
+        output.register_hook(reached(None))
+        for label, tensor in stages:
+            if tensor.requires_grad:
+                tensor.register_hook(reached(label))
 
 
 def _checkpoint(directory: str, layers: int, vocab: int) -> str:
@@ -42,6 +150,76 @@ def _checkpoint(directory: str, layers: int, vocab: int) -> str:
     )
     Qwen3ForCausalLM(config).save_pretrained(directory)
     return directory
+
+
+class TimedLoss:
+    """A loss function timed forward and backward for ``label``; declarations (required
+    fields, token separability) read through to it."""
+
+    def __init__(self, loss: Any, clock: Clock, label: str) -> None:
+        self._loss, self._clock, self._label = loss, clock, label
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loss, name)
+
+    def __call__(self, outputs: Mapping[str, torch.Tensor], data: Any, ctx: Any) -> Any:
+        value, metrics = self._clock.wrap(self._label, self._loss)(outputs, data, ctx)
+        self._clock.backward(value, [(self._label, t) for t in outputs.values()])
+        return value, metrics
+
+
+def _instrument_verl(worker: Any, verl_loss: Callable[..., Any], clock: Clock) -> None:
+    """Time the verl path's parts (see the module doc): verl's worker code outside the wrapped
+    calls, the adapter's methods and wrapped loss, verl's loss, the engine's methods."""
+    adapter = worker.engine
+    engine = adapter.engine
+    clock.patch(adapter, VERL, "train_batch")  # BaseEngine.train_batch: verl's
+    clock.patch(adapter, ADAPTER, "train_mode", context=True)
+    clock.patch(
+        adapter,
+        ADAPTER,
+        "forward_backward_batch",
+        "optimizer_zero_grad",
+        "optimizer_step",
+        "lr_scheduler_step",
+        "is_mp_src_rank_with_outputs",
+        "get_data_parallel_group",
+    )
+    clock.patch(engine, ENGINE, "train_mode", context=True)
+    clock.patch(engine, ENGINE, "forward_backward_batch", "optimizer_zero_grad", "optimizer_step")
+    called: list[tuple[torch.Tensor, Mapping[str, torch.Tensor]]] = []
+
+    def loss_fn(*, model_output: Mapping[str, torch.Tensor], **kwargs: Any) -> Any:
+        value, metrics = verl_loss(model_output=model_output, **kwargs)
+        called.append((value, model_output))
+        return value, metrics
+
+    worker.set_loss_fn(clock.wrap(VERL_LOSS, loss_fn))
+    make_loss = adapter._loss
+
+    def timed_loss_factory(*args: Any, **kwargs: Any) -> Callable[..., Any]:
+        wrapped = clock.wrap(ADAPTER, make_loss(*args, **kwargs))
+
+        def loss(outputs: Mapping[str, torch.Tensor], micro: Any, ctx: Any) -> Any:
+            value, metrics = wrapped(outputs, micro, ctx)
+            verl_value, model_output = called.pop()
+            clock.backward(
+                value,
+                [
+                    (ADAPTER, verl_value),
+                    *((VERL_LOSS, t) for t in model_output.values()),
+                    *((ADAPTER, t) for t in outputs.values()),
+                ],
+            )
+            return value, metrics
+
+        return loss
+
+    adapter._loss = timed_loss_factory
+
+
+def _median_ms(values: list[float]) -> float:
+    return statistics.median(values) * 1e3
 
 
 def main() -> None:
@@ -69,6 +247,7 @@ def main() -> None:
 
     from engine import Engine
     from engine.data.batching import jagged
+    from engine.integrations.verl.adapter import ComposableEngine
     from engine.losses import ActorLoss
 
     vocab, prompt = 256, 32
@@ -134,57 +313,97 @@ def main() -> None:
         )
     )
     worker.reset()
-    worker.set_loss_fn(
+    assert isinstance(worker.engine, ComposableEngine), type(worker.engine)
+    # the engine config the plug-in derived from verl's (its enable_gradient_checkpointing and
+    # use_remove_padding, both on by default, checkpoint each layer and pack each micro-batch):
+    # the direct engine is asked for the same work
+    direct = Engine.build(
+        head="lm", backend="fsdp2", device="cpu", config=worker.engine.engine.config
+    ).initialize()
+    assert direct.config.backend["activation_checkpointing"] and direct.config.packing
+
+    clocks = {"verl": Clock(), "direct": Clock()}
+    _instrument_verl(
+        worker,
         functools.partial(
             ppo_loss, ActorConfig(strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=micro)
-        )
+        ),
+        clocks["verl"],
     )
-    direct = Engine.build(
-        head="lm",
-        backend="fsdp2",
-        device="cpu",
-        config={
-            "model": path,
-            "micro_batch_size": micro,
-            "seed": 7,
-            "optimizer": {"lr": 1e-4},
-            "backend": {"activation_checkpointing": True},
-            # verl's use_remove_padding (its default) packs each micro-batch: so does this one
-            "packing": True,
-        },
-    ).initialize()
-    loss = ActorLoss(mask_key="response_mask")
+    loss = TimedLoss(ActorLoss(mask_key="response_mask"), clocks["direct"], DIRECT_LOSS)
+    clocks["direct"].patch(direct, ENGINE, "train_mode", context=True)
 
-    times: dict[str, list[float]] = {"verl": [], "direct": []}
+    def through_verl(batch: TensorDict) -> float:
+        return float(tu.get(worker.train_batch(batch), "metrics")["loss"])
+
+    def directly() -> float:
+        with direct.train_mode():
+            return float(direct.train_batch(engine_batch, loss)["loss"])
+
+    timed = {
+        "verl": clocks["verl"].wrap(VERL, through_verl),
+        "direct": clocks["direct"].wrap(ENGINE, directly),
+    }
+    parts: dict[str, list[dict[str, float]]] = {"verl": [], "direct": []}
     differences: list[float] = []
     for step in range(args.steps + 1):
-        start = time.perf_counter()
-        through_verl = tu.get(worker.train_batch(verl_batch()), "metrics")["loss"]
-        middle = time.perf_counter()
-        with direct.train_mode():
-            directly = direct.train_batch(engine_batch, loss)["loss"]
-        end = time.perf_counter()
-        differences.append(abs(float(through_verl) - float(directly)))
-        if step:  # the first step warms both up
-            times["verl"].append(middle - start)
-            times["direct"].append(end - middle)
+        batch = verl_batch()  # verl's worker writes its flags into the batch: one per step
+        values = {}
+        for key, run in (
+            ("verl", functools.partial(timed["verl"], batch)),
+            ("direct", timed["direct"]),
+        ):
+            clocks[key].totals.clear()
+            values[key] = run()
+            if step:  # the first step warms both up
+                parts[key].append(dict(clocks[key].totals))
+        differences.append(abs(values["verl"] - values["direct"]))
     theirs = worker.infer_batch(verl_batch())["log_probs"]
     ours = direct.infer_batch(engine_batch)["log_probs"]
     log_prob_difference = max(
         float((a[prompt - 1 : prompt - 1 + n] - b[prompt:]).abs().max())
         for a, b, n in zip(theirs.unbind(), ours.unbind(), lengths, strict=True)
     )
-    verl_s, direct_s = (statistics.median(times[key]) for key in ("verl", "direct"))
+    _report(args, micro, sum(len(r) for r in ids), parts, differences, log_prob_difference)
+    dist.destroy_process_group()
+
+
+def _report(
+    args: argparse.Namespace,
+    micro: int,
+    tokens: int,
+    parts: dict[str, list[dict[str, float]]],
+    differences: list[float],
+    log_prob_difference: float,
+) -> None:
+    totals = {key: [sum(step.values()) for step in steps] for key, steps in parts.items()}
+    verl_s, direct_s = (statistics.median(totals[key]) for key in ("verl", "direct"))
+    # verl's own code with no counterpart in the direct path, per step
+    own = [
+        v.get(VERL, 0.0) + v.get(VERL_LOSS, 0.0) - d.get(DIRECT_LOSS, 0.0)
+        for v, d in zip(parts["verl"], parts["direct"], strict=True)
+    ]
+    excluding = [v / (d + o) for v, d, o in zip(totals["verl"], totals["direct"], own, strict=True)]
     print(
-        f"{args.sequences} sequences, {sum(len(r) for r in ids)} tokens, micro-batch {micro}, "
-        f"{args.layers} layers, {args.steps} steps, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+        f"{args.sequences} sequences, {tokens} tokens, micro-batch {micro}, {args.layers} "
+        f"layers, {args.steps} steps, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
     )
-    print(f"TrainingWorker.train_batch (verl)   median {verl_s * 1e3:8.1f} ms")
-    print(f"Engine.train_batch (direct)         median {direct_s * 1e3:8.1f} ms")
+    print(f"{'median ms per step':34} {'verl':>8} {'direct':>8}")
+    for label in (VERL, VERL_LOSS, DIRECT_LOSS, ADAPTER, ENGINE):
+        row = []
+        for key in ("verl", "direct"):
+            steps = parts[key]
+            seen = any(label in step for step in steps)
+            row.append(
+                f"{_median_ms([s.get(label, 0.0) for s in steps]):8.1f}" if seen else " " * 8
+            )
+        print(f"  {label:32} {row[0]} {row[1]}")
+    print(f"  {'total':32} {verl_s * 1e3:8.1f} {direct_s * 1e3:8.1f}")
     print(f"ratio verl / direct                 {verl_s / direct_s:.3f}")
+    print(f"verl's own code without counterpart {_median_ms(own):.1f} ms per step")
+    print(f"ratio excluding verl's own          {statistics.median(excluding):.3f}")
     print(f"max |loss difference| over steps    {max(differences):.2e}")
     print(f"max |log-prob difference| after     {log_prob_difference:.2e}")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
