@@ -187,6 +187,43 @@ def test_an_output_the_head_does_not_declare_is_refused_by_name() -> None:
         declared("extra")
 
 
+@pytest.mark.parametrize("rows", [[0, 1, 2], [3, 1, 5], [4], [2, 3, 4, 5]])
+def test_a_micro_batchs_rows_of_verls_batch_are_verls_own_selection(rows: list[int]) -> None:
+    """What the adapter hands verl's loss per micro-batch equals verl's
+    ``index_select_tensor_dict`` of the batch: every entry, value, dtype and layout, and the
+    padded tensors tensordict makes of them (padded to the rows' longest where verl's selection
+    records it, to the buffer's length where it does not)."""
+    from engine.integrations.verl.adapter import _Rows
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = [5, 3, 7, 1, 4, 6]
+    batch = TensorDict(
+        {
+            "ids": jagged([torch.randint(0, 9, (n,), generator=generator) for n in lengths]),
+            "old_log_probs": jagged([torch.randn(n, generator=generator) for n in lengths]),
+            "features": jagged([torch.randn(n + 2, 3, generator=generator) for n in lengths]),
+            "dense": torch.randn(len(lengths), 2, generator=generator),
+        },
+        batch_size=[len(lengths)],
+    )
+    tu.assign_non_tensor(batch, dp_size=1, uids=[f"u{n}" for n in range(len(lengths))])
+    index = torch.tensor(rows)
+    theirs, ours = tu.index_select_tensor_dict(batch, index), _Rows(batch).select(index)
+    assert list(ours.keys()) == list(theirs.keys())
+    padded_theirs, padded_ours = theirs.to_padded_tensor(), ours.to_padded_tensor()
+    for key in theirs.keys():
+        mine, verls = ours[key], theirs[key]
+        if not isinstance(verls, torch.Tensor):
+            assert mine == verls, key
+            continue
+        assert torch.equal(padded_ours[key], padded_theirs[key]), key
+        assert mine.dtype == verls.dtype and mine.is_nested == verls.is_nested, key
+        if verls.is_nested:
+            assert torch.equal(mine.offsets(), verls.offsets()), key
+            assert mine._ragged_idx == verls._ragged_idx, key  # type: ignore[attr-defined]
+            assert all(map(torch.equal, mine.unbind(), verls.unbind())), key
+
+
 # -- TrainingWorker ------------------------------------------------------------------------------
 PROMPT, RESPONSES = 5, [4, 7, 3, 6]
 
