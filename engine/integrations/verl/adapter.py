@@ -38,7 +38,7 @@ from verl.workers.engine.base import BaseEngine
 
 from engine import checkpointing
 from engine.config import CallSettings, EngineConfig, head_options
-from engine.data.batching import ROUTED_EXPERTS, jagged_offsets, jagged_values
+from engine.data.batching import ROUTED_EXPERTS, is_jagged, jagged_offsets, jagged_values
 from engine.engine import Engine
 from engine.integrations.verl.config import (
     engine_config_from_verl,
@@ -614,8 +614,7 @@ def _gatherable(value: object) -> TypeGuard[torch.Tensor]:
     """A jagged tensor ragged in its rows' first dim, without holes: gathered by ``_Gather``."""
     return (
         isinstance(value, torch.Tensor)
-        and value.is_nested
-        and value.layout == torch.jagged
+        and is_jagged(value)
         and getattr(value, "_ragged_idx", None) == 1
         and getattr(value, "_lengths", None) is None
     )
