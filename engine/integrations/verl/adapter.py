@@ -603,9 +603,9 @@ class _Rows:
                     [value.unbind()[index] for index in chosen],
                     ragged_idx=getattr(value, "_ragged_idx", value.dim() - 1),
                 )
-            elif isinstance(value, torch.Tensor) or value.shape:  # NonTensorStack: per row
+            elif isinstance(value, torch.Tensor) or value.shape:  # with the batch's dims
                 selected[key] = value[rows]
-            else:  # NonTensorData
+            else:
                 selected[key] = value
         return TensorDict(source=selected, batch_size=[len(chosen)])
 
