@@ -681,7 +681,9 @@ def _jagged_maker() -> Callable[[torch.Tensor, torch.Tensor, int, int], torch.Te
     values, offsets = torch.arange(5.0), torch.tensor([0, 2, 5])
     try:
         made = make(values, offsets, 2, 3)
-        public = torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=2, max_seqlen=3)
+        public: Any = torch.nested.nested_tensor_from_jagged(
+            values, offsets, min_seqlen=2, max_seqlen=3
+        )
         same = (
             type(made) is type(public)
             and made.shape == public.shape
