@@ -121,6 +121,32 @@ def test_every_cell_resolves_to_the_adapter(monkeypatch: pytest.MonkeyPatch) -> 
         assert EngineRegistry.get_engine_cls("language_model", backend) is not ComposableEngine
 
 
+@pytest.mark.parametrize(
+    "first", ["verl", "engine.integrations.verl.adapter", "engine.integrations.verl.rollout"]
+)
+def test_the_plug_in_registers_whichever_module_is_imported_first(first: str) -> None:
+    """verl loads the plug-in while it is first imported, also from inside the adapter's own
+    import (the adapter half-built then): every cell still ends up registered, without the
+    plug-in's failure warning."""
+    import subprocess
+    import sys
+
+    script = (
+        f"import importlib; importlib.import_module({first!r})\n"
+        "from verl.workers.engine.base import EngineRegistry\n"
+        "from engine.integrations.verl import registered_cells\n"
+        "from engine.integrations.verl.adapter import ComposableEngine\n"
+        "registered = [e for m in EngineRegistry._engines.values() for b in m.values()\n"
+        "              for e in b.values() if e is ComposableEngine]\n"
+        "assert len(registered) == len(registered_cells()), registered\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "plug-in failed" not in result.stderr
+
+
 def test_cpu_platform() -> None:
     from verl.utils.device import get_device_name, get_nccl_backend, get_torch_device
 

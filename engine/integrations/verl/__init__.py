@@ -16,6 +16,7 @@ verl is imported only inside this package, and only when verl loads the plug-in 
 from __future__ import annotations
 
 import importlib
+import sys
 
 from engine.integrations.verl.cells import ROLLOUT, Cell, registered_cells
 
@@ -29,6 +30,11 @@ def register() -> None:
     importlib.import_module("engine.integrations.verl.platform")
     from verl.workers.engine.base import EngineRegistry
 
+    adapter = sys.modules.get("engine.integrations.verl.adapter")
+    if adapter is not None and not hasattr(adapter, "ComposableEngine"):
+        # verl loads the plug-in while the adapter module, imported before verl, imports it:
+        # the adapter calls this again once its class exists
+        return
     from engine.integrations.verl.adapter import ComposableEngine
 
     for cell in registered_cells():

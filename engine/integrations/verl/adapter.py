@@ -40,6 +40,7 @@ from engine import checkpointing
 from engine.config import CallSettings, EngineConfig, head_options
 from engine.data.batching import ROUTED_EXPERTS, is_jagged, jagged_offsets, jagged_values
 from engine.engine import Engine
+from engine.integrations.verl import register
 from engine.integrations.verl.config import (
     engine_config_from_verl,
     lora_base_name,
@@ -793,3 +794,6 @@ def _temperature(data: TensorDict) -> float:
             )
         return float(value.flatten()[0])
     return float(value)
+
+
+register()  # where this module was imported before verl, verl's plug-in left it to here
