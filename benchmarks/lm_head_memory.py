@@ -1,6 +1,6 @@
 """Memory and time of the LM head: the output layer fused with the head's math
-(``heads.fused_output``) vs materialised logits; and (``--head-only``) the head op
-``heads.vocab_parallel.log_probs_and_entropy`` vs the naive LM-head math on given logits.
+(``heads.kernels.fused_output``) vs materialised logits; and (``--head-only``) the head op
+``heads.kernels.vocab_parallel.log_probs_and_entropy`` vs the naive LM-head math on given logits.
 
 Output layer + head (default). materialised: ``logits = hidden @ W.T`` then
 ``log_probs_and_entropy(logits, targets)`` (the unfused engine path); fused:
@@ -69,12 +69,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 import torch
 
 from benchmarks.measure import peak_allocated
-from heads.fused_output import (
+from heads.kernels.fused_output import (
     default_tile,
     fused_log_probs_and_entropy,
     fused_log_probs_with_gradient,
 )
-from heads.vocab_parallel import log_probs_and_entropy
+from heads.kernels.vocab_parallel import log_probs_and_entropy
 
 Outputs = tuple[torch.Tensor, torch.Tensor | None]
 Method = Callable[[torch.Tensor, torch.Tensor, bool], Outputs]

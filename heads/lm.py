@@ -19,13 +19,13 @@ from heads.base import (
     shift_to_scored_token,
 )
 from heads.errors import ConfigError
-from heads.fused_output import (
+from heads.kernels.fused_output import (
     fused_log_probs_and_entropy,
     fused_log_probs_with_gradient,
     fused_sum_pi_squared,
 )
+from heads.kernels.vocab_parallel import log_probs_and_entropy, sum_pi_squared
 from heads.validation import bool_field, float_field, int_field, non_negative, positive
-from heads.vocab_parallel import log_probs_and_entropy, sum_pi_squared
 
 FUSED_MIN_LOGITS = 1 << 21
 """``LMHead.fused_min_logits``'s default: micro-batches with fewer logits compute them whole."""
@@ -39,8 +39,8 @@ class LMHead:
     match). Under tensor parallelism the results are computed vocab-parallel; the full
     vocabulary is never gathered. ``fused`` (the default): the backend hands over the final hidden
     states and the output weight, and the output layer runs fused with the head's math in token
-    chunks (``heads.fused_output``), so the ``[tokens, vocab]`` logits never exist; the results
-    equal the unfused path's up to float rounding. A micro-batch with fewer than
+    chunks (``heads.kernels.fused_output``), so the ``[tokens, vocab]`` logits never exist; the
+    results equal the unfused path's up to float rounding. A micro-batch with fewer than
     ``fused_min_logits`` logits (tokens x this rank's vocabulary rows; default ``2**21``, 8 MiB
     in float32) computes them whole from the same hidden states and weight instead: logits that
     small take no more memory than one of the fused path's work tiles, and computing them whole
@@ -50,9 +50,9 @@ class LMHead:
     (``engine.losses.token_separable``: PPO's, CISPO's, the KL and entropy terms, SFT), the
     fused path computes the loss's gradients w.r.t. the hidden states and the output weight in
     its forward pass, chunk by chunk while each chunk's logits exist
-    (``heads.fused_output.fused_log_probs_with_gradient``), so the backward recomputes nothing:
-    three matmuls, as the unfused layer, instead of four. Other losses (GSPO's sequence ratio,
-    a custom loss that does not declare itself separable) take the recomputing path.
+    (``heads.kernels.fused_output.fused_log_probs_with_gradient``), so the backward recomputes
+    nothing: three matmuls, as the unfused layer, instead of four. Other losses (GSPO's sequence
+    ratio, a custom loss that does not declare itself separable) take the recomputing path.
 
     ``compute_sum_pi_squared``: also ``sum_pi_squared[t] = sum_v p(v | x_<t) ** 2`` at
     ``temperature``, what verl's optimal-token-baseline advantage estimators read. It has no

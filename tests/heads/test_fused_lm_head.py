@@ -1,6 +1,6 @@
-"""The fused output layer + LM head (``heads.fused_output``, ``LMHead(fused=True)``): log-probs,
-entropy, loss and gradients w.r.t. the hidden states and the output weight equal the unfused
-path (``hidden @ W.T`` then ``log_probs_and_entropy``) up to float32 rounding
+"""The fused output layer + LM head (``heads.kernels.fused_output``, ``LMHead(fused=True)``):
+log-probs, entropy, loss and gradients w.r.t. the hidden states and the output weight equal the
+unfused path (``hidden @ W.T`` then ``log_probs_and_entropy``) up to float32 rounding
 (:data:`TOLERANCE`), on random shapes and tiles, vocab-parallel at TP=2, through both backends
 with packing and tied embeddings; the log-probs are bit-identical with and without the
 entropy; the ``[tokens, vocab]`` logits are never allocated; heads that want raw logits keep
@@ -25,18 +25,18 @@ from engine import Engine
 from engine.data.batching import jagged
 from engine.losses import ActorLoss, LossFn, token_separable
 from engine.registry import BACKENDS
-from heads import fused_output
 from heads import lm as lm_module
 from heads.base import PER_TOKEN, HeadContext, OutputSpec, shift_to_scored_token
 from heads.errors import ConfigError
-from heads.fused_output import fused_log_probs_and_entropy, fused_log_probs_with_gradient
+from heads.kernels import fused_output
+from heads.kernels.fused_output import fused_log_probs_and_entropy, fused_log_probs_with_gradient
+from heads.kernels.vocab_parallel import log_probs_and_entropy
 from heads.lm import FUSED_MIN_LOGITS, LMHead
-from heads.vocab_parallel import log_probs_and_entropy
 from strategies.backends.base import Packing
 from strategies.backends.megatron.mesh import destroy_mesh
 from tests.engine.test_packing import flat, loss_and_gradients
 from tests.factories import raise_outputs_loss, random_batch, tiny_model
-from tests.heads.test_vocab_parallel import _allocation_peak, assert_close_scaled
+from tests.heads.kernels.test_vocab_parallel import _allocation_peak, assert_close_scaled
 from tests.multiprocess import run_ranks
 from tests.tolerances import LIPSCHITZ_ADAMW, relative_gap, reordered
 

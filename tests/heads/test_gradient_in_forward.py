@@ -1,6 +1,6 @@
 """The fused LM head's gradient computed in its forward pass
-(``heads.fused_output.fused_log_probs_with_gradient``): for a token-separable loss, its results
-and the gradients of the hidden states and the output weight equal logits-then-head
+(``heads.kernels.fused_output.fused_log_probs_with_gradient``): for a token-separable loss, its
+results and the gradients of the hidden states and the output weight equal logits-then-head
 (``hidden @ W.T`` then ``log_probs_and_entropy``, autograd) within 1e-5 in float32, on random
 shapes, chunks and temperatures, with the weight trained or frozen (LoRA); the log-probs are
 bit-identical with and without the entropy; the anchor carrying the gradients scales with its
@@ -18,15 +18,15 @@ from hypothesis import strategies as st
 
 from heads.base import HeadContext
 from heads.errors import ConfigError
-from heads.fused_output import (
+from heads.kernels.fused_output import (
     default_tile,
     fused_log_probs_and_entropy,
     fused_log_probs_with_gradient,
 )
+from heads.kernels.vocab_parallel import log_probs_and_entropy
 from heads.lm import LMHead
-from heads.vocab_parallel import log_probs_and_entropy
+from tests.heads.kernels.test_vocab_parallel import assert_close_scaled
 from tests.heads.test_fused_lm_head import TOLERANCE, case
-from tests.heads.test_vocab_parallel import assert_close_scaled
 
 
 def separable_loss(

@@ -20,16 +20,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import Engine
-from heads import fused_output
 from heads.base import HeadContext, shift_to_scored_token
-from heads.fused_output import fused_sum_pi_squared
+from heads.kernels import fused_output
+from heads.kernels.fused_output import fused_sum_pi_squared
+from heads.kernels.vocab_parallel import MIN_TEMPERATURE, sum_pi_squared
 from heads.lm import LMHead
-from heads.vocab_parallel import MIN_TEMPERATURE, sum_pi_squared
 from strategies.backends.megatron.mesh import destroy_mesh
 from tests.engine.test_packing import flat, loss_and_gradients
 from tests.factories import raise_outputs_loss, tiny_model
+from tests.heads.kernels.test_vocab_parallel import DTYPES, chunk_sizes, make_case
 from tests.heads.test_fused_lm_head import FUNCTION_CASES, SEPARABLE_LOSS, actor_batch, case
-from tests.heads.test_vocab_parallel import DTYPES, chunk_sizes, make_case
 from tests.multiprocess import run_ranks
 from tests.tolerances import reordered
 

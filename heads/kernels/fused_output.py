@@ -1,6 +1,6 @@
 """Per-token log-probabilities and entropy straight from the final hidden states and the
-(vocab-parallel) output weight: the output layer fused with ``heads.vocab_parallel``'s math, so
-that the ``[tokens, vocab]`` logits never exist for the whole micro-batch.
+(vocab-parallel) output weight: the output layer fused with ``heads.kernels.vocab_parallel``'s math,
+so that the ``[tokens, vocab]`` logits never exist for the whole micro-batch.
 
 The work is done in tiles of ``C`` tokens x ``B`` vocabulary rows of ``W``. Forward: a tile's
 ``logits = h_chunk @ W_block^T`` (a matmul in the weight's dtype, as the unfused output layer
@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from heads.vocab_parallel import (
+from heads.kernels.vocab_parallel import (
     DEFAULT_CPU_CHUNK_ELEMENTS,
     MIN_TEMPERATURE,
     UpstreamGradients,

@@ -1,4 +1,5 @@
-"""Tests for heads.vocab_parallel: per-token log-probs and entropy, full-vocab and vocab-parallel.
+"""Tests for heads.kernels.vocab_parallel: per-token log-probs and entropy, full-vocab and
+vocab-parallel.
 
 The reference is plain PyTorch: ``log_softmax(logits.float() / T).gather(...)`` and
 ``-(p * log p).sum(-1)``, differentiated by autograd.
@@ -18,7 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from heads.vocab_parallel import MIN_TEMPERATURE, log_probs_and_entropy
+from heads.kernels.vocab_parallel import MIN_TEMPERATURE, log_probs_and_entropy
 from tests.multiprocess import run_ranks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -57,7 +57,7 @@ __all__ = [
     "work_view",
 ]
 """The per-chunk pieces (statistics, their combination, the gradient) are shared with
-``heads.fused_output``, which computes the logits chunk by chunk itself."""
+``heads.kernels.fused_output``, which computes the logits chunk by chunk itself."""
 
 MIN_TEMPERATURE = 1e-8
 """Temperatures below this (including 0 and negatives) are clamped to it."""
