@@ -56,7 +56,7 @@ import torch
 from benchmarks.measure import time_calls
 from engine import Engine, checkpointing
 from engine.losses import sft_loss
-from strategies.publish import fsync_path
+from strategies.checkpoint_files.publish import fsync_path
 from tests.factories import random_batch
 
 VARIANTS = ("engine", "engine async", "torch.save")

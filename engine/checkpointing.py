@@ -39,9 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from heads.errors import CheckpointError, ConfigError
 from strategies.backends.base import AsyncCheckpointing, Checkpointing, StagedSave
-from strategies.config import ModelConfig
-from strategies.distributed import collective_timeout, from_rank_zero, merged_dicts, rank
-from strategies.publish import (
+from strategies.checkpoint_files.publish import (
     CHECKSUMS,
     WRITE_CHECKSUM,
     FileChecksums,
@@ -49,6 +47,8 @@ from strategies.publish import (
     fsync_path,
     publish_directory,
 )
+from strategies.config import ModelConfig
+from strategies.parallel.collectives import collective_timeout, from_rank_zero, merged_dicts, rank
 
 #: 2: files are checksummed with xxh3-128 (version 1 manifests, with sha256, still load).
 FORMAT_VERSION = 2
@@ -422,8 +422,9 @@ def load_checkpoint(
 
 def _changed_settings(saved: Any, ours: Mapping[str, Any]) -> list[str]:
     """``name saved -> ours`` for each optimizer or LR-schedule setting (the ones a resume takes
-    from this engine's config, never from the checkpoint: ``strategies.resume``) that differs,
-    where both engines train; a setting the manifest does not record is not reported."""
+    from this engine's config, never from the checkpoint:
+    ``strategies.checkpoint_files.resume_settings``) that differs, where both engines train; a
+    setting the manifest does not record is not reported."""
     if not isinstance(saved, Mapping) or saved.get("forward_only") or ours["forward_only"]:
         return []
     flat_saved, flat_ours = _flat_settings(saved), _flat_settings(ours)

@@ -65,9 +65,9 @@ from strategies.backends.base import (
     require,
 )
 from strategies.devices.base import DevicePlatform
-from strategies.distributed import collective_device, world_size
 from strategies.hf.files import padding_token_id
-from strategies.model_size import check_fits, count_parameters
+from strategies.memory.model_size import check_fits, count_parameters
+from strategies.parallel.collectives import collective_device, world_size
 
 if TYPE_CHECKING:
     from engine.checkpointing import AsyncSave
@@ -650,7 +650,7 @@ class Engine:
         return _WhileResident(weights, lambda: self._require_resident(WHILE_ITERATING, ("model",)))
 
     def _peft_adapter(self, what: str) -> Iterator[tuple[str, torch.Tensor]]:
-        from strategies.lora import peft_tensors
+        from strategies.model.peft_lora import peft_tensors
 
         if self.config.lora is None:
             raise ConfigError(f"{what}(adapter_only=True) needs LoRA, but config.lora is None")
@@ -669,7 +669,7 @@ class Engine:
         self._require_initialized("save_hf")
         self._require_resident("save_hf", ("model",))
         if adapter_only:
-            from strategies.lora import save_peft_adapter
+            from strategies.model.peft_lora import save_peft_adapter
 
             lora = self.config.lora
             tensors = self._peft_adapter("save_hf")

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from engine.config import NonFiniteConfig
 from heads.errors import NonFiniteError
-from strategies.distributed import all_reduce_values
+from strategies.parallel.collectives import all_reduce_values
 
 #: Why a step with a zero gradient is skipped: AdamW would still move the weights (momentum,
 #: weight decay) although the batch asked for nothing, e.g. when no token was scored.

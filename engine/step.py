@@ -37,7 +37,7 @@ from engine.host_values import Number
 from engine.losses.contract import SCORED_TOKENS, SEQUENCES, LossContext, LossFn, checked_loss
 from heads.base import Head, HeadContext, apply_head, apply_head_with_loss, check_results
 from heads.errors import BatchError
-from strategies.distributed import all_reduce_values, world_size
+from strategies.parallel.collectives import all_reduce_values, world_size
 
 T = TypeVar("T")
 

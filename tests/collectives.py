@@ -13,7 +13,10 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 #: Past these: the shared helpers that make an all-reduce for their callers, and the tests.
-_PASSED = (os.path.join(ROOT, "strategies", "distributed.py"), os.path.join(ROOT, "tests", ""))
+_PASSED = (
+    os.path.join(ROOT, "strategies", "parallel", "collectives.py"),
+    os.path.join(ROOT, "tests", ""),
+)
 #: Installed packages (a virtual environment inside the repository, as CI makes it) are not
 #: the project's code.
 _INSTALLED = f"{os.sep}site-packages{os.sep}"
@@ -33,7 +36,8 @@ NOT_COUNTS = {
 
 def _origin() -> str:
     """``path:function`` of the innermost project frame that asked for the all-reduce (past the
-    shared helpers of ``strategies/distributed.py``); ``?`` for none (torch or megatron alone)."""
+    shared helpers of ``strategies/parallel/collectives.py``); ``?`` for none (torch or megatron
+    alone)."""
     for frame in reversed(traceback.extract_stack()[:-2]):
         path = frame.filename
         if path.startswith(ROOT) and not path.startswith(_PASSED) and _INSTALLED not in path:

@@ -16,7 +16,7 @@ import psutil
 
 from engine.registry import DEVICES
 from strategies.devices.base import DevicePlatform
-from strategies.devices.megatron_cpu import enable_megatron_cpu_compat
+from strategies.megatron_support.cpu_compat import enable_megatron_cpu_compat
 
 
 class EventLog(list[tuple[str, Any]]):

@@ -95,16 +95,16 @@ def plugins() -> Iterator[None]:
 @pytest.fixture
 def cpu_layer_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Records each time a platform turns on megatron's CPU compatibility layer."""
-    from strategies.devices import megatron_cpu
+    from strategies.megatron_support import cpu_compat
 
     calls: list[str] = []
-    original = megatron_cpu.enable_megatron_cpu_compat
+    original = cpu_compat.enable_megatron_cpu_compat
 
     def recording() -> None:
         calls.append("enable")
         original()
 
-    monkeypatch.setattr(megatron_cpu, "enable_megatron_cpu_compat", recording)
+    monkeypatch.setattr(cpu_compat, "enable_megatron_cpu_compat", recording)
     return calls
 
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from engine.data.bin_packing import packed_partition
 from engine.data.partition import balanced_partition
 from heads.errors import BatchError, ConfigError
-from strategies.distributed import all_reduce_values
+from strategies.parallel.collectives import all_reduce_values
 
 __all__ = [
     "MicroBatchPlan",

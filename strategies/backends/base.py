@@ -26,9 +26,9 @@ from heads.errors import ConfigError
 if TYPE_CHECKING:
     import torch.distributed as dist
 
+    from strategies.checkpoint_files.publish import FileChecksums
     from strategies.config import ParallelConfig, PartsConfig
-    from strategies.model_size import ParameterCount, RankMemory
-    from strategies.publish import FileChecksums
+    from strategies.memory.model_size import ParameterCount, RankMemory
 
 
 class MicroBatch(Protocol):
@@ -149,7 +149,8 @@ class Checkpointing(Protocol):
     def load_state(self, directory: str, *, same_layout: bool) -> None:
         """Restore ``save_state``'s directory, resharded to this layout (collective); RNG
         states only when ``same_layout``. The optimizer and LR schedule take their state from
-        it (moments, step counts) but keep this engine's settings (``strategies.resume``)."""
+        it (moments, step counts) but keep this engine's settings
+        (``strategies.checkpoint_files.resume_settings``)."""
         ...
 
 

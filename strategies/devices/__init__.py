@@ -1,1 +1,1 @@
-"""Device platforms (one file each): cpu, cuda, npu; the CPU compatibility layer for megatron."""
+"""Device platforms (one file each): cpu, cuda, npu."""

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 def _enable_megatron_on_cpu(backend: object, config: PartsConfig) -> None:
-    from strategies.devices.megatron_cpu import enable_megatron_cpu_compat
+    from strategies.megatron_support.cpu_compat import enable_megatron_cpu_compat
 
     enable_megatron_cpu_compat()
 

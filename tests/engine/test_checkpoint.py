@@ -451,7 +451,7 @@ def _description() -> dict[str, Any]:
 
 def test_a_file_checksummed_while_written_is_not_read_back_and_others_are(tmp_path: Path) -> None:
     from engine.checkpointing import save_checkpoint
-    from strategies.publish import file_checksum
+    from strategies.checkpoint_files.publish import file_checksum
 
     written = {"size": 7, "xxh3_128": "checksum-of-the-bytes-as-written"}
     saved = Path(save_checkpoint(_WritesOneFile(written), _description(), str(tmp_path), 1, None))
@@ -475,7 +475,7 @@ def test_a_file_whose_size_on_disk_is_not_what_was_written_fails_the_save(tmp_pa
 def test_megatron_writes_one_model_file_per_rank_with_the_checksum_of_its_bytes(
     fresh_mesh: None, tmp_path: Path
 ) -> None:
-    from strategies.publish import file_checksum
+    from strategies.checkpoint_files.publish import file_checksum
 
     engine = _engine()
     _train(engine, "lm", range(1))
@@ -710,7 +710,7 @@ def save_where_one_rank_fails(root: str) -> list[Any]:
     part of a synchronous and of an asynchronous save; the errors each rank saw, then (on
     rank 0, which removes the failed saves' directories) the root's listing."""
     from strategies.backends.megatron import checkpoint
-    from strategies.distributed import rank
+    from strategies.parallel.collectives import rank
 
     engine = _engine()
     engine.save_checkpoint(root)
@@ -805,7 +805,7 @@ def end_rank_1_during_an_async_save(root: str) -> None:
     """On two ranks: rank 1 ends before it writes its files of an asynchronous save; rank 0
     writes how long waiting for the save took and what it raised to ``root/rank0.txt``."""
     from strategies.backends.megatron.checkpoint_writer import ChecksummingSaveStrategy
-    from strategies.distributed import rank
+    from strategies.parallel.collectives import rank
 
     engine = _engine()
     if rank() == 1:

@@ -24,7 +24,7 @@ from engine import Engine
 from engine.losses import sft_loss
 from heads.errors import CheckpointError, ConfigError, EngineStateError
 from strategies.backends.megatron.mesh import destroy_mesh
-from strategies.lora import PEFT_PREFIX, adapter_delta
+from strategies.model.peft_lora import PEFT_PREFIX, adapter_delta
 from tests.factories import random_batch, tiny_model
 from tests.strategies.backends.megatron.test_hf import VOCAB, save_checkpoint
 
@@ -394,7 +394,7 @@ def test_a_shared_a_trains_one_adapter_per_fused_linear_on_both_backends(
     Xavier-uniform from the first projection's name); both backends train the same adapters;
     the PEFT adapter (the shared ``A`` under each projection's name) loads in peft with the
     engine's log-probs; a checkpoint resumes the step exactly."""
-    from strategies.lora import draw_a
+    from strategies.model.peft_lora import draw_a
 
     batch = random_batch(LENGTHS, VOCAB, seed=1)
     found = {}

@@ -24,7 +24,7 @@ import torch
 from engine import Engine
 from engine.losses import value_regression_loss
 from strategies.backends.megatron.mesh import destroy_mesh
-from strategies.lora import PEFT_PREFIX
+from strategies.model.peft_lora import PEFT_PREFIX
 from tests.engine.test_lora import BACKENDS, LENGTHS, LORA, local
 from tests.engine.test_lora import build as lora_build
 from tests.engine.test_lora import train as lora_train

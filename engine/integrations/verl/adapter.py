@@ -509,7 +509,7 @@ class ComposableEngine(BaseEngine):
     def _peft_config(self) -> Any:
         """The adapter's PEFT config: peft's ``LoraConfig`` (a LoRA rollout reads it as a
         dataclass), or its mapping where peft is not installed."""
-        from strategies.lora import peft_config
+        from strategies.model.peft_lora import peft_config
 
         engine = self.engine
         assert engine.config.lora is not None

@@ -56,7 +56,7 @@ from engine.integrations.verl.config import Refusals, lora_unwrapped_name, model
 from heads.errors import ConfigError
 from strategies.hf.config import apply_overrides
 from strategies.hf.experts import CheckpointLayout
-from strategies.lora import PEFT_PREFIX
+from strategies.model.peft_lora import PEFT_PREFIX
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ A right-padded micro-batch goes through transformers' own ``sdpa`` function and 
 A packed row (its sequences back to back, positions restarting at each) is handed over with
 ``packed_bounds``, the host offsets of its sequences, which transformers passes from the model's
 forward down to every attention layer: each sequence then attends causally to itself alone
-(:func:`strategies.packed_attention.attend_per_sequence`), in every supported family (Llama,
+(:func:`strategies.model.packed_attention.attend_per_sequence`), in every supported family (Llama,
 Qwen2, Qwen3, Mistral, Qwen3-MoE, Mixtral: their attention layers forward those keyword
 arguments), with a layer's sliding window where it has one. The caller hands a packed row an
 all-ones 2-D attention mask, so transformers builds no ``[T, T]`` mask for it (with none, it
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from strategies.backends.fsdp2.ulysses import attend_across_ranks
-from strategies.packed_attention import attend_per_sequence
+from strategies.model.packed_attention import attend_per_sequence
 
 PACKED_SDPA = "composable_engine_packed_sdpa"
 #: The keyword the model's forward passes down to the attention layers for a packed row.

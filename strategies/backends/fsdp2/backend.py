@@ -42,10 +42,10 @@ from strategies.backends.fsdp2.ulysses import check_heads, sequence_groups
 from strategies.config import ParallelConfig, PartsConfig
 from strategies.hf.architecture import hf_config_for
 from strategies.hf.classification import HeadLayer, head_layer
-from strategies.lora import AdapterSwitch
-from strategies.model_size import DTYPE_BYTES, ParameterCount, RankMemory, training_state
-from strategies.offload import OffloadedParts
-from strategies.packed_attention import positions_in_sequences, row_segments
+from strategies.memory.model_size import DTYPE_BYTES, ParameterCount, RankMemory, training_state
+from strategies.memory.storage_offload import OffloadedParts
+from strategies.model.packed_attention import positions_in_sequences, row_segments
+from strategies.model.peft_lora import AdapterSwitch
 
 #: Parallel settings this backend has no use for, and the value it runs them at.
 _MODEL_PARALLEL_FIELDS = {

@@ -1,8 +1,8 @@
 """FSDP2 backend state in a checkpoint directory: model and optimizer through
 ``torch.distributed.checkpoint`` (each rank writes its shards; a load reshards to any
 data-parallel size), the LR schedule as JSON, this rank's RNG streams as a small tensor file.
-An asynchronous save stages the same DCP files (``strategies.staged_dcp``) and writes them in
-the background.
+An asynchronous save stages the same DCP files (``strategies.checkpoint_files.staged_dcp``) and
+writes them in the background.
 
 Collective: every rank calls ``save_state`` / ``load_state`` with the same directory.
 """
@@ -16,9 +16,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from strategies.backends.fsdp2.optimizer import LRSchedule, materialize_optimizer_state
-from strategies.distributed import barrier, rank
-from strategies.resume import keeping_settings, saved_schedule_step, set_schedule_step
-from strategies.rng import rng_states, set_rng_states
+from strategies.checkpoint_files.resume_settings import (
+    keeping_settings,
+    saved_schedule_step,
+    set_schedule_step,
+)
+from strategies.checkpoint_files.rng_states import rng_states, set_rng_states
+from strategies.parallel.collectives import barrier, rank
 
 if TYPE_CHECKING:
     from strategies.backends.base import StagedSave
@@ -53,7 +57,7 @@ def stage_state(
     """``save_state`` up to the model and optimizer files: planned (collective), their tensors
     copied into ``buffers`` (host memory kept between saves), the LR schedule and RNG states
     written; the DCP files are left to the returned save (any thread, no collectives)."""
-    from strategies.staged_dcp import stage_dcp_save
+    from strategies.checkpoint_files.staged_dcp import stage_dcp_save
 
     _make_directories(directory)
     staged = stage_dcp_save(
@@ -86,9 +90,9 @@ def load_state(
 ) -> None:
     """Restore what ``save_state`` wrote, resharded to this layout; per-rank RNG streams only at
     the same layout (at another one there is no rank to take them from). The optimizer and LR
-    schedule keep this engine's settings (``strategies.resume``). A forward-only engine's
-    checkpoint (weights only) leaves this engine's optimizer and LR schedule as a new
-    engine's."""
+    schedule keep this engine's settings (``strategies.checkpoint_files.resume_settings``). A
+    forward-only engine's checkpoint (weights only) leaves this engine's optimizer and LR schedule
+    as a new engine's."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 

@@ -19,8 +19,8 @@ import torch
 
 from strategies.backends.fsdp2.lora import is_adapter_parameter, is_head_layer_parameter
 from strategies.backends.fsdp2.sharding import on_mesh_device
+from strategies.checkpoint_files.publish import publish_directory
 from strategies.config import LoraConfig, ModelConfig
-from strategies.distributed import barrier, rank
 from strategies.hf.classification import (
     TOKEN_CLASSIFICATION,
     HeadLayer,
@@ -30,8 +30,8 @@ from strategies.hf.classification import (
 from strategies.hf.experts import CheckpointLayout
 from strategies.hf.files import SINGLE_FILE
 from strategies.hf.metadata import write_hf_metadata
-from strategies.lora import adapter_delta
-from strategies.publish import publish_directory
+from strategies.model.peft_lora import adapter_delta
+from strategies.parallel.collectives import barrier, rank
 
 
 def export_hf(

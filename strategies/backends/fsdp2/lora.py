@@ -19,7 +19,7 @@ import torch
 from heads.errors import ConfigError
 from strategies.backends.fsdp2.model import VALUE_HEAD
 from strategies.config import LoraConfig, PartsConfig
-from strategies.lora import (
+from strategies.model.peft_lora import (
     AdapterSwitch,
     LoraPair,
     a_owner,

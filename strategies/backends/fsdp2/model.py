@@ -34,8 +34,8 @@ from strategies.hf.architecture import hf_config_for
 from strategies.hf.classification import HeadLayer, score_name
 from strategies.hf.experts import CheckpointLayout
 from strategies.hf.files import SafetensorsCheckpoint
-from strategies.init import normal_from_name
-from strategies.sequence_split import gather_sequence
+from strategies.model.weight_draws import normal_from_name
+from strategies.parallel.sequence_split import gather_sequence
 
 LM_HEAD = "lm_head"
 VALUE_HEAD = "value_head"

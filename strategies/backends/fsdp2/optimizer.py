@@ -99,7 +99,7 @@ class LRSchedule:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-ready: the settings (a record) and the step count (all a resume takes, see
-        ``strategies.resume``)."""
+        ``strategies.checkpoint_files.resume_settings``)."""
         return attrs.asdict(self, filter=lambda field, _: field.name != "optimizer")
 
 

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from strategies.packed_attention import Window, attend_per_sequence
-from strategies.sequence_split import all_to_all
+from strategies.model.packed_attention import Window, attend_per_sequence
+from strategies.parallel.sequence_split import all_to_all
 
 #: (world size, Ulysses size) -> (this rank's sequence-parallel group, its data-parallel group).
 _GROUPS: dict[tuple[int, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}

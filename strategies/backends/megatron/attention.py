@@ -4,8 +4,8 @@ for right-padded and for packed (``thd``) micro-batches.
 Megatron's local ``DotProductAttention`` materialises the ``[batch, heads, seq, seq]`` score
 matrix (and its softmax, kept for backward) and refuses ``PackedSeqParams`` (only
 TransformerEngine's attention takes the ``thd`` layout). This subclass computes the same causal
-attention with SDPA (``strategies.packed_attention``), whose fused kernels hold no score matrix
-and skip the masked half:
+attention with SDPA (``strategies.model.packed_attention``), whose fused kernels hold no score
+matrix and skip the masked half:
 
 * right-padded rows (the engine passes no attention mask, so the local path applies its causal
   mask to the whole row): one causal SDPA call over the micro-batch. Every position, padding
@@ -34,7 +34,7 @@ import torch
 
 from heads.errors import ConfigError
 from strategies.backends.megatron.context_parallel import Layout
-from strategies.packed_attention import attend_per_sequence
+from strategies.model.packed_attention import attend_per_sequence
 
 
 @functools.cache

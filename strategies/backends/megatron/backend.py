@@ -36,15 +36,15 @@ from strategies.backends.megatron.optimizer import (
     step_with_grad_norm,
 )
 from strategies.backends.megatron.routing import Routing
+from strategies.checkpoint_files.publish import FileChecksums
 from strategies.config import ModelConfig, ParallelConfig, PartsConfig
 from strategies.hf.classification import HeadLayer, head_layer
-from strategies.lora import AdapterSwitch
-from strategies.megatron_imports import import_megatron
-from strategies.megatron_version import check_megatron_version
-from strategies.model_size import DTYPE_BYTES, ParameterCount, RankMemory, training_state
-from strategies.offload import OffloadedParts
-from strategies.packed_attention import positions_in_sequences, row_segments
-from strategies.publish import FileChecksums
+from strategies.megatron_support.imports import import_megatron
+from strategies.megatron_support.version import check_megatron_version
+from strategies.memory.model_size import DTYPE_BYTES, ParameterCount, RankMemory, training_state
+from strategies.memory.storage_offload import OffloadedParts
+from strategies.model.packed_attention import positions_in_sequences, row_segments
+from strategies.model.peft_lora import AdapterSwitch
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 #: The megatron-core modules (with what they import) that announce, on first import, a GPU
 #: library they fall back from; ``validate`` imports them without the notices
-#: (:mod:`strategies.megatron_imports`), so the methods' later imports find them loaded.
+#: (:mod:`strategies.megatron_support.imports`), so the methods' later imports find them loaded.
 MEGATRON_MODULES = (
     "transformer.transformer_config", "models.gpt.gpt_layer_specs", "models.gpt.gpt_model",
     "optimizer", "distributed", "pipeline_parallel",

@@ -20,10 +20,14 @@ import attrs
 import torch
 
 from heads.errors import CheckpointError
-from strategies.distributed import barrier, rank
-from strategies.publish import FileChecksums
-from strategies.resume import keeping_settings, saved_schedule_step, set_schedule_step
-from strategies.rng import rng_states, set_rng_states
+from strategies.checkpoint_files.publish import FileChecksums
+from strategies.checkpoint_files.resume_settings import (
+    keeping_settings,
+    saved_schedule_step,
+    set_schedule_step,
+)
+from strategies.checkpoint_files.rng_states import rng_states, set_rng_states
+from strategies.parallel.collectives import barrier, rank
 
 if TYPE_CHECKING:
     from strategies.backends.megatron.checkpoint_writer import ChecksummingSaveStrategy
@@ -154,9 +158,9 @@ def load_state(
     """Restore what ``save_state`` wrote. Model and optimizer reshard to this layout
     (``dist_checkpointing``); per-rank RNG streams are restored only at the same layout (at
     another one there is no rank to take them from). The optimizer and LR schedule keep this
-    engine's settings (``strategies.resume``). A forward-only engine's checkpoint (no
-    optimizer or scheduler state) leaves this engine's optimizer and LR schedule as a new
-    engine's, starting from the loaded weights."""
+    engine's settings (``strategies.checkpoint_files.resume_settings``). A forward-only engine's
+    checkpoint (no optimizer or scheduler state) leaves this engine's optimizer and LR schedule as a
+    new engine's, starting from the loaded weights."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
@@ -319,7 +323,8 @@ def _materialize_optimizer_state(optimizer: Any) -> None:
 
 
 def _rng_states() -> dict[str, Any]:
-    """This process's streams (``strategies.rng``) and megatron's tracker streams."""
+    """This process's streams (``strategies.checkpoint_files.rng_states``) and megatron's tracker
+    streams."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     tracker = get_cuda_rng_tracker().get_states()

@@ -21,8 +21,8 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
-from strategies.publish import FileChecksums
-from strategies.staged_dcp import copy_to_host, write_checksummed
+from strategies.checkpoint_files.publish import FileChecksums
+from strategies.checkpoint_files.staged_dcp import copy_to_host, write_checksummed
 
 
 class ChecksummingSaveStrategy(TorchDistSaveShardedStrategy):

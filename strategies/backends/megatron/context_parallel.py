@@ -33,7 +33,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from strategies.sequence_split import gather_sequence
+from strategies.parallel.sequence_split import gather_sequence
 
 
 def local_positions(width: int, rank: int, size: int, device: torch.device) -> torch.Tensor:

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from strategies.config import PartsConfig
-from strategies.init import normal_from_name
+from strategies.model.weight_draws import normal_from_name
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 #: A routed expert's number: sequential experts (local spec) ``experts.local_experts.E.*``, or

@@ -1,8 +1,9 @@
 """LoRA on megatron's tensor-parallel linears.
 
-Each transformer layer gets a ``lora`` module holding one :class:`~strategies.lora.LoraPair`
-per Hugging Face target (``q_proj`` ... ``down_proj``); a forward hook on the megatron linear
-adds the adapters' output to the linear's, in the linear's own layout:
+Each transformer layer gets a ``lora`` module holding one
+:class:`~strategies.model.peft_lora.LoraPair` per Hugging Face target (``q_proj`` ...
+``down_proj``); a forward hook on the megatron linear adds the adapters' output to the linear's, in
+the linear's own layout:
 
 - column-parallel (``linear_qkv``: q/k/v; ``linear_fc1``: gate/up): ``A`` is replicated and
   reads the full input; its rank-r output goes through ``copy_to_tensor_model_parallel_region``
@@ -34,7 +35,7 @@ from heads.errors import ConfigError
 from strategies.backends.megatron.hf.adapters import fuse_qkv
 from strategies.backends.megatron.model import ReplicatedOutputLayer
 from strategies.config import PartsConfig
-from strategies.lora import (
+from strategies.model.peft_lora import (
     AdapterSwitch,
     LoraPair,
     a_owner,

@@ -1,7 +1,7 @@
 """Offload for megatron: which tensors make up the model, optimizer state and gradients.
 
 Each part's tensors are views of a few storages (megatron DDP's contiguous buffers, or the
-parameters themselves), moved off the device and back by ``strategies.offload``.
+parameters themselves), moved off the device and back by ``strategies.memory.storage_offload``.
 """
 
 from __future__ import annotations

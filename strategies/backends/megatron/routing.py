@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from strategies.backends.base import MicroBatch
 from strategies.backends.megatron.context_parallel import Layout
-from strategies.distributed import all_reduce_values, collective_device
+from strategies.parallel.collectives import all_reduce_values, collective_device
 
 #: Metric names per MoE layer (0-based global layer number).
 AUX_LOSS = "router/layer_{}/aux_loss"

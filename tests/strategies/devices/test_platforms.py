@@ -153,7 +153,7 @@ def test_npu_repatch_runs_before_initialize_model_parallel_and_model_build_for_e
         return original_build(*args, **kwargs)
 
     monkeypatch.setattr(megatron_backend, "build_gpt_model", recording_build)
-    from strategies.devices.megatron_cpu import enable_megatron_cpu_compat
+    from strategies.megatron_support.cpu_compat import enable_megatron_cpu_compat
 
     enable_megatron_cpu_compat()
     engine = Engine.build(

@@ -18,12 +18,12 @@ from collections.abc import Iterable
 import torch
 
 from strategies.backends.megatron.hf.export import export_hf
+from strategies.checkpoint_files.publish import publish_directory
 from strategies.config import ModelConfig, PartsConfig
-from strategies.distributed import barrier, merged_dicts, rank
 from strategies.hf.classification import TOKEN_CLASSIFICATION, HeadLayer, with_score_bias
 from strategies.hf.files import SINGLE_FILE
 from strategies.hf.metadata import write_hf_metadata
-from strategies.publish import publish_directory
+from strategies.parallel.collectives import barrier, merged_dicts, rank
 
 
 def save_hf(

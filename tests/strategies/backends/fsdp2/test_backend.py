@@ -18,7 +18,7 @@ from engine.data.batching import to_padded
 from engine.losses import sft_loss, value_regression_loss
 from heads.errors import ConfigError, EngineStateError
 from strategies.backends.fsdp2.model import REPLICATED_INIT_NAME
-from strategies.init import normal_from_name
+from strategies.model.weight_draws import normal_from_name
 from tests.factories import random_batch, tiny_model
 
 LOSSES = {"lm": sft_loss, "value": value_regression_loss}

@@ -205,7 +205,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_as_latest(
 @pytest.fixture
 def gated_async_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Asynchronous saves write their DCP files only once the returned event is set."""
-    from strategies.staged_dcp import StagedDcpSave
+    from strategies.checkpoint_files.staged_dcp import StagedDcpSave
     from tests.engine.test_checkpoint import gated
 
     return gated(monkeypatch, StagedDcpSave, "write")
@@ -241,7 +241,7 @@ def test_training_goes_on_during_an_async_save_and_resuming_from_it_is_bit_exact
 def test_a_failed_background_write_raises_checkpoint_error_and_leaves_only_the_latest(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from strategies.staged_dcp import StagedDcpSave
+    from strategies.checkpoint_files.staged_dcp import StagedDcpSave
 
     engine = _engine()
     _train(engine, "lm", range(1))

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from engine import Engine
 from heads.errors import ConfigError
 from strategies.backends.fsdp2.attention import PACKED_BOUNDS, packed_sdpa
-from strategies.packed_attention import positions_in_sequences
+from strategies.model.packed_attention import positions_in_sequences
 from tests.engine.test_packing import (
     assert_loss_and_gradients_match_padded,
     assert_outputs_match_padded,

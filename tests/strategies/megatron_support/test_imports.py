@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from strategies.megatron_imports import fallback_notices_silenced
+from strategies.megatron_support.imports import fallback_notices_silenced
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 #: megatron-core 0.16's fallback notices, as its modules word them.
 NOTICES = (
     "Apex is not installed. Falling back to Torch Norm",

@@ -10,10 +10,10 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 from heads.errors import VersionError
-from strategies import megatron_version
-from strategies.megatron_version import TESTED_BELOW, TESTED_MIN, check_megatron_version
+from strategies.megatron_support import version as megatron_version
+from strategies.megatron_support.version import TESTED_BELOW, TESTED_MIN, check_megatron_version
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 INSTALL = "pip install 'megatron-core>=0.16.1,<0.17'"
 
 

@@ -26,11 +26,11 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from strategies.checkpoint_files.publish import publish_directory
 from strategies.config import LoraConfig, ModelConfig
-from strategies.distributed import barrier, merged_dicts, rank
 from strategies.hf.classification import SCORE, with_score_bias
-from strategies.init import name_seed
-from strategies.publish import publish_directory
+from strategies.model.weight_draws import name_seed
+from strategies.parallel.collectives import barrier, merged_dicts, rank
 
 #: The key prefix of peft's saved adapters (``PeftModel`` -> ``base_model`` -> ``model``).
 PEFT_PREFIX = "base_model.model."

@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from strategies.distributed import from_rank_zero, merged_dicts, rank
-from strategies.publish import ChecksummedFile, FileChecksums
+from strategies.checkpoint_files.publish import ChecksummedFile, FileChecksums
+from strategies.parallel.collectives import from_rank_zero, merged_dicts, rank
 
 #: Each item as ``torch.save`` bytes, what DCP's and megatron's loaders expect (torch >= 2.7
 #: asks).

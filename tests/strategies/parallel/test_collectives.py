@@ -7,14 +7,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from strategies import distributed
+from strategies.parallel import collectives
 
 
 def test_a_world_of_one_reduces_nothing_and_needs_no_process_group() -> None:
-    assert distributed.all_reduce_values([1.5, 2]) == [1.5, 2.0]
-    assert distributed.from_rank_zero({"a": 1}) == {"a": 1}
-    assert distributed.merged_dicts({"x": 1}) == {"x": 1}
-    assert distributed.rank() == 0
+    assert collectives.all_reduce_values([1.5, 2]) == [1.5, 2.0]
+    assert collectives.from_rank_zero({"a": 1}) == {"a": 1}
+    assert collectives.merged_dicts({"x": 1}) == {"x": 1}
+    assert collectives.rank() == 0
 
 
 @pytest.mark.parametrize(
@@ -27,7 +27,7 @@ def test_collectives_run_on_the_device_the_backend_reduces(
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device(accelerator))
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
-    assert str(distributed.collective_device()) == expected
+    assert str(collectives.collective_device()) == expected
 
 
 def time_out_after(seconds: float) -> float:
@@ -35,7 +35,7 @@ def time_out_after(seconds: float) -> float:
     from datetime import timedelta
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=seconds))
-    return distributed.collective_timeout()
+    return collectives.collective_timeout()
 
 
 @pytest.mark.timeout(120)
@@ -44,4 +44,4 @@ def test_the_collective_timeout_is_the_one_the_process_group_was_made_with() -> 
     from tests.multiprocess import run_ranks
 
     assert run_ranks(time_out_after, 1, 42.0, timeout=90) == [42.0]
-    assert distributed.collective_timeout() > 0
+    assert collectives.collective_timeout() > 0

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from strategies.distributed import collective_device
+from strategies.parallel.collectives import collective_device
 
 
 class _GatherSequence(torch.autograd.Function):

@@ -15,7 +15,7 @@ from heads.value import ValueHead
 from strategies.backends.fsdp2.backend import Fsdp2Backend
 from strategies.backends.megatron.backend import MegatronBackend
 from strategies.config import ModelConfig
-from strategies.model_size import ParameterCount, RankMemory, check_fits, count_parameters
+from strategies.memory.model_size import ParameterCount, RankMemory, check_fits, count_parameters
 from tests.factories import tiny_model
 
 #: (model, head): each shape option the count reads, under an LM head and a value head.

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from heads.errors import VersionError
-from strategies import megatron_version
-from strategies.devices import megatron_cpu
-from strategies.devices.megatron_cpu import (
+from strategies.megatron_support import cpu_compat, version
+from strategies.megatron_support.cpu_compat import (
     enable_megatron_cpu_compat,
     run_forward_step,
     run_schedule,
@@ -62,8 +61,8 @@ def test_wrapping_a_wrapped_function_again_returns_it_unchanged(wrap: Any) -> No
 def test_a_megatron_core_outside_the_tested_range_is_refused_naming_the_cpu_layer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setitem(megatron_cpu._state, "enabled", False)
-    monkeypatch.setattr(megatron_version, "version", lambda package: "0.15.3")
+    monkeypatch.setitem(cpu_compat._state, "enabled", False)
+    monkeypatch.setattr(version, "version", lambda package: "0.15.3")
     with pytest.raises(VersionError) as raised:
         enable_megatron_cpu_compat()
     assert str(raised.value).startswith(

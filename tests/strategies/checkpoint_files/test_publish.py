@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strategies.publish import WRITE_CHECKSUM, ChecksummedFile, file_checksum
+from strategies.checkpoint_files.publish import WRITE_CHECKSUM, ChecksummedFile, file_checksum
 
 
 @settings(max_examples=25, deadline=None)

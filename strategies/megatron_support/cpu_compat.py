@@ -1,5 +1,5 @@
 """megatron-core CPU compatibility layer (CPU-only torch, gloo; megatron-core in the range of
-:mod:`strategies.megatron_version`)."""
+:mod:`strategies.megatron_support.version`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any, Protocol, TypeVar, cast
 import torch
 from torch.overrides import TorchFunctionMode
 
-from strategies.megatron_imports import import_megatron
-from strategies.megatron_version import check_megatron_version
+from strategies.megatron_support.imports import import_megatron
+from strategies.megatron_support.version import check_megatron_version
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _CPU = torch.device("cpu")

@@ -1,0 +1,1 @@
+"""Collectives every part uses, and the sequence splits of context and Ulysses parallelism."""
