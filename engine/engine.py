@@ -28,7 +28,7 @@ from engine.data.batching import (
     validated,
 )
 from engine.data.micro_batching import MicroBatchPlan, plan_fixed, plan_for_data_parallel
-from engine.data.routing import check_routed_experts
+from engine.data.routed_experts import check_routed_experts
 from engine.host_values import Number, fetch
 from engine.losses.contract import (
     LossFn,

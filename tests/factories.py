@@ -81,7 +81,7 @@ Shard = tuple[torch.Tensor, bool, int, int]
 
 def join_shards(by_name: Mapping[str, Mapping[int, Shard]]) -> dict[str, torch.Tensor]:
     """Full tensors from each parameter's shards by tensor-parallel rank."""
-    from strategies.backends.megatron.init import unshard
+    from strategies.backends.megatron.weight_init import unshard
 
     full = {}
     for name, shards in by_name.items():

@@ -31,8 +31,8 @@ class ReferenceLMTrainer:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from strategies.backends.megatron.init import initialize_parameters
         from strategies.backends.megatron.model import transformer_config
+        from strategies.backends.megatron.weight_init import initialize_parameters
 
         self.config = config
         torch.manual_seed(config.seed)

@@ -329,7 +329,7 @@ def test_the_model_config_checks_its_expert_fields(model: dict[str, Any], messag
 def test_transformer_engine_grouped_experts_get_global_numbers_too() -> None:
     """Under expert parallelism every expert is drawn under its global number, whichever layer
     spec names it (TransformerEngine's grouped GEMM: ``linear_fc1.weightE``)."""
-    from strategies.backends.megatron.init import expert_number, renumber_expert
+    from strategies.backends.megatron.weight_init import expert_number, renumber_expert
 
     for name, number in (
         ("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight", 3),

@@ -52,7 +52,7 @@ def _config(
 
 
 def _parameters(engine: Any) -> dict[str, Shard]:
-    from strategies.backends.megatron.init import global_parameters
+    from strategies.backends.megatron.weight_init import global_parameters
 
     return {
         name: (

@@ -10,7 +10,7 @@ import torch
 from engine import Engine
 from engine.losses import sft_loss, value_regression_loss
 from heads.errors import ConfigError, EngineStateError
-from strategies.backends.megatron import offload
+from strategies.backends.megatron import state_tensors
 from strategies.backends.megatron.mesh import destroy_mesh
 from tests.factories import random_batch, tiny_model
 
@@ -26,11 +26,11 @@ def _engine(head: str, **config: Any) -> Engine:
 def device_bytes(engine: Engine) -> dict[str, int]:
     """Bytes the model, optimizer state and gradient buffers hold on the device."""
     backend: Any = engine.backend
-    model = offload.model_tensors(backend._chunks, backend._wrapped)
+    model = state_tensors.model_tensors(backend._chunks, backend._wrapped)
     parts = {
         "model": model,
-        "optimizer": offload.optimizer_tensors(backend._optimizer),
-        "grad": offload.grad_tensors(backend._wrapped),
+        "optimizer": state_tensors.optimizer_tensors(backend._optimizer),
+        "grad": state_tensors.grad_tensors(backend._wrapped),
     }
     storages = {name: {t.untyped_storage().data_ptr(): t for t in ts} for name, ts in parts.items()}
     for shared in set(storages["model"]):  # non-distributed optimizers step the model's own tensors

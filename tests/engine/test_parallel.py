@@ -43,7 +43,7 @@ def train_both_heads(parallel: dict[str, Any], extra: dict[str, Any]) -> dict[st
     from engine import Engine
     from engine.data.batching import take_rows
     from engine.losses import sft_loss, value_regression_loss
-    from strategies.backends.megatron.init import global_parameters
+    from strategies.backends.megatron.weight_init import global_parameters
     from tests.factories import random_batch
 
     report: dict[str, Any] = {

@@ -18,7 +18,7 @@ from heads.base import Head, HeadContext
 from heads.errors import BatchError, ConfigError, EngineStateError
 from heads.validation import bool_field, of_type, one_of
 from strategies.backends.base import MicroBatch, MicroBatchConsumer, StagedSave, Step
-from strategies.backends.megatron import mesh, offload
+from strategies.backends.megatron import mesh, state_tensors
 from strategies.backends.megatron.context_parallel import Layout, padded_bounds
 from strategies.backends.megatron.model import (
     build_gpt_model,
@@ -27,6 +27,7 @@ from strategies.backends.megatron.model import (
     transformer_config,
     uses_transformer_engine,
 )
+from strategies.backends.megatron.moe_routers import Routing
 from strategies.backends.megatron.optimizer import (
     build_optimizer,
     build_scheduler,
@@ -35,7 +36,6 @@ from strategies.backends.megatron.optimizer import (
     optimizer_overrides_on,
     step_with_grad_norm,
 )
-from strategies.backends.megatron.routing import Routing
 from strategies.checkpoint_files.publish import FileChecksums
 from strategies.config import ModelConfig, ParallelConfig, PartsConfig
 from strategies.hf.classification import HeadLayer, head_layer
@@ -459,10 +459,10 @@ class MegatronBackend:
         self._require_model()
         tensors = {
             "model": self._model_tensors,
-            "grad": lambda: offload.grad_tensors(self._wrapped),
+            "grad": lambda: state_tensors.grad_tensors(self._wrapped),
         }
         if self._optimizer is not None:
-            tensors["optimizer"] = lambda: offload.optimizer_tensors(self._optimizer)
+            tensors["optimizer"] = lambda: state_tensors.optimizer_tensors(self._optimizer)
         self._offloaded.offload(parts, tensors)
 
     def reload(self, parts: Iterable[str]) -> None:
@@ -473,7 +473,7 @@ class MegatronBackend:
         return self._offloaded.names()
 
     def _model_tensors(self) -> list[torch.Tensor]:
-        return offload.model_tensors(self._chunks, self._wrapped)
+        return state_tensors.model_tensors(self._chunks, self._wrapped)
 
     def train(self) -> None:
         for module in self._wrapped:

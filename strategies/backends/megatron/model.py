@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from heads.base import OutputSpec
 from heads.errors import ConfigError
 from strategies.backends.megatron.attention import packed_dot_product_attention
-from strategies.backends.megatron.init import initialize_parameters
+from strategies.backends.megatron.weight_init import initialize_parameters
 from strategies.config import ParallelConfig, PartsConfig
 from strategies.hf.classification import HeadLayer
 

@@ -19,14 +19,6 @@ import torch
 import torch.distributed as dist
 
 from strategies.backends.megatron.hf.adapters import adapter_for
-from strategies.backends.megatron.init import (
-    expert_number,
-    global_parameters,
-    is_expert_parameter,
-    renumber_expert,
-    tensor_parallel_place,
-    unshard,
-)
 from strategies.backends.megatron.lora import (
     LINEARS,
     adapter_tensors,
@@ -36,6 +28,14 @@ from strategies.backends.megatron.lora import (
     merged_delta,
 )
 from strategies.backends.megatron.model import ReplicatedOutputLayer
+from strategies.backends.megatron.weight_init import (
+    expert_number,
+    global_parameters,
+    is_expert_parameter,
+    renumber_expert,
+    tensor_parallel_place,
+    unshard,
+)
 from strategies.config import ModelConfig, PartsConfig
 from strategies.hf.classification import score_name
 

@@ -14,8 +14,12 @@ from __future__ import annotations
 import torch
 
 from strategies.backends.megatron.hf.adapters import adapter_for
-from strategies.backends.megatron.init import _shard, global_parameters, tensor_parallel_place
 from strategies.backends.megatron.model import ReplicatedOutputLayer
+from strategies.backends.megatron.weight_init import (
+    _shard,
+    global_parameters,
+    tensor_parallel_place,
+)
 from strategies.config import ModelConfig
 from strategies.hf.classification import HeadLayer, score_name
 from strategies.hf.files import SafetensorsCheckpoint
