@@ -13,7 +13,7 @@ that drift hits both alike; medians printed):
   the bytes of the published ``global_step_N/`` directory (every file, manifest included); then
   ``engine.load_checkpoint(fresh_dir)`` (manifest check, checksum of every file, then restore,
   each model file read through one memory map), timed. The lines also show the time spent in
-  the manifest write (``_write_manifest``: fsync + read-back checksums) and in the load's
+  the manifest write (``write_manifest``: fsync + read-back checksums) and in the load's
   verification (``verify_files``: checksums), the checkpoint's safety net, which the baseline
   has no counterpart for. The engine fsyncs its files; the baseline does only with
   ``--fsync-baseline``.
@@ -54,7 +54,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 import torch
 
 from benchmarks.measure import time_calls
-from engine import Engine, checkpointing
+from engine import Engine
+from engine.checkpointing import load, save
 from engine.losses import sft_loss
 from strategies.checkpoint_files.publish import fsync_path
 from tests.factories import random_batch
@@ -201,8 +202,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    time_calls(checkpointing, "_write_manifest", "manifest_s", PARTS)
-    time_calls(checkpointing, "verify_files", "verify_s", PARTS)
+    time_calls(save, "write_manifest", "manifest_s", PARTS)
+    time_calls(load, "verify_files", "verify_s", PARTS)
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="checkpoint_io_", dir=args.dir) as parent:

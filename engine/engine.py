@@ -70,7 +70,7 @@ from strategies.memory.model_size import check_fits, count_parameters
 from strategies.parallel.collectives import collective_device, world_size
 
 if TYPE_CHECKING:
-    from engine.checkpointing import AsyncSave
+    from engine.checkpointing.async_save import AsyncSave
 
 
 class Engine:
@@ -698,7 +698,8 @@ class Engine:
         the state is copied to host memory; the files are written in the background and the
         directory appears when complete. The next save or load, :meth:`wait_for_checkpoint`
         and the process's exit wait for it, and raise CheckpointError if it failed."""
-        from engine import checkpointing
+        from engine.checkpointing.async_save import start_async_save
+        from engine.checkpointing.save import save_checkpoint
 
         self._require_initialized("save_checkpoint")
         state = require(self.backend, Checkpointing)
@@ -707,10 +708,8 @@ class Engine:
         step = self.global_step if global_step is None else global_step
         description = self._checkpoint_description()
         if not async_save:
-            return checkpointing.save_checkpoint(
-                state, description, os.fspath(path), step, max_ckpt_to_keep
-            )
-        self._save_in_flight = checkpointing.start_async_save(
+            return save_checkpoint(state, description, os.fspath(path), step, max_ckpt_to_keep)
+        self._save_in_flight = start_async_save(
             require(self.backend, AsyncCheckpointing),
             description,
             os.fspath(path),
@@ -722,23 +721,23 @@ class Engine:
     def wait_for_checkpoint(self) -> str | None:
         """Block until the asynchronous save in flight (if any) is published; CheckpointError
         if it failed. Collective. Returns its directory."""
-        from engine import checkpointing
+        from engine.checkpointing.async_save import finish_async_save
 
         save, self._save_in_flight = self._save_in_flight, None
-        return None if save is None else checkpointing.finish_async_save(save)
+        return None if save is None else finish_async_save(save)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> str:
         """Restore a checkpoint: ``path`` is a root (its newest complete checkpoint) or one
         ``global_step_*`` directory. Verified first; on CheckpointError nothing changed. The
         model and optimizer reshard to this engine's parallel layout; RNG states are restored
         at the same layout only. Collective. Returns the directory loaded."""
-        from engine import checkpointing
+        from engine.checkpointing.load import load_checkpoint
 
         self._require_initialized("load_checkpoint")
         state = require(self.backend, Checkpointing)
         self._require_resident("load_checkpoint", OFFLOAD_PARTS)
         self.wait_for_checkpoint()
-        directory, self.global_step, guard = checkpointing.load_checkpoint(
+        directory, self.global_step, guard = load_checkpoint(
             state, self._checkpoint_description(), os.fspath(path)
         )
         self._guard.restore(guard)

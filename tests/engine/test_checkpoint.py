@@ -15,13 +15,9 @@ import pytest
 import torch
 
 from engine import Engine
-from engine.checkpointing import (
-    FORMAT_VERSION,
-    KILL_AT_ENV,
-    MANIFEST,
-    complete_checkpoints,
-    resolve_checkpoint,
-)
+from engine.checkpointing.manifest import FORMAT_VERSION, MANIFEST
+from engine.checkpointing.retention import complete_checkpoints, resolve_checkpoint
+from engine.checkpointing.save import KILL_AT_ENV
 from engine.losses import sft_loss, value_regression_loss
 from heads.errors import CheckpointError, ConfigError
 from tests.factories import random_batch, tiny_model
@@ -384,11 +380,12 @@ def test_only_saves_of_dead_processes_on_this_host_and_container_are_cleaned_up(
     import subprocess
     import sys
 
-    from engine.checkpointing import _process_space, remove_abandoned_saves
+    from engine.checkpointing.processes import process_space
+    from engine.checkpointing.retention import remove_abandoned_saves
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
-    here, pid = _process_space(), dead.stdout.strip()
+    here, pid = process_space(), dead.stdout.strip()
     names = {
         "dead": f".tmp-global_step_4-{here}-{pid}-0123abcd",
         "dead-aside": f".tmp-global_step_4-{here}-{pid}-0123abcd-replaced",
@@ -450,7 +447,7 @@ def _description() -> dict[str, Any]:
 
 
 def test_a_file_checksummed_while_written_is_not_read_back_and_others_are(tmp_path: Path) -> None:
-    from engine.checkpointing import save_checkpoint
+    from engine.checkpointing.save import save_checkpoint
     from strategies.checkpoint_files.publish import file_checksum
 
     written = {"size": 7, "xxh3_128": "checksum-of-the-bytes-as-written"}
@@ -463,7 +460,7 @@ def test_a_file_checksummed_while_written_is_not_read_back_and_others_are(tmp_pa
 
 
 def test_a_file_whose_size_on_disk_is_not_what_was_written_fails_the_save(tmp_path: Path) -> None:
-    from engine.checkpointing import save_checkpoint
+    from engine.checkpointing.save import save_checkpoint
 
     short = {"size": 5, "xxh3_128": "0"}
     with pytest.raises(CheckpointError, match="has 7 bytes on disk, but 5 were written"):
@@ -774,12 +771,13 @@ def test_an_async_save_waits_for_a_missing_peer_no_longer_than_the_collective_ti
     import subprocess
     import sys
 
-    from engine import checkpointing
+    from engine.checkpointing import async_save
+    from engine.checkpointing.processes import process_space
 
-    monkeypatch.setattr(checkpointing, "collective_timeout", lambda: 1.0)
+    monkeypatch.setattr(async_save, "collective_timeout", lambda: 1.0)
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                            capture_output=True, text=True, check=True)  # fmt: skip
-    this_host, here = socket.gethostname(), checkpointing._process_space()
+    this_host, here = socket.gethostname(), process_space()
     for peer, expected, seconds in (
         ((f"{this_host}/another-namespace", 1), "did not finish writing its files within 1 s",
          (1, 10)),
@@ -788,7 +786,7 @@ def test_an_async_save_waits_for_a_missing_peer_no_longer_than_the_collective_ti
         staging = tmp_path / f".tmp-global_step_1-{this_host}-{os.getpid()}-0123abcd"
         staging.mkdir()
         started = time.monotonic()
-        save = checkpointing.AsyncSave(
+        save = async_save.AsyncSave(
             _StagesOneFile().stage_state(str(staging)), str(staging),
             str(tmp_path / "global_step_1"), _description(), None,
             [(here, os.getpid()), peer],
@@ -836,7 +834,8 @@ def test_when_a_rank_ends_during_an_async_save_rank_0_fails_it_at_once(tmp_path:
 
 
 def test_a_save_with_a_step_that_is_not_a_non_negative_integer_is_refused(tmp_path: Path) -> None:
-    from engine.checkpointing import save_checkpoint, start_async_save
+    from engine.checkpointing.async_save import start_async_save
+    from engine.checkpointing.save import save_checkpoint
 
     for step, keep in ((-1, None), (1.5, None), (True, None), ("3", None), (1, True), (1, 0)):
         with pytest.raises(ConfigError, match=r"global_step|max_ckpt_to_keep"):
@@ -848,7 +847,8 @@ def test_a_save_with_a_step_that_is_not_a_non_negative_integer_is_refused(tmp_pa
 
 @pytest.mark.parametrize("damage", ["no files", "files not a mapping", "entry without size"])
 def test_a_malformed_manifest_is_refused_with_checkpoint_error(tmp_path: Path, damage: str) -> None:
-    from engine.checkpointing import _describe, load_checkpoint
+    from engine.checkpointing.load import load_checkpoint
+    from engine.checkpointing.manifest import describe
 
     directory = tmp_path / "global_step_1"
     directory.mkdir()
@@ -858,7 +858,7 @@ def test_a_malformed_manifest_is_refused_with_checkpoint_error(tmp_path: Path, d
         "files not a mapping": ["state.bin"],
         "entry without size": {"state.bin": {"xxh3_128": "0"}},
     }[damage]
-    manifest = _describe(_description(), 1)
+    manifest = describe(_description(), 1)
     if files is not None:
         manifest["files"] = files
     (directory / MANIFEST).write_text(json.dumps(manifest, default=str))

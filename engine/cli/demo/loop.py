@@ -474,7 +474,7 @@ def _save(engines: Mapping[str, Any], roots: Mapping[str, Path], iteration: int,
 
 def _latest_common_checkpoint(roots: Mapping[str, Path]) -> tuple[int, dict[str, str]]:
     """The newest iteration that every role saved, and each role's directory for it."""
-    from engine.checkpointing import complete_checkpoints
+    from engine.checkpointing.retention import complete_checkpoints
 
     found = {role: dict(complete_checkpoints(os.fspath(root))) for role, root in roots.items()}
     common = sorted(set.intersection(*(set(steps) for steps in found.values())))

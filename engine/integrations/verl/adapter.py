@@ -36,7 +36,7 @@ from verl.utils.device import get_device_name
 from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.base import BaseEngine
 
-from engine import checkpointing
+from engine.checkpointing.retention import complete_checkpoints
 from engine.config import CallSettings, EngineConfig, head_options
 from engine.data.batching import ROUTED_EXPERTS, is_jagged, jagged_offsets, jagged_values
 from engine.engine import Engine
@@ -567,7 +567,7 @@ class ComposableEngine(BaseEngine):
             raise ConfigError("ComposableEngine.load_checkpoint: hdfs_path is not supported")
         # verl's own directories are named global_step_<N> too, which the engine reads as one
         # (incomplete) checkpoint: name the newest complete one inside explicitly.
-        complete = checkpointing.complete_checkpoints(local_path)
+        complete = complete_checkpoints(local_path)
         with self._resident() as engine:
             engine.load_checkpoint(complete[-1][1] if complete else local_path)
 

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from engine import Engine
-from engine.checkpointing import KILL_AT_ENV, MANIFEST, complete_checkpoints
+from engine.checkpointing.manifest import MANIFEST
+from engine.checkpointing.retention import complete_checkpoints
+from engine.checkpointing.save import KILL_AT_ENV
 from engine.data.batching import take_rows
 from engine.losses import sft_loss, value_regression_loss
 from heads.errors import CheckpointError
