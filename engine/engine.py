@@ -619,9 +619,6 @@ class Engine:
         self._require_initialized("holds_outputs")
         return self.backend.holds_outputs()
 
-    #: The name RL trainers know (verl's engine API).
-    is_mp_src_rank_with_outputs = holds_outputs
-
     # -- weights -------------------------------------------------------------------------------
     def get_per_tensor_param(
         self, *, adapter_only: bool = False

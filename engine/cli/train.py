@@ -246,7 +246,7 @@ def train(args: argparse.Namespace) -> int:
     dp_rank, dp_size = engine.get_data_parallel_rank(), engine.get_data_parallel_size()
     shard = args.batch_size // dp_size
     # One rank reports: the first data-parallel replica's output rank (TP 0, last stage).
-    show = engine.is_mp_src_rank_with_outputs() and dp_rank == 0
+    show = engine.holds_outputs() and dp_rank == 0
     generator = torch.Generator().manual_seed(config.seed)
     batches = (
         data_batches(records, args.batch_size, generator)

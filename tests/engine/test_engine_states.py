@@ -69,7 +69,7 @@ CALLS = {
     "get_data_parallel_rank": Call(lambda e, _: e.get_data_parallel_rank()),
     "get_data_parallel_size": Call(lambda e, _: e.get_data_parallel_size()),
     "get_data_parallel_group": Call(lambda e, _: e.get_data_parallel_group()),
-    "is_mp_src_rank_with_outputs": Call(lambda e, _: e.is_mp_src_rank_with_outputs()),
+    "holds_outputs": Call(lambda e, _: e.holds_outputs()),
     "get_per_tensor_param": Call(
         lambda e, _: list(e.get_per_tensor_param()), needs=frozenset({"initialized", "model"})
     ),

@@ -82,7 +82,7 @@ def train_both_heads(parallel: dict[str, Any], extra: dict[str, Any]) -> dict[st
         tp_size=ps.get_tensor_model_parallel_world_size(),
         pp=ps.get_pipeline_model_parallel_rank(),
         dp=ps.get_data_parallel_rank(),
-        output_rank=engine.is_mp_src_rank_with_outputs(),
+        output_rank=engine.holds_outputs(),
     )
     return report
 
