@@ -2,10 +2,8 @@
 vocab-parallel.
 
 The reference is plain PyTorch: ``log_softmax(logits.float() / T).gather(...)`` and
-``-(p * log p).sum(-1)``, differentiated by autograd.
-
-Run directly as ``python test_vocab_parallel.py --worker RANK WORLD PORT`` this file is one rank of
-the two-process vocab-parallel check (see ``test_two_vocab_parallel_ranks_match_full_vocab``).
+``-(p * log p).sum(-1)``, differentiated by autograd. The two-rank vocab-parallel check runs
+its ranks through ``tests.multiprocess.run_ranks``.
 """
 
 from __future__ import annotations
