@@ -28,25 +28,13 @@ def register() -> None:
     # The platform first: importing verl's engines asks verl for its platform, which it then
     # resolves once for the whole process.
     importlib.import_module("engine.integrations.verl.platform")
-    from verl.workers.engine.base import EngineRegistry
-
     adapter = sys.modules.get("engine.integrations.verl.adapter")
-    if adapter is not None and not hasattr(adapter, "ComposableEngine"):
-        # verl loads the plug-in while the adapter module, imported before verl, imports it:
-        # the adapter calls this again once its class exists
-        return
-    from engine.integrations.verl.adapter import ComposableEngine
+    if adapter is None or hasattr(adapter, "register_cells"):
+        from engine.integrations.verl.adapter import register_cells
 
-    for cell in registered_cells():
-        known = EngineRegistry._engines.get(cell.model_type, {}).get(cell.backend, {})
-        if known.get(cell.key) is ComposableEngine:
-            continue
-        EngineRegistry.register(
-            model_type=cell.model_type,
-            backend=cell.backend,
-            device=cell.device,
-            vendor=cell.vendor,
-        )(ComposableEngine)
+        register_cells()
+    # else verl loads the plug-in while the adapter module, imported before verl, imports
+    # it: the adapter registers its cells itself once its class exists
     _register_rollout()
 
 

@@ -40,7 +40,7 @@ from engine.checkpointing.retention import complete_checkpoints
 from engine.config import CallSettings, EngineConfig, head_options
 from engine.data.batching import ROUTED_EXPERTS, is_jagged, jagged_offsets, jagged_values
 from engine.engine import Engine
-from engine.integrations.verl import register
+from engine.integrations.verl.cells import registered_cells
 from engine.integrations.verl.config import (
     engine_config_from_verl,
     lora_base_name,
@@ -796,4 +796,20 @@ def _temperature(data: TensorDict) -> float:
     return float(value)
 
 
-register()  # where this module was imported before verl, verl's plug-in left it to here
+def register_cells() -> None:
+    """:class:`ComposableEngine` in verl's engine registry for every cell (idempotent)."""
+    from verl.workers.engine.base import EngineRegistry
+
+    for cell in registered_cells():
+        known = EngineRegistry._engines.get(cell.model_type, {}).get(cell.backend, {})
+        if known.get(cell.key) is ComposableEngine:
+            continue
+        EngineRegistry.register(
+            model_type=cell.model_type,
+            backend=cell.backend,
+            device=cell.device,
+            vendor=cell.vendor,
+        )(ComposableEngine)
+
+
+register_cells()  # where this module was imported before verl, verl's plug-in left it to here
