@@ -12,7 +12,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -62,10 +62,12 @@ from strategies.backends.base import (
     Packing,
     RouterReplay,
     RouterStatistics,
+    ShardedExport,
     require,
 )
 from strategies.devices.base import DevicePlatform
 from strategies.hf.files import padding_token_id
+from strategies.hf.shards import HfBlock, hf_blocks
 from strategies.memory.model_size import check_fits, count_parameters
 from strategies.parallel.collectives import collective_device, world_size
 
@@ -646,6 +648,41 @@ class Engine:
             weights = require(self.backend, HuggingFaceExport).export_hf(config)
         return _WhileResident(weights, lambda: self._require_resident(WHILE_ITERATING, ("model",)))
 
+    def get_per_tensor_param_shard(self, *, adapter_only: bool = False) -> Iterator[HfBlock]:
+        """The tensors ``get_per_tensor_param`` yields, as this rank's block of each
+        (``strategies.hf.shards.HfBlock``: which rows and columns of the Hugging Face tensor,
+        whether this rank's copy is the one to take), nothing gathered and nothing copied where
+        the layout allows (a block may be a view of the live weights). Every rank yields one
+        block per tensor of the whole model in the same order, so a receiver gathers each over
+        the default process group; collective once, to agree on the blocks' places. With LoRA:
+        ``adapter_only=True`` (the adapters), or inside ``disable_adapter()`` (the base model);
+        the merged weights change everywhere each step and are refused."""
+        self._require_initialized("get_per_tensor_param_shard")
+        self._require_resident("get_per_tensor_param_shard", ("model",))
+        sharded = require(self.backend, ShardedExport)
+        config = self.config
+        if adapter_only:
+            from strategies.model.peft_lora import peft_shards
+
+            if config.lora is None:
+                raise ConfigError(
+                    "get_per_tensor_param_shard(adapter_only=True) needs LoRA, but config.lora "
+                    "is None"
+                )
+            shards = peft_shards(sharded.hf_param_shards(config, adapter_only=True))
+        else:
+            if config.lora is not None:
+                if require(self.backend, LowRankAdapters).adapters_enabled():
+                    raise ConfigError(
+                        "get_per_tensor_param_shard: the merged LoRA weights are not exported "
+                        "as shards (every element changes each step); take adapter_only=True, "
+                        "or the base model inside disable_adapter()"
+                    )
+                config = config.replace(lora=None)
+            shards = sharded.hf_param_shards(config, adapter_only=False)
+        blocks = hf_blocks(shards)
+        return _WhileResident(blocks, lambda: self._require_resident(WHILE_ITERATING, ("model",)))
+
     def _peft_adapter(self, what: str) -> Iterator[tuple[str, torch.Tensor]]:
         from strategies.model.peft_lora import peft_tensors
 
@@ -838,18 +875,17 @@ class Engine:
 
 
 WHILE_ITERATING = "get_per_tensor_param() (while its iterator is in use)"
+T = TypeVar("T")
 
 
-class _WhileResident(Iterator[tuple[str, torch.Tensor]]):
+class _WhileResident(Iterator[T]):
     """``items``, calling ``check`` before each one: an offload between two tensors (say on
     leaving ``eval_mode``) raises EngineStateError instead of reading freed storage, and after
     ``to("device")`` the same iterator goes on."""
 
-    def __init__(
-        self, items: Iterator[tuple[str, torch.Tensor]], check: Callable[[], None]
-    ) -> None:
+    def __init__(self, items: Iterator[T], check: Callable[[], None]) -> None:
         self._items, self._check = items, check
 
-    def __next__(self) -> tuple[str, torch.Tensor]:
+    def __next__(self) -> T:
         self._check()
         return next(self._items)

@@ -226,6 +226,7 @@ def test_a_backend_without_an_ability_is_refused_naming_the_ability_and_the_back
         (lambda: engine.save_checkpoint("/nonexistent"), "checkpoints"),
         (lambda: engine.load_checkpoint("/nonexistent"), "checkpoints"),
         (lambda: list(engine.get_per_tensor_param()), "huggingface_export"),
+        (lambda: list(engine.get_per_tensor_param_shard()), "sharded_export"),
         (lambda: engine.to("cpu"), "offload"),
     ):
         with pytest.raises(ConfigError, match=rf"plugin-core-only backend lacks the '{ability}'"):

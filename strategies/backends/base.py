@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
     from strategies.checkpoint_files.publish import FileChecksums
     from strategies.config import ParallelConfig, PartsConfig
+    from strategies.hf.shards import ParamShard
     from strategies.memory.model_size import ParameterCount, RankMemory
 
 
@@ -197,6 +198,19 @@ class HuggingFaceExport(Protocol):
 
 
 @runtime_checkable
+class ShardedExport(Protocol):
+    """Ability: the ``export_hf`` (and ``export_adapter``) tensors as each rank's shards of
+    them, nothing gathered: what a receiver rebuilds block by block, or diffs against the
+    previous sync (``strategies.hf.shards``)."""
+
+    def hf_param_shards(self, config: PartsConfig, *, adapter_only: bool) -> Iterator[ParamShard]:
+        """This rank's parameters as shards of the Hugging Face tensors ``export_hf`` yields
+        for ``config`` without LoRA (``adapter_only``: those of ``export_adapter``); no
+        collectives, nothing copied."""
+        ...
+
+
+@runtime_checkable
 class Offloading(Protocol):
     """Ability: move the model, optimizer state or gradients to host memory and back."""
 
@@ -310,6 +324,7 @@ ABILITIES: dict[str, type] = {
     "checkpoints": Checkpointing,
     "async_checkpoints": AsyncCheckpointing,
     "huggingface_export": HuggingFaceExport,
+    "sharded_export": ShardedExport,
     "offload": Offloading,
     "packing": Packing,
     "router_replay": RouterReplay,

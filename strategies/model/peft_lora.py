@@ -24,11 +24,13 @@ import os
 import shutil
 from collections.abc import Iterable, Iterator
 
+import attrs
 import torch
 
 from strategies.checkpoint_files.publish import publish_directory
 from strategies.config import LoraConfig, ModelConfig
-from strategies.hf.classification import SCORE, with_score_bias
+from strategies.hf.classification import SCORE, SCORE_BIAS, SCORE_WEIGHT, with_score_bias
+from strategies.hf.shards import ParamShard
 from strategies.model.weight_draws import name_seed
 from strategies.parallel.collectives import barrier, merged_dicts, rank
 
@@ -124,6 +126,32 @@ def peft_tensors(
             yield PEFT_PREFIX + name, tensor
     for name, tensor in with_score_bias(head_layer).items():
         yield PEFT_PREFIX + name, tensor
+
+
+def peft_shards(shards: Iterable[ParamShard]) -> Iterator[ParamShard]:
+    """``peft_tensors`` for shards (``strategies.hf.shards``): their Hugging Face tensors under
+    peft's names, and the zero ``score.bias`` a head layer without one gets, whole on every
+    rank that holds part of its ``score.weight``."""
+    names: set[str] = set()
+    score: ParamShard | None = None
+    for shard in shards:
+        names.update(name for name, _, _ in shard.hf)
+        if any(name == SCORE_WEIGHT for name, _, _ in shard.hf):
+            score = shard
+        hf = tuple((PEFT_PREFIX + name, shape, rows) for name, shape, rows in shard.hf)
+        yield attrs.evolve(shard, hf=hf)
+    if score is None or SCORE_BIAS in names:
+        return
+    (_, (features, _), _), *_ = score.hf
+    bias = score.local.new_zeros(features)
+    rows = torch.arange(features)
+    yield ParamShard(
+        name=SCORE_BIAS,
+        local=bias,
+        rows=rows,
+        columns=(0, 1),
+        hf=((PEFT_PREFIX + SCORE_BIAS, (features,), rows),),
+    )
 
 
 def peft_config(config: LoraConfig, model: ModelConfig, head_layer: bool) -> dict[str, object]:

@@ -328,11 +328,13 @@ def _worker(  # type: ignore[no-untyped-def]
     **engine,
 ):
     """verl's TrainingWorker on the adapter, initialised, with verl's loss for the model type.
-    ``engine``: more verl engine settings (``param_offload``, ...); ``model_settings``: more
+    ``strategy`` ``megatron`` is verl's own megatron config. ``engine``: more verl engine
+    settings (``param_offload``, ``tensor_model_parallel_size``...); ``model_settings``: more
     ``HFModelConfig`` settings (``lora_rank``, ...); ``host_offload``: offload to host memory
     as on an accelerator (on CPU the adapter's ``to("cpu")`` loads, see
     ``ComposableEngine.offload_to_host``)."""
     from verl.workers.config.engine import EngineConfig as VerlEngineConfig
+    from verl.workers.config.engine import McoreEngineConfig
     from verl.workers.engine_workers import TrainingWorker
 
     model = HFModelConfig(path=path, load_tokenizer=False, **(model_settings or {}))
@@ -343,11 +345,14 @@ def _worker(  # type: ignore[no-untyped-def]
         "seed": 7,
         **engine,
     }
-    config = (
-        FSDPEngineConfig(strategy=strategy, mixed_precision={"param_dtype": "fp32"}, **sizes)
-        if strategy == "fsdp2"
-        else VerlEngineConfig(strategy=strategy, dtype="float32", **sizes)  # our backend names
-    )
+    if strategy == "fsdp2":
+        config = FSDPEngineConfig(
+            strategy=strategy, mixed_precision={"param_dtype": "fp32"}, **sizes
+        )
+    elif strategy == "megatron":  # verl's own megatron config (parallel sizes and all)
+        config = McoreEngineConfig(**sizes)  # bf16: verl refuses float32 there
+    else:  # our backend names
+        config = VerlEngineConfig(strategy=strategy, dtype="float32", **sizes)
     optim = FSDPOptimizerConfig(lr=1e-3, total_training_steps=10, lr_scheduler_type="cosine")
     worker = TrainingWorker(
         TrainingWorkerConfig(

@@ -25,7 +25,7 @@ import itertools
 import os
 import shutil
 from collections.abc import Callable, Generator, Iterator
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, TypeVar
 
 import attrs
 import torch
@@ -48,6 +48,7 @@ from engine.integrations.verl.config import (
     replay_mode,
 )
 from engine.losses.contract import LossContext
+from engine.weight_sync import DeltaExport
 from heads.base import PER_SEQUENCE, ResultSpec, declared_results
 from heads.errors import BatchError, ConfigError
 from strategies.backends.base import OFFLOAD_PARTS, Offloading
@@ -57,6 +58,9 @@ from strategies.backends.base import OFFLOAD_PARTS, Offloading
 #: all-reduce of counts also sums verl's ``batch_num_tokens``.
 LOSS_MASK_COUNT = "verl_loss_mask"
 NO_PADDING = "no_padding"
+#: The largest flat position verl's delta wire (int32) addresses.
+INT32_MAX = 2**31 - 1
+T = TypeVar("T")
 #: Non-tensor flags verl's engines understand that this one cannot honour, and why.
 REFUSED_FLAGS = {
     "distillation_use_topk": "no top-k distillation outputs",
@@ -163,6 +167,8 @@ class ComposableEngine(BaseEngine):
         self.offload_to_host = self.engine.platform.device_type != "cpu"
         #: The ``local_path`` of each checkpoint this process saved, oldest first (retention).
         self._saved: list[str] = []
+        #: The delta weight sync's base (``prime_delta_snapshots``).
+        self._deltas = DeltaExport()
 
     # -- lifecycle -----------------------------------------------------------------------------
     def initialize(self) -> None:
@@ -487,24 +493,117 @@ class ComposableEngine(BaseEngine):
         (``...q_proj.base_layer.weight``, as a LoRA-enabled rollout holds it), with the PEFT
         config either way. Every tensor is exported one at a time, so ``layered_summon`` needs
         nothing of its own."""
+        lora = self._initialized().config.lora
+        adapter = self._adapters_apart()
+
+        def weights(engine: Engine, stack: contextlib.ExitStack) -> Iterator[tuple[str, Any]]:
+            if adapter and not base_sync_done:
+                assert lora is not None
+                stack.enter_context(engine.disable_adapter())
+                exported = engine.get_per_tensor_param()
+                return ((lora_base_name(name, lora.target_modules), t) for name, t in exported)
+            return engine.get_per_tensor_param(adapter_only=adapter and base_sync_done)
+
+        return self._streamed(weights), (self._peft_config() if adapter else None)
+
+    # -- verl's delta_sharded weight sync: shards, their base, the deltas ----------------------
+    #: Keep the delta base in pinned host memory (verl's policy attribute; pinned only where the
+    #: device is not the host).
+    delta_pin_snapshots: bool = True
+
+    def get_per_tensor_param_shard(
+        self, **kwargs: Any
+    ) -> tuple[Generator[tuple[str, torch.Tensor, Any], None, None], Any]:
+        """This rank's block of every tensor the weight sync sends (``Engine.
+        get_per_tensor_param_shard``): ``(Hugging Face name, flat block, ShardSpec)``, in one
+        order on every rank, nothing gathered. The spec places the block in its Hugging Face
+        tensor with verl's own vocabulary: an explicit ``BlockPlacement`` in the tensor's row
+        view (rows x last dimension), the default process group as its gather group, and
+        ``contributes`` False for a copy a lower rank holds too. With LoRA adapters apart
+        (verl's default) the adapters and a value head's layer, with the PEFT config; merged
+        LoRA is refused (every element changes each step)."""
+        from verl.workers.engine.spec import BlockPlacement, ShardSpec
+
+        adapter = self._adapters_apart()
+        group = dist.group.WORLD if dist.is_initialized() else None
+
+        def shards(engine: Engine, stack: contextlib.ExitStack) -> Iterator[tuple[str, Any, Any]]:
+            for block in engine.get_per_tensor_param_shard(adapter_only=adapter):
+                (first, last), (left, right) = block.rows, block.columns
+                place = BlockPlacement(
+                    local_shape=(last - first, right - left),
+                    global_offset=(first, left),
+                    full_shape=block.row_view,
+                )
+                spec = ShardSpec(
+                    full_shape=block.shape,
+                    place=place,
+                    gather_group=group,
+                    contributes=block.contributes,
+                )
+                yield block.name, block.tensor.reshape(-1), spec
+
+        return self._streamed(shards), (self._peft_config() if adapter else None)
+
+    def prime_delta_snapshots(self) -> None:
+        """The base of the next delta: this rank's blocks as the seed sync
+        (``get_per_tensor_param``) just sent them, in host memory. With LoRA adapters apart
+        the seed sent the base model and no adapter, so the adapters' base is zeros: the first
+        delta carries them."""
         engine = self._initialized()
-        lora = engine.config.lora
-        adapter = lora is not None and not lora_merged(self.model_config)
+        pin = self.delta_pin_snapshots and engine.platform.device_type != "cpu"
+        self._deltas = DeltaExport(pin_memory=pin)
+        adapter = self._adapters_apart()
+        with self._resident(("model",)) as resident:
+            blocks = resident.get_per_tensor_param_shard(adapter_only=adapter)
+            self._deltas.prime(blocks, zeros=adapter)
+
+    def get_per_tensor_param_delta_shard(
+        self, **kwargs: Any
+    ) -> tuple[Generator[tuple[Any, ...], None, None], Any]:
+        """verl's delta export: per tensor of the shard export, in its order, ``(slots,
+        dtype_str, counts, hf_idx, hf_val, gather_group)``: the one slot ``(name, shape)``, the
+        elements this rank found changed since the base (int32 flat positions in the Hugging
+        Face tensor, and values; none on a rank whose copy another contributes), the default
+        process group. The base becomes the weights. EngineStateError before
+        :meth:`prime_delta_snapshots`."""
+        adapter = self._adapters_apart()
+        group = dist.group.WORLD if dist.is_initialized() else None
+        deltas = self._deltas
+
+        def entries(engine: Engine, stack: contextlib.ExitStack) -> Iterator[tuple[Any, ...]]:
+            for delta in deltas.deltas(engine.get_per_tensor_param_shard(adapter_only=adapter)):
+                if delta.positions.numel() and int(delta.positions.max()) > INT32_MAX:
+                    raise ConfigError(
+                        f"{delta.name}: {list(delta.shape)} has more elements than verl's "
+                        "int32 delta positions address"
+                    )
+                counts = torch.tensor([delta.positions.numel()], dtype=torch.int64)
+                dtype = str(delta.dtype).removeprefix("torch.")
+                slots = [(delta.name, delta.shape)]
+                yield slots, dtype, counts, delta.positions.to(torch.int32), delta.values, group
+
+        return self._streamed(entries), None
+
+    def _adapters_apart(self) -> bool:
+        """LoRA whose adapters sync apart from the base model (verl's ``lora.merge`` off)."""
+        return self._initialized().config.lora is not None and not lora_merged(self.model_config)
+
+    def _streamed(
+        self, items: Callable[[Engine, contextlib.ExitStack], Iterator[T]]
+    ) -> Generator[T, None, None]:
+        """``items(engine, stack)`` as a generator that holds the model on the device (loaded
+        now if offloaded) and ``stack``'s contexts until it is exhausted or closed."""
         with contextlib.ExitStack() as stack:
             engine = stack.enter_context(self._resident(("model",)))
-            if adapter and not base_sync_done:
-                stack.enter_context(engine.disable_adapter())
-            weights = engine.get_per_tensor_param(adapter_only=adapter and base_sync_done)
-            loaded = stack.pop_all()
-        if adapter and not base_sync_done:
-            assert lora is not None
-            weights = ((lora_base_name(name, lora.target_modules), t) for name, t in weights)
+            produced = items(engine, stack)
+            held = stack.pop_all()
 
-        def each() -> Generator[tuple[str, torch.Tensor], None, None]:
-            with loaded:
-                yield from weights
+        def each() -> Generator[T, None, None]:
+            with held:
+                yield from produced
 
-        return each(), (self._peft_config() if adapter else None)
+        return each()
 
     def _peft_config(self) -> Any:
         """The adapter's PEFT config: peft's ``LoraConfig`` (a LoRA rollout reads it as a

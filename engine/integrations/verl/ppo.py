@@ -135,9 +135,9 @@ def console_metrics(output: str) -> dict[int, dict[str, float]]:
 def check(config: Any) -> None:
     """Refuse before Ray starts what a worker would refuse minutes later: rollout settings the
     ``composable_hf`` generator cannot honour, local models of a family the engine does not
-    read (actor, critic), each by name, and a custom reward function verl cannot load (its
-    file or function missing, or the file failing to import), as verl's reward workers load
-    it."""
+    read (actor, critic), each by name, a checkpoint engine this host cannot run, and a
+    custom reward function verl cannot load (its file or function missing, or the file failing
+    to import), as verl's reward workers load it."""
     from pathlib import Path
 
     from verl.trainer.ppo.reward import get_custom_reward_fn
@@ -150,6 +150,7 @@ def check(config: Any) -> None:
         from engine.integrations.verl.rollout import check_settings
 
         check_settings(rollout)
+    check_checkpoint_engine(rollout)
     paths = {"actor_rollout_ref.model.path": config.actor_rollout_ref.model.path}
     if need_critic(config):
         paths["critic.model.path"] = config.critic.model.path
@@ -167,6 +168,28 @@ def check(config: Any) -> None:
             f"reward.custom_reward_function (path={settings.get('path')}, name="
             f"{settings.get('name')}): verl cannot load it: {error}"
         ) from error
+
+
+def check_checkpoint_engine(rollout: Any) -> None:
+    """``rollout.checkpoint_engine.backend`` must be one this host registers (verl registers
+    each backend whose transport imports: on a host without an accelerator only ``naive``), and
+    the ``composable_hf`` generator takes weights through ``naive`` (verl's in-process sync)."""
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+    from verl.utils.import_utils import import_external_libs
+
+    settings = rollout.checkpoint_engine
+    backend = settings.backend
+    key = "actor_rollout_ref.rollout.checkpoint_engine.backend"
+    import_external_libs(settings.get("custom_backend_module") or None)
+    try:
+        CheckpointEngineRegistry.get(backend)
+    except ValueError as error:
+        raise ConfigError(f"{key}={backend}: this host cannot run it: {error}") from error
+    if rollout.name == ROLLOUT and backend != "naive":
+        raise ConfigError(
+            f"{key}={backend}: the {ROLLOUT} generator takes weights through verl's in-process "
+            "'naive' sync only"
+        )
 
 
 def run(config: Any, overrides: list[str] | None = None) -> None:

@@ -42,6 +42,7 @@ from strategies.backends.fsdp2.ulysses import check_heads, sequence_groups
 from strategies.config import ParallelConfig, PartsConfig
 from strategies.hf.architecture import hf_config_for
 from strategies.hf.classification import HeadLayer, head_layer
+from strategies.hf.shards import ParamShard
 from strategies.memory.model_size import DTYPE_BYTES, ParameterCount, RankMemory, training_state
 from strategies.memory.storage_offload import OffloadedParts
 from strategies.model.packed_attention import positions_in_sequences, row_segments
@@ -448,6 +449,12 @@ class Fsdp2Backend:
         from strategies.backends.fsdp2.export import export_hf
 
         return export_hf(self._require_model(), config.model, config.lora)
+
+    def hf_param_shards(self, config: PartsConfig, *, adapter_only: bool) -> Iterator[ParamShard]:
+        """This rank's parameters as shards of their Hugging Face tensors (see ``export``)."""
+        from strategies.backends.fsdp2.export import param_shards
+
+        return param_shards(self._require_model(), config.model, adapter_only=adapter_only)
 
     def save_hf(self, config: PartsConfig, directory: str) -> None:
         """Write a Hugging Face checkpoint of the model (collective: every rank calls it)."""

@@ -7,13 +7,20 @@ Parameters already carry Hugging Face names; each sharded parameter is all-gathe
 every rank walks the parameters in the same order. A value or reward head's layer is yielded as
 a classifier's ``score.weight`` (and ``score.bias`` where it has one), as megatron's. Experts
 that transformers fuses in memory are yielded per expert, under the names its checkpoints use.
+
+:func:`param_shards` describes the same tensors without gathering: each parameter's local shard
+(FSDP2 splits dim 0) and the Hugging Face tensors the full parameter makes, found by running
+the same ``CheckpointLayout.split`` on its row numbers (``strategies.hf.shards``).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import shutil
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -30,6 +37,7 @@ from strategies.hf.classification import (
 from strategies.hf.experts import CheckpointLayout
 from strategies.hf.files import SINGLE_FILE
 from strategies.hf.metadata import write_hf_metadata
+from strategies.hf.shards import ParamShard
 from strategies.model.peft_lora import adapter_delta
 from strategies.parallel.collectives import barrier, rank
 
@@ -70,6 +78,52 @@ def export_adapter(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     for name, param in model.named_parameters():
         if is_head_layer_parameter(name):
             yield score_name(name), _full(param)
+
+
+def param_shards(
+    model: torch.nn.Module, config: ModelConfig, *, adapter_only: bool = False
+) -> Iterator[ParamShard]:
+    """This rank's shards of the Hugging Face tensors ``export_hf`` yields (without LoRA), or
+    with ``adapter_only`` of those ``export_adapter`` yields. Nothing is gathered or copied."""
+    layout = CheckpointLayout.of(config)
+    for name, param in model.named_parameters(remove_duplicate=not adapter_only):
+        head_layer = is_head_layer_parameter(name)
+        if adapter_only != is_adapter_parameter(name) and not (adapter_only and head_layer):
+            continue
+        if head_layer:
+            probe = functools.partial(_named, score_name(name))
+        elif adapter_only:
+            probe = functools.partial(_named, name)
+        else:
+            probe = functools.partial(layout.split, name)
+        yield _param_shard(name, param, probe)
+
+
+def _named(name: str, rows: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The probe of a parameter that is one Hugging Face tensor, under ``name``."""
+    return [(name, rows)]
+
+
+def _param_shard(name: str, param: torch.Tensor, probe: Any) -> ParamShard:
+    """``param``'s local shard: whole, or FSDP2's block of its first dimension."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    held = param.detach()
+    shape = tuple(held.shape)
+    local, first, count = held, 0, shape[0]
+    if isinstance(held, DTensor):
+        local = held.to_local()
+        local_shape, offset = compute_local_shape_and_global_offset(
+            shape, held.device_mesh, list(held.placements)
+        )
+        if tuple(local_shape[1:]) != shape[1:] or any(offset[1:]):
+            raise NotImplementedError(f"{name}: sharded along a dimension other than the first")
+        first, count = int(offset[0]), int(local_shape[0])
+    per_index = math.prod(shape[1:-1]) if len(shape) > 1 else 1  # rows of the row view
+    rows = torch.arange(first * per_index, (first + count) * per_index)
+    width = shape[-1] if len(shape) > 1 else 1
+    return ParamShard.probed(name, local, shape, rows, (0, width), probe)
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:

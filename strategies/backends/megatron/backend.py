@@ -49,6 +49,8 @@ from strategies.model.peft_lora import AdapterSwitch
 if TYPE_CHECKING:
     import torch.distributed as dist
 
+    from strategies.hf.shards import ParamShard
+
 
 #: The megatron-core modules (with what they import) that announce, on first import, a GPU
 #: library they fall back from; ``validate`` imports them without the notices
@@ -574,6 +576,15 @@ class MegatronBackend:
         self._check_hf_experts(config)
         for chunk in self._chunks:
             yield from export_hf(chunk, config.model, config)
+
+    def hf_param_shards(self, config: PartsConfig, *, adapter_only: bool) -> Iterator[ParamShard]:
+        """This rank's parameters as shards of their Hugging Face tensors (see ``hf.export``)."""
+        from strategies.backends.megatron.hf.export import param_shards
+
+        self._require_model()
+        self._check_hf_experts(config)
+        for chunk in self._chunks:
+            yield from param_shards(chunk, config.model, adapter_only=adapter_only)
 
     def save_hf(self, config: PartsConfig, directory: str) -> None:
         """Write a Hugging Face checkpoint of the model (collective: every rank calls it)."""

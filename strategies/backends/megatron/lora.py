@@ -322,17 +322,25 @@ def merged_delta(
     return torch.cat(deltas, dim=0)
 
 
-def adapter_tensors(
-    chunk: torch.nn.Module, full: Callable[[str, torch.Tensor], torch.Tensor]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, full tensor) of every adapter tensor of ``chunk``."""
+def adapter_parameters(
+    chunk: torch.nn.Module,
+) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(Hugging Face name, global name, parameter) of every adapter tensor of ``chunk``."""
     for layer, adapters in layer_adapters(chunk).items():
         for target, pair in adapters.named_children():
             assert isinstance(pair, LoraPair)
             a_name, b_name = adapter_names(layer, target)
             prefix = _global_prefix(layer, target)
-            yield a_name, full(f"{prefix}.lora_A.weight", pair.lora_A.weight).clone()
-            yield b_name, full(f"{prefix}.lora_B.weight", pair.lora_B.weight).clone()
+            yield a_name, f"{prefix}.lora_A.weight", pair.lora_A.weight
+            yield b_name, f"{prefix}.lora_B.weight", pair.lora_B.weight
+
+
+def adapter_tensors(
+    chunk: torch.nn.Module, full: Callable[[str, torch.Tensor], torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, full tensor) of every adapter tensor of ``chunk``."""
+    for hf_name, global_name, param in adapter_parameters(chunk):
+        yield hf_name, full(global_name, param).clone()
 
 
 def _global_prefix(layer: int, target: str) -> str:

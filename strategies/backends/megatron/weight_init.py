@@ -17,6 +17,7 @@ import math
 import re
 from collections.abc import Iterator
 
+import attrs
 import torch
 
 from strategies.config import PartsConfig
@@ -45,19 +46,10 @@ def initialize_parameters(
             if param.dim() == 1:
                 param.fill_(1.0 if global_name.endswith("weight") else 0.0)
                 continue
-            tp_rank, tp_size = tensor_parallel_place(global_name)
-            full_shape = list(param.shape)
-            parallel = bool(getattr(param, "tensor_model_parallel", False)) and tp_size > 1
-            dim = int(getattr(param, "partition_dim", 0))
-            if parallel:
-                full_shape[dim] *= tp_size
+            layout = TensorParallelLayout.of(global_name, param)
             sigma = scaled_std if global_name.endswith(_SCALED_OUTPUTS) else std
-            full = normal_from_name(full_shape, sigma, config.seed, global_name)
-            if parallel:
-                full = _shard(
-                    full, dim, int(getattr(param, "partition_stride", 1)), tp_rank, tp_size
-                )
-            param.copy_(full.to(dtype=param.dtype, device=param.device))
+            full = normal_from_name(list(layout.full_shape), sigma, config.seed, global_name)
+            param.copy_(layout.shard(full).to(dtype=param.dtype, device=param.device))
 
 
 def global_parameters(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
@@ -113,11 +105,42 @@ def _expert_offset(chunk: torch.nn.Module) -> int:
     return ps.get_expert_model_parallel_rank() * (experts // size)
 
 
-def _shard(full: torch.Tensor, dim: int, stride: int, rank: int, size: int) -> torch.Tensor:
-    """This rank's part of ``full``, as megatron's ``_initialize_affine_weight_cpu`` splits it."""
-    per_stride = full.shape[dim] // size // stride
-    pieces = torch.split(full, per_stride, dim=dim)
-    return torch.cat(pieces[rank::size], dim=dim)
+@attrs.frozen
+class TensorParallelLayout:
+    """How a parameter is split over its (expert) tensor-parallel group: this rank's part of
+    the full tensor (``full_shape``) along ``dim``, in ``stride`` interleaved pieces, as
+    megatron's ``_initialize_affine_weight_cpu`` splits it (``size`` 1: held whole)."""
+
+    rank: int
+    size: int
+    dim: int
+    stride: int
+    full_shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, global_name: str, param: torch.Tensor) -> TensorParallelLayout:
+        rank, size = tensor_parallel_place(global_name)
+        if not getattr(param, "tensor_model_parallel", False):
+            size = 1
+        dim = int(getattr(param, "partition_dim", 0))
+        full_shape = list(param.shape)
+        full_shape[dim] *= size
+        stride = int(getattr(param, "partition_stride", 1))
+        return cls(rank if size > 1 else 0, size, dim, stride, tuple(full_shape))
+
+    def indices(self) -> torch.Tensor:
+        """The full tensor's indices along ``dim`` this rank holds, in the order it holds them."""
+        along = attrs.evolve(self, dim=0)
+        return along.shard(torch.arange(self.full_shape[self.dim]))
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``full`` (a tensor of ``full_shape``, or any tensor as long along
+        ``dim``)."""
+        if self.size == 1:
+            return full
+        per_stride = full.shape[self.dim] // self.size // self.stride
+        pieces = torch.split(full, per_stride, dim=self.dim)
+        return torch.cat(pieces[self.rank :: self.size], dim=self.dim)
 
 
 def unshard(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:

@@ -123,7 +123,10 @@ def test_matrix_lists_every_cell_and_why_npu_cannot_run_here() -> None:
         for backend in ("megatron", "fsdp2")
         for device in ("cpu", "cuda", "npu")
     }
-    common = ["checkpoints", "async_checkpoints", "huggingface_export", "offload", "packing"]
+    common = [
+        "checkpoints", "async_checkpoints", "huggingface_export", "sharded_export", "offload",
+        "packing",
+    ]  # fmt: skip
     assert report["backend_abilities"]["fsdp2"] == [*common, "lora"]
     megatron = [*common, "router_replay", "router_statistics", "lora"]
     assert report["backend_abilities"]["megatron"] == megatron

@@ -1,4 +1,4 @@
-"""This rank's chunk as Hugging Face tensors, one full tensor at a time.
+"""This rank's chunk as Hugging Face tensors, one full tensor at a time, or as shards of them.
 
 Tensor-parallel shards are all-gathered (experts' over the expert tensor-parallel group), so
 every TP rank yields the same full tensors. Under expert parallelism each local expert is
@@ -7,10 +7,17 @@ global number. Under pipeline parallelism each stage yields only its own layers 
 stage not its copy of a tied embedding): the union over stages is the whole model. A value
 or reward head's layer (replicated: every rank holds it whole) is yielded as a classifier's
 ``score.weight`` (and ``score.bias`` where it has one).
+
+:func:`param_shards` describes the same tensors without gathering anything: each parameter's
+local shard, where it lies in the full parameter (the tensor-parallel split, this rank's experts
+under their global numbers) and the Hugging Face tensors the full parameter makes, found by
+running the same ``adapter.to_hf`` on the parameter's row numbers
+(``strategies.hf.shards``).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +28,7 @@ import torch.distributed as dist
 from strategies.backends.megatron.hf.adapters import adapter_for
 from strategies.backends.megatron.lora import (
     LINEARS,
+    adapter_parameters,
     adapter_tensors,
     head_output_layer,
     is_adapter_parameter,
@@ -29,15 +37,16 @@ from strategies.backends.megatron.lora import (
 )
 from strategies.backends.megatron.model import ReplicatedOutputLayer
 from strategies.backends.megatron.weight_init import (
+    TensorParallelLayout,
     expert_number,
     global_parameters,
     is_expert_parameter,
     renumber_expert,
-    tensor_parallel_place,
     unshard,
 )
 from strategies.config import ModelConfig, PartsConfig
 from strategies.hf.classification import score_name
+from strategies.hf.shards import ParamShard
 
 _LAYER_WEIGHT = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.weight$")
 
@@ -48,9 +57,69 @@ def export_hf(
     """(HF name, full tensor) for every parameter of ``chunk``, in the dtype the source
     checkpoint states (``ModelConfig.checkpoint_dtype``) when there is one. With LoRA
     (``parts.lora``) the adapted linears come out merged, ``W + (B @ A) * scale``."""
-    dtype = getattr(torch, config.checkpoint_dtype) if config.checkpoint_dtype else None
+    dtype = _export_dtype(config)
     for name, tensor in _full_tensors(chunk, config, parts):
         yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def param_shards(
+    chunk: torch.nn.Module, config: ModelConfig, *, adapter_only: bool = False
+) -> Iterator[ParamShard]:
+    """This rank's parameters of ``chunk`` as shards of the Hugging Face tensors ``export_hf``
+    yields (without LoRA), or with ``adapter_only`` of those ``export_adapter`` yields. Nothing
+    is gathered or copied."""
+    head_layer = head_output_layer(chunk)
+    if adapter_only:
+        for hf_name, global_name, param in adapter_parameters(chunk):
+            yield _param_shard(global_name, param, functools.partial(_named, hf_name), None)
+        for name, param in head_layer.named_parameters() if head_layer is not None else ():
+            probe = functools.partial(_named, score_name(name))
+            yield _param_shard(f"output_layer.{name}", param, probe, None)
+        return
+    adapter = adapter_for(config)
+    dtype = _export_dtype(config)
+    local_names = [name for name, _ in chunk.named_parameters()]
+    for local_name, (name, param) in zip(local_names, global_parameters(chunk), strict=True):
+        if local_name.startswith("output_layer.") and getattr(param, "shared_embedding", False):
+            continue  # the last stage's copy of a tied embedding: the first stage's is yielded
+        if is_adapter_parameter(local_name):
+            continue
+        if head_layer is not None and local_name.startswith("output_layer."):
+            probe = functools.partial(_named, score_name(local_name))
+        else:
+            probe = functools.partial(adapter.to_hf, name)
+        yield _param_shard(name, param, probe, dtype)
+
+
+def _named(name: str, rows: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The probe of a parameter that is one Hugging Face tensor, under ``name``."""
+    return [(name, rows)]
+
+
+def _param_shard(
+    name: str, param: torch.Tensor, probe: Any, dtype: torch.dtype | None
+) -> ParamShard:
+    """``param``'s shard: its rows (split along dim 0) or columns (along dim 1) of the full
+    parameter, from the split megatron made (``TensorParallelLayout``)."""
+    layout = TensorParallelLayout.of(name, param)
+    local = param.detach()
+    rows = torch.arange(local.shape[0])
+    width = local.shape[1] if local.dim() > 1 else 1
+    columns = (0, width)
+    if layout.size > 1:
+        numbers = layout.indices()
+        if layout.dim == 0:
+            rows = numbers
+        elif not torch.equal(numbers, torch.arange(int(numbers[0]), int(numbers[0]) + width)):
+            raise NotImplementedError(f"{name}: a strided split of its columns is not a block")
+        else:
+            columns = (int(numbers[0]), int(numbers[0]) + width)
+    return ParamShard.probed(name, local, layout.full_shape, rows, columns, probe, dtype=dtype)
+
+
+def _export_dtype(config: ModelConfig) -> torch.dtype | None:
+    """The dtype the source checkpoint states (None: the parameters' own)."""
+    return getattr(torch, config.checkpoint_dtype) if config.checkpoint_dtype else None
 
 
 def export_adapter(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -109,19 +178,16 @@ def _tensor_parallel_full(name: str, param: torch.Tensor) -> torch.Tensor:
     """The full tensor of a parameter sharded over its (expert) tensor-parallel group."""
     from megatron.core import parallel_state as ps
 
-    _, size = tensor_parallel_place(name)
+    layout = TensorParallelLayout.of(name, param)
     full = param.detach()
-    if size == 1 or not getattr(param, "tensor_model_parallel", False):
+    if layout.size == 1:
         return full
     group = (
         ps.get_expert_tensor_parallel_group()
         if is_expert_parameter(name)
         else ps.get_tensor_model_parallel_group()
     )
-    shards = _all_gather(full, size, group)
-    return unshard(
-        shards, int(getattr(param, "partition_dim", 0)), int(getattr(param, "partition_stride", 1))
-    )
+    return unshard(_all_gather(full, layout.size, group), layout.dim, layout.stride)
 
 
 def _all_gather(tensor: torch.Tensor, size: int, group: dist.ProcessGroup) -> list[torch.Tensor]:

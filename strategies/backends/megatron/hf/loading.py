@@ -15,11 +15,7 @@ import torch
 
 from strategies.backends.megatron.hf.adapters import adapter_for
 from strategies.backends.megatron.model import ReplicatedOutputLayer
-from strategies.backends.megatron.weight_init import (
-    _shard,
-    global_parameters,
-    tensor_parallel_place,
-)
+from strategies.backends.megatron.weight_init import TensorParallelLayout, global_parameters
 from strategies.config import ModelConfig
 from strategies.hf.classification import HeadLayer, score_name
 from strategies.hf.files import SafetensorsCheckpoint
@@ -39,18 +35,9 @@ def load_hf_weights(chunk: torch.nn.Module, config: ModelConfig, head_layer: Hea
                     score = checkpoint.read(score_name(local_name), param.shape)
                     param.copy_(score.to(dtype=param.dtype, device=param.device))
                 continue
-            tp_rank, tp_size = tensor_parallel_place(name)
-            parallel = bool(getattr(param, "tensor_model_parallel", False)) and tp_size > 1
-            dim = int(getattr(param, "partition_dim", 0))
-            full_shape = list(param.shape)
-            if parallel:
-                full_shape[dim] *= tp_size
-            expected = adapter.to_hf(name, torch.empty(full_shape, device="meta"))
+            layout = TensorParallelLayout.of(name, param)
+            expected = adapter.to_hf(name, torch.empty(layout.full_shape, device="meta"))
             full = adapter.to_megatron(
                 name, [checkpoint.read(hf_name, shape.shape) for hf_name, shape in expected]
             )
-            if parallel:
-                full = _shard(
-                    full, dim, int(getattr(param, "partition_stride", 1)), tp_rank, tp_size
-                )
-            param.copy_(full.to(dtype=param.dtype, device=param.device))
+            param.copy_(layout.shard(full).to(dtype=param.dtype, device=param.device))

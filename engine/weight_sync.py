@@ -1,0 +1,103 @@
+"""Weight sync by delta: the elements of the Hugging Face weights that changed since the
+previous sync, found on each rank's own blocks (``Engine.get_per_tensor_param_shard``).
+
+The first sync sends the whole model (``Engine.get_per_tensor_param``); :meth:`DeltaExport.prime`
+then copies this rank's blocks to host memory as the base. Each :meth:`DeltaExport.deltas`
+compares the blocks with the base bit for bit (a NaN or a sign of zero that changes is a change),
+yields the changed elements' flat positions in their Hugging Face tensor and their values, and
+refreshes the base. A receiver that gathers each delta over the default process group and writes
+the values at their positions holds exactly the weights of the last sync. In bf16 weights most
+elements do not move in a step at a small learning rate, so a delta is a fraction of the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import attrs
+import torch
+
+from heads.errors import EngineStateError
+from strategies.hf.shards import HfBlock
+
+#: Integer dtypes of each element size, to compare floats bit for bit.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@attrs.frozen(kw_only=True)
+class HfDelta:
+    """The elements of the Hugging Face tensor ``name`` (``shape``, ``dtype``) this rank found
+    changed: their flat ``positions`` (int64) and new ``values`` (empty where none changed or
+    this rank's block is a copy another rank contributes)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    positions: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """What the delta weighs as int32 positions and its values."""
+        return self.positions.numel() * 4 + self.values.numel() * self.values.element_size()
+
+
+class DeltaExport:
+    """This rank's base of each block (host memory, pinned with ``pin_memory``) and the
+    changes against it (see the module docstring)."""
+
+    def __init__(self, *, pin_memory: bool = False) -> None:
+        self.pin_memory = pin_memory
+        self._base: dict[str, torch.Tensor] = {}
+
+    @property
+    def primed(self) -> bool:
+        return bool(self._base)
+
+    def prime(self, blocks: Iterable[HfBlock], *, zeros: bool = False) -> None:
+        """Take ``blocks`` as the base, right after a full sync sent the same weights (with
+        ``zeros``: a base of zeros, for tensors the receiver does not hold yet, e.g. LoRA
+        adapters after a sync of the base model: the first delta then carries their nonzero
+        elements)."""
+        self._base = {}
+        for block in blocks:
+            base = torch.empty(
+                block.tensor.numel(), dtype=block.tensor.dtype, pin_memory=self.pin_memory
+            )
+            if zeros:
+                base.zero_()
+            else:
+                base.copy_(block.tensor.reshape(-1))
+            self._base[block.name] = base
+
+    def deltas(self, blocks: Iterable[HfBlock]) -> Iterator[HfDelta]:
+        """Each block's changes since the base, in the blocks' order; the base becomes the
+        blocks. EngineStateError before :meth:`prime`, or for a block whose place changed."""
+        if not self._base:
+            raise EngineStateError(
+                "a weight delta before any base: sync the whole model first "
+                "(get_per_tensor_param), then DeltaExport.prime (verl: prime_delta_snapshots)"
+            )
+        for block in blocks:
+            local = block.tensor.reshape(-1)
+            base = self._base.get(block.name)
+            if base is None or base.numel() != local.numel() or base.dtype != local.dtype:
+                raise EngineStateError(
+                    f"{block.name}: this rank's block is not the one DeltaExport.prime saw "
+                    "(prime again after a full sync)"
+                )
+            held = base.to(local.device, non_blocking=True)
+            if block.contributes:
+                bits = _BITS[local.element_size()]
+                changed = (local.view(bits) != held.view(bits)).nonzero().reshape(-1)
+                positions, values = block.positions(changed), local[changed]
+            else:
+                positions, values = torch.empty(0, dtype=torch.long), local[:0]
+            base.copy_(local)
+            yield HfDelta(
+                name=block.name,
+                shape=block.shape,
+                dtype=local.dtype,
+                positions=positions,
+                values=values,
+            )

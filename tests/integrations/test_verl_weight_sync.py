@@ -1,0 +1,207 @@
+"""verl's shard and delta weight sync on this engine, through verl's own ``TrainingWorker``:
+``get_per_tensor_param_shard`` placed by verl's spec helpers rebuilds ``get_per_tensor_param``;
+the seed sync ``delta_sharded`` sends (``get_per_tensor_param()``), then
+``prime_delta_snapshots`` and each step's ``get_per_tensor_param_delta_shard`` gathered with
+verl's own sparse gather over each entry's group, keep a receiver equal to the export after
+every step, bit for bit: both backends, one and two processes, dense, mixture-of-experts and
+LoRA. And a checkpoint engine the host cannot run is refused by name before Ray starts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+verl = pytest.importorskip("verl")
+
+from verl.checkpoint_engine.delta_sync.sparse_gather import (  # noqa: E402
+    gather_slot_entries_to_rank0,
+)
+from verl.workers.engine.spec import translate_flat_indices  # noqa: E402
+
+from heads.errors import ConfigError, EngineStateError  # noqa: E402
+from tests.integrations.test_verl import (  # noqa: E402, F401
+    RESPONSES,
+    _rollout,
+    _verl_batch,
+    _worker,
+    distributed,
+    qwen3,
+    qwen3_moe,
+)
+from tests.multiprocess import run_ranks  # noqa: E402
+
+STEPS = 3
+LORA = {"lora_rank": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+#: (strategy, model, LoRA settings)
+CASES = [
+    ("fsdp2", "dense", {}),
+    ("fsdp2", "moe", {}),
+    ("fsdp2", "dense", LORA),
+    ("megatron", "dense", {}),
+    ("megatron", "moe", {}),
+    ("megatron", "dense", LORA),
+]
+
+
+def sync_worker(strategy: str, path: str, lora: dict[str, Any], tensor_parallel: int = 1) -> Any:
+    """verl's TrainingWorker on this engine: fsdp2, or megatron through verl's own megatron
+    config (at ``tensor_parallel``, without sequence parallelism, which LoRA cannot run)."""
+    if strategy == "fsdp2":
+        return _worker("language_model", path, "fsdp2", model_settings=lora)
+    settings = {
+        "tensor_model_parallel_size": tensor_parallel,
+        "sequence_parallel": False,
+    }
+    return _worker("language_model", path, "megatron", model_settings=lora, **settings)
+
+
+def placed_shards(engine: Any) -> list[tuple[str, tuple[int, ...], torch.Tensor, torch.Tensor]]:
+    """This rank's contributing shards as (name, shape, flat positions placed by verl's
+    ``translate_flat_indices`` from each spec's placement, values)."""
+    shards, _ = engine.get_per_tensor_param_shard()
+    placed = []
+    for name, flat, spec in shards:
+        assert spec.place is not None and spec.gather_group is not None
+        if spec.contributes and flat.numel():
+            positions = translate_flat_indices(torch.arange(flat.numel()), spec.place)
+            placed.append((name, tuple(spec.full_shape), positions, flat.clone()))
+    return placed
+
+
+def receive(held: dict[str, torch.Tensor], entries: Any, rank: int) -> int:
+    """verl's delta engine's part: each entry's changes gathered to the group's first rank with
+    verl's sparse gather; rank 0 writes them (a tensor it lacks starts as zeros). The number of
+    elements written."""
+    written = 0
+    for slots, dtype, counts, positions, values, group in entries:
+        assert positions.dtype == torch.int32 and counts.numel() == len(slots)
+        gathered = gather_slot_entries_to_rank0(positions, values, counts, group=group)
+        if rank != 0:
+            continue
+        for (name, shape), (where, what) in zip(slots, gathered, strict=True):
+            full = held.setdefault(name, torch.zeros(shape, dtype=getattr(torch, dtype)))
+            full.view(-1)[where.long()] = what
+            written += where.numel()
+    return written
+
+
+def sync_through_verl(
+    cases: list[tuple[str, str, dict[str, Any]]], paths: dict[str, str], tensor_parallel: int = 1
+) -> list[dict[str, Any]]:
+    """On every rank, per case: the placed shards and the export they must rebuild, and whether
+    the receiver equalled the export after each step (checked on rank 0)."""
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    rows = _rollout()
+    results = []
+    for strategy, model, lora in cases:
+        worker = sync_worker(strategy, paths[model], lora, tensor_parallel)
+        engine = worker.engine
+        with pytest.raises(EngineStateError, match="prime_delta_snapshots"):
+            list(engine.get_per_tensor_param_delta_shard()[0])
+
+        def export() -> dict[str, torch.Tensor]:  # the adapters apart with LoRA, as verl's
+            weights, _ = engine.get_per_tensor_param(base_sync_done=bool(lora))  # noqa: B023
+            return {name: tensor.clone() for name, tensor in weights}
+
+        result: dict[str, Any] = {"export": export(), "shards": placed_shards(engine), "steps": []}
+        held = dict(engine.get_per_tensor_param()[0])  # verl's delta seed: its full sync
+        engine.prime_delta_snapshots()
+        dp = engine.get_data_parallel_size()
+        mine = engine.get_data_parallel_rank()
+        per_rank = len(RESPONSES) // dp
+        shard = {
+            key: values[mine * per_rank : (mine + 1) * per_rank] for key, values in rows.items()
+        }
+        for _ in range(STEPS):
+            worker.train_batch(_verl_batch(shard, global_batch_size=len(RESPONSES)))
+            written = receive(held, engine.get_per_tensor_param_delta_shard()[0], rank)
+            expected = export()
+            equal = [
+                name for name in expected if rank == 0 and torch.equal(held[name], expected[name])
+            ]
+            result["steps"].append({"written": written, "equal": len(equal), "of": len(expected)})
+        results.append(result)
+    del size
+    return results
+
+
+def check(per_rank: list[list[dict[str, Any]]], cases: list[Any]) -> None:
+    for index, case in enumerate(cases):
+        results = [ranks[index] for ranks in per_rank]
+        expected = results[0]["export"]
+        rebuilt = {
+            name: torch.full(t.shape, float("nan"), dtype=t.dtype) for name, t in expected.items()
+        }
+        for result in results:
+            for name, shape, positions, values in result["shards"]:
+                assert shape == tuple(expected[name].shape), (case, name)
+                rebuilt[name].view(-1)[positions] = values
+        for name, tensor in expected.items():
+            assert torch.equal(rebuilt[name], tensor), (case, name)
+        for step in results[0]["steps"]:
+            assert step["written"] > 0, case
+            assert step["equal"] == step["of"], (case, step)
+
+
+@pytest.fixture(scope="module")
+def paths(qwen3: str, qwen3_moe: str) -> dict[str, str]:  # noqa: F811
+    return {"dense": qwen3, "moe": qwen3_moe}
+
+
+@pytest.mark.parametrize(
+    "case", CASES, ids=["-".join((c[0], c[1], "lora" * bool(c[2]))) for c in CASES]
+)
+def test_shards_and_deltas_through_verls_worker_equal_the_export(
+    paths: dict[str, str],
+    distributed: None,  # noqa: F811
+    case: tuple[str, str, dict[str, Any]],
+) -> None:
+    check([sync_through_verl([case], paths)], [case])
+
+
+def sync_over_two_ranks(paths: dict[str, str]) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")  # verl's own initialisation is refused on CPU
+    fsdp2 = [case for case in CASES if case[0] == "fsdp2"]
+    megatron = [("megatron", "dense", {}), ("megatron", "dense", LORA)]
+    return sync_through_verl(fsdp2, paths) + sync_through_verl(megatron, paths, tensor_parallel=2)
+
+
+@pytest.mark.multiprocess
+def test_shards_and_deltas_over_two_ranks_equal_the_export(paths: dict[str, str]) -> None:
+    """fsdp2 over two data-parallel ranks (dense, MoE, LoRA) and megatron at TP=2 (dense,
+    LoRA): the entries gathered over their groups rebuild the export on rank 0."""
+    cases = [case for case in CASES if case[0] == "fsdp2"] + [
+        ("megatron", "dense", {}),
+        ("megatron", "dense", LORA),
+    ]
+    check(run_ranks(sync_over_two_ranks, 2, paths, timeout=400), cases)
+
+
+@pytest.mark.parametrize(
+    ("rollout", "backend", "expected"),
+    [
+        ("composable_hf", "delta_sharded", "this host cannot run it"),
+        ("composable_hf", "nccl", "this host cannot run it"),
+        ("vllm", "no_such_engine", "this host cannot run it"),
+        ("composable_hf", "naive", None),
+    ],
+)
+def test_a_checkpoint_engine_the_host_cannot_run_is_refused_by_name(
+    rollout: str, backend: str, expected: str | None
+) -> None:
+    from omegaconf import OmegaConf
+
+    from engine.integrations.verl.ppo import check_checkpoint_engine
+
+    settings = OmegaConf.create({"name": rollout, "checkpoint_engine": {"backend": backend}})
+    if expected is None:
+        check_checkpoint_engine(settings)
+        return
+    with pytest.raises(ConfigError, match=f"checkpoint_engine.backend={backend}: {expected}"):
+        check_checkpoint_engine(settings)
