@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from heads.errors import EngineStateError
+from strategies.parallel.collectives import collective_device
 
 #: A full tensor of row numbers -> (Hugging Face name, its rows of it), as the backend's
 #: full-tensor conversion lays them out.
@@ -83,6 +84,10 @@ class ParamShard:
         return cls(name=name, local=local, rows=rows, columns=columns, hf=hf, dtype=dtype)
 
 
+#: A block's place: (rows, columns) of the tensor's row view.
+_Key = tuple[tuple[int, int], tuple[int, int]]
+
+
 @attrs.frozen(kw_only=True)
 class HfBlock:
     """What this rank holds of the Hugging Face tensor ``name`` of ``shape``: rows
@@ -97,6 +102,8 @@ class HfBlock:
     columns: tuple[int, int]
     tensor: torch.Tensor
     contributes: bool
+    #: Every contributing block of the tensor: ((rows, columns), the rank that holds it).
+    holders: tuple[tuple[_Key, int], ...] = ()
 
     @property
     def row_view(self) -> tuple[int, int]:
@@ -113,14 +120,32 @@ class HfBlock:
 
     def place(self, full: torch.Tensor) -> None:
         """Write the block into ``full``, a tensor of the block's Hugging Face tensor."""
-        view = full.view(self.row_view)
-        view[self.rows[0] : self.rows[1], self.columns[0] : self.columns[1]] = self.tensor.reshape(
-            self.rows[1] - self.rows[0], self.columns[1] - self.columns[0]
-        )
+        _write(full.view(self.row_view), (self.rows, self.columns), self.tensor)
 
 
-#: A block's place: (rows, columns) of the tensor's row view.
-_Key = tuple[tuple[int, int], tuple[int, int]]
+def _write(view: torch.Tensor, key: _Key, block: torch.Tensor) -> None:
+    (first, last), (left, right) = key
+    view[first:last, left:right] = block.reshape(last - first, right - left)
+
+
+def whole_tensors(blocks: Iterable[HfBlock]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor whole on every rank, from the ranks' blocks: one broadcast per contributing
+    block from the rank that holds it (collective: every rank iterates to the end)."""
+    me = dist.get_rank() if dist.is_initialized() else 0
+    for block in blocks:
+        device = block.tensor.device
+        full = torch.empty(block.shape, dtype=block.tensor.dtype, device=device)
+        view = full.view(block.row_view)
+        for key, owner in block.holders:
+            (first, last), (left, right) = key
+            if owner == me:
+                part = block.tensor.reshape(last - first, right - left).contiguous()
+            else:
+                part = torch.empty(last - first, right - left, dtype=full.dtype, device=device)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.broadcast(part, src=owner)
+            _write(view, key, part)
+        yield block.name, full
 
 
 @attrs.frozen
@@ -195,11 +220,15 @@ def hf_blocks(shards: Iterable[ParamShard]) -> Iterator[HfBlock]:
         for name, shape, key, dtype in blocks:
             _, _, holders = directory.setdefault(name, (tuple(shape), dtype, {}))
             holders.setdefault(key, owner)
+    device = collective_device() if dist.is_initialized() else torch.device("cpu")
     for name, (shape, dtype, holders) in directory.items():
         _check_tiling(name, shape, holders)
         part = planned.get(name)
+        every = tuple(holders.items())
         if part is None:
-            empty = torch.empty(0, dtype=getattr(torch, dtype.removeprefix("torch.")))
+            empty = torch.empty(
+                0, dtype=getattr(torch, dtype.removeprefix("torch.")), device=device
+            )
             yield HfBlock(
                 name=name,
                 shape=shape,
@@ -207,6 +236,7 @@ def hf_blocks(shards: Iterable[ParamShard]) -> Iterator[HfBlock]:
                 columns=(0, 0),
                 tensor=empty,
                 contributes=False,
+                holders=every,
             )
             continue
         yield HfBlock(
@@ -216,6 +246,7 @@ def hf_blocks(shards: Iterable[ParamShard]) -> Iterator[HfBlock]:
             columns=part.shard.columns,
             tensor=part.tensor(),
             contributes=holders[part.key()] == rank,
+            holders=every,
         )
 
 

@@ -45,15 +45,12 @@ CASES = [
 ]
 
 
-def sync_worker(strategy: str, path: str, lora: dict[str, Any], tensor_parallel: int = 1) -> Any:
+def sync_worker(strategy: str, path: str, lora: dict[str, Any], parallel: dict[str, int]) -> Any:
     """verl's TrainingWorker on this engine: fsdp2, or megatron through verl's own megatron
-    config (at ``tensor_parallel``, without sequence parallelism, which LoRA cannot run)."""
+    config at the ``parallel`` sizes (without sequence parallelism, which LoRA cannot run)."""
     if strategy == "fsdp2":
         return _worker("language_model", path, "fsdp2", model_settings=lora)
-    settings = {
-        "tensor_model_parallel_size": tensor_parallel,
-        "sequence_parallel": False,
-    }
+    settings = {"sequence_parallel": False, **parallel}
     return _worker("language_model", path, "megatron", model_settings=lora, **settings)
 
 
@@ -88,7 +85,9 @@ def receive(held: dict[str, torch.Tensor], entries: Any, rank: int) -> int:
 
 
 def sync_through_verl(
-    cases: list[tuple[str, str, dict[str, Any]]], paths: dict[str, str], tensor_parallel: int = 1
+    cases: list[tuple[str, str, dict[str, Any]]],
+    paths: dict[str, str],
+    parallel: dict[str, int] | None = None,
 ) -> list[dict[str, Any]]:
     """On every rank, per case: the placed shards and the export they must rebuild, and whether
     the receiver equalled the export after each step (checked on rank 0)."""
@@ -98,17 +97,23 @@ def sync_through_verl(
     rows = _rollout()
     results = []
     for strategy, model, lora in cases:
-        worker = sync_worker(strategy, paths[model], lora, tensor_parallel)
+        worker = sync_worker(strategy, paths[model], lora, parallel or {})
         engine = worker.engine
         with pytest.raises(EngineStateError, match="prime_delta_snapshots"):
             list(engine.get_per_tensor_param_delta_shard()[0])
 
-        def export() -> dict[str, torch.Tensor]:  # the adapters apart with LoRA, as verl's
-            weights, _ = engine.get_per_tensor_param(base_sync_done=bool(lora))  # noqa: B023
-            return {name: tensor.clone() for name, tensor in weights}
+        def export(base_sync_done: bool = bool(lora)) -> dict[str, torch.Tensor]:
+            """Every rank's export (each pipeline stage's own layers), the adapters apart with
+            LoRA once the base is synced, as verl's."""
+            weights, _ = engine.get_per_tensor_param(base_sync_done=base_sync_done)  # noqa: B023
+            everyone: list[Any] = [None] * size
+            dist.all_gather_object(everyone, {name: tensor.clone() for name, tensor in weights})
+            return {name: tensor for tensors in everyone for name, tensor in tensors.items()}
 
         result: dict[str, Any] = {"export": export(), "shards": placed_shards(engine), "steps": []}
-        held = dict(engine.get_per_tensor_param()[0])  # verl's delta seed: its full sync
+        # what this rank yields is the whole model, whatever the layout (verl sends rank 0's)
+        result["own"] = sorted(name for name, _ in engine.get_per_tensor_param()[0])
+        held = export(base_sync_done=False)  # verl's delta seed: its full sync
         engine.prime_delta_snapshots()
         dp = engine.get_data_parallel_size()
         mine = engine.get_data_parallel_rank()
@@ -125,7 +130,6 @@ def sync_through_verl(
             ]
             result["steps"].append({"written": written, "equal": len(equal), "of": len(expected)})
         results.append(result)
-    del size
     return results
 
 
@@ -142,6 +146,9 @@ def check(per_rank: list[list[dict[str, Any]]], cases: list[Any]) -> None:
                 rebuilt[name].view(-1)[positions] = values
         for name, tensor in expected.items():
             assert torch.equal(rebuilt[name], tensor), (case, name)
+        seed = {name for name in expected if "lora_" not in name and "score" not in name}
+        for result in results:
+            assert seed <= {name.replace(".base_layer", "") for name in result["own"]}, case
         for step in results[0]["steps"]:
             assert step["written"] > 0, case
             assert step["equal"] == step["of"], (case, step)
@@ -163,23 +170,34 @@ def test_shards_and_deltas_through_verls_worker_equal_the_export(
     check([sync_through_verl([case], paths)], [case])
 
 
+#: The two-rank cases: fsdp2 data parallel, and megatron at TP=2, PP=2 and EP=2.
+TWO_RANKS = [
+    (None, [case for case in CASES if case[0] == "fsdp2"]),
+    ({"tensor_model_parallel_size": 2}, [("megatron", "dense", {}), ("megatron", "dense", LORA)]),
+    ({"pipeline_model_parallel_size": 2}, [("megatron", "dense", {})]),
+    ({"expert_model_parallel_size": 2}, [("megatron", "moe", {})]),
+]
+
+
 def sync_over_two_ranks(paths: dict[str, str]) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
+    from strategies.backends.megatron.mesh import destroy_mesh
+
     dist.init_process_group("gloo")  # verl's own initialisation is refused on CPU
-    fsdp2 = [case for case in CASES if case[0] == "fsdp2"]
-    megatron = [("megatron", "dense", {}), ("megatron", "dense", LORA)]
-    return sync_through_verl(fsdp2, paths) + sync_through_verl(megatron, paths, tensor_parallel=2)
+    results = []
+    for parallel, cases in TWO_RANKS:
+        destroy_mesh()  # megatron's mesh is one per process: each layout lays its own
+        results += sync_through_verl(cases, paths, parallel)
+    return results
 
 
 @pytest.mark.multiprocess
 def test_shards_and_deltas_over_two_ranks_equal_the_export(paths: dict[str, str]) -> None:
-    """fsdp2 over two data-parallel ranks (dense, MoE, LoRA) and megatron at TP=2 (dense,
-    LoRA): the entries gathered over their groups rebuild the export on rank 0."""
-    cases = [case for case in CASES if case[0] == "fsdp2"] + [
-        ("megatron", "dense", {}),
-        ("megatron", "dense", LORA),
-    ]
+    """fsdp2 over two data-parallel ranks (dense, MoE, LoRA) and megatron at TP=2 (dense, LoRA),
+    PP=2 and EP=2 (MoE): the shards placed by verl's helpers rebuild the export, and the deltas
+    gathered over their groups keep rank 0's receiver equal to it."""
+    cases = [case for _, layout in TWO_RANKS for case in layout]
     check(run_ranks(sync_over_two_ranks, 2, paths, timeout=400), cases)
 
 

@@ -52,6 +52,7 @@ from engine.weight_sync import DeltaExport
 from heads.base import PER_SEQUENCE, ResultSpec, declared_results
 from heads.errors import BatchError, ConfigError
 from strategies.backends.base import OFFLOAD_PARTS, Offloading
+from strategies.hf.shards import whole_tensors
 
 #: The engine batch's field counting verl's ``loss_mask``: per row as many ones as the row's
 #: loss mask, at its last tokens (verl's mask may be response-length), so that the step's one
@@ -492,17 +493,25 @@ class ComposableEngine(BaseEngine):
         weights with each adapted linear's under its LoRA wrapper's name
         (``...q_proj.base_layer.weight``, as a LoRA-enabled rollout holds it), with the PEFT
         config either way. Every tensor is exported one at a time, so ``layered_summon`` needs
-        nothing of its own."""
+        nothing of its own. Under pipeline parallelism every rank yields every stage's tensors
+        (each block broadcast from the stage that holds it), as verl's engines do: verl sends
+        what its first rank yields."""
         lora = self._initialized().config.lora
         adapter = self._adapters_apart()
+
+        def whole(engine: Engine, adapter_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
+            if engine.config.parallel.pipeline_parallel_size > 1:
+                # every stage's tensors on every rank, as verl's engines export them
+                return whole_tensors(engine.get_per_tensor_param_shard(adapter_only=adapter_only))
+            return engine.get_per_tensor_param(adapter_only=adapter_only)
 
         def weights(engine: Engine, stack: contextlib.ExitStack) -> Iterator[tuple[str, Any]]:
             if adapter and not base_sync_done:
                 assert lora is not None
                 stack.enter_context(engine.disable_adapter())
-                exported = engine.get_per_tensor_param()
+                exported = whole(engine, adapter_only=False)
                 return ((lora_base_name(name, lora.target_modules), t) for name, t in exported)
-            return engine.get_per_tensor_param(adapter_only=adapter and base_sync_done)
+            return whole(engine, adapter_only=adapter and base_sync_done)
 
         return self._streamed(weights), (self._peft_config() if adapter else None)
 
