@@ -185,6 +185,8 @@ def _plan(shards: Iterable[ParamShard]) -> dict[str, _Planned]:
     """This rank's blocks by Hugging Face name (no tensor is copied)."""
     planned: dict[str, _Planned] = {}
     for shard in shards:
+        if shard.rows.numel() == 0:  # e.g. FSDP2's shard of a one-row tensor on rank 1
+            continue
         full_rows = max((int(rows.max()) + 1 for _, _, rows in shard.hf if rows.numel()), default=0)
         where = torch.full((max(full_rows, int(shard.rows.max()) + 1),), -1, dtype=torch.long)
         where[shard.rows] = torch.arange(shard.rows.numel())

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from engine import Engine
+from engine.data.batching import take_rows
+from engine.losses import sft_loss, value_regression_loss
 from engine.weight_sync import DeltaExport, HfDelta
 from heads.errors import ConfigError, EngineStateError
 from strategies.hf.shards import HfBlock
@@ -65,12 +67,9 @@ def apply(held: dict[str, torch.Tensor], deltas: Iterable[HfDelta]) -> int:
 
 
 def _step(engine: Engine, seed: int) -> None:
-    from engine.losses import sft_loss, value_regression_loss
-
+    """One training step on this rank's data-parallel share of a batch."""
     loss = sft_loss if engine.head.name == "lm" else value_regression_loss
     dp_rank, dp_size = engine.get_data_parallel_rank(), engine.get_data_parallel_size()
-    from engine.data.batching import take_rows
-
     batch = random_batch(LENGTHS, 64, seed=seed)
     shard = len(LENGTHS) // dp_size
     with engine.train_mode():
@@ -186,11 +185,12 @@ def test_a_receiver_of_bf16_weights_gets_only_the_elements_a_step_moved() -> Non
 
 def sync_over_ranks(layouts: list[tuple[str, str, dict[str, Any], dict[str, Any]]]) -> list[Any]:
     """On each rank: ``sync_report`` of an engine per (backend, model, parallel, extra); with
-    LoRA of its adapters."""
+    LoRA of its adapters; a model named ``value`` is the dense one under a value head."""
     reports = []
     for backend, model, parallel, extra in layouts:
-        config = _config(model, parallel, **extra)
-        engine = Engine.build(head="lm", backend=backend, device="cpu", config=config)
+        config = _config("dense" if model == "value" else model, parallel, **extra)
+        head = "value" if model == "value" else "lm"
+        engine = Engine.build(head=head, backend=backend, device="cpu", config=config)
         reports.append(sync_report(engine.initialize(), adapter_only="lora" in extra))
     return reports
 
@@ -202,6 +202,7 @@ def sync_over_ranks(layouts: list[tuple[str, str, dict[str, Any], dict[str, Any]
         [
             ("fsdp2", "dense", {}, {}),
             ("fsdp2", "moe", {}, {}),
+            ("fsdp2", "value", {}, {}),  # its one-row value layer: rank 1's shard is empty
             ("megatron", "dense", {"tensor_parallel_size": 2}, {}),
             ("megatron", "dense", {"tensor_parallel_size": 2}, {"lora": LORA}),
         ],
