@@ -296,3 +296,21 @@ def test_the_architecture_map_names_every_module_and_package() -> None:
             if path.name == "__init__.py" and f"{path.parent.name}/" not in section:
                 unnamed.append(str(path.parent.relative_to(root)) + "/")
     assert not unnamed, f"docs/architecture.md's module map does not name {unnamed}"
+
+
+def test_the_architecture_abilities_table_is_abilities_and_the_backends() -> None:
+    """docs/architecture.md's abilities table lists exactly ``ABILITIES`` (name and protocol),
+    and its megatron / fsdp2 columns say what the built-in backends are."""
+    from engine.registry import BACKENDS
+    from strategies.backends.base import ABILITIES
+
+    text = (Path(ROOT) / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| `(\w+)` \| .* \| (yes|no) \| (yes|no) \|$", text, re.M)
+    assert {name: protocol for name, protocol, _, _ in rows} == {
+        name: protocol.__name__ for name, protocol in ABILITIES.items()
+    }
+    backends = {name: BACKENDS.create(name) for name in ("megatron", "fsdp2")}
+    for name, _, megatron, fsdp2 in rows:
+        for backend, says in (("megatron", megatron), ("fsdp2", fsdp2)):
+            has = isinstance(backends[backend], ABILITIES[name])
+            assert has == (says == "yes"), (name, backend)

@@ -78,7 +78,8 @@ MicroBatchConsumer = Callable[[int, torch.Tensor, HeadContext], tuple[torch.Tens
 
 @runtime_checkable
 class Backend(Protocol):
-    """A training backend. Built-in: ``strategies.backends.megatron.MegatronBackend``."""
+    """A training backend. Built-in: ``strategies.backends.megatron.MegatronBackend`` and
+    ``strategies.backends.fsdp2.Fsdp2Backend``."""
 
     #: Registry name of the built-in (a subclass registered under another name keeps it).
     name: ClassVar[str]
