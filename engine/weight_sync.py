@@ -44,11 +44,20 @@ class HfDelta:
 
 class DeltaExport:
     """This rank's base of each block (host memory, pinned with ``pin_memory``) and the
-    changes against it (see the module docstring)."""
+    changes against it (see the module docstring). ``dtype``: compare and send floating-point
+    weights in the dtype the receiver holds (e.g. bf16 for a bf16 rollout engine of float32
+    weights: an element whose bf16 value did not change is not sent); None: as exported."""
 
-    def __init__(self, *, pin_memory: bool = False) -> None:
+    def __init__(self, *, pin_memory: bool = False, dtype: torch.dtype | None = None) -> None:
         self.pin_memory = pin_memory
+        self.dtype = dtype
         self._base: dict[str, torch.Tensor] = {}
+
+    def _flat(self, block: HfBlock) -> torch.Tensor:
+        flat = block.tensor.reshape(-1)
+        if self.dtype is not None and flat.is_floating_point():
+            return flat.to(self.dtype)
+        return flat
 
     @property
     def primed(self) -> bool:
@@ -61,13 +70,12 @@ class DeltaExport:
         elements)."""
         self._base = {}
         for block in blocks:
-            base = torch.empty(
-                block.tensor.numel(), dtype=block.tensor.dtype, pin_memory=self.pin_memory
-            )
+            flat = self._flat(block)
+            base = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=self.pin_memory)
             if zeros:
                 base.zero_()
             else:
-                base.copy_(block.tensor.reshape(-1))
+                base.copy_(flat)
             self._base[block.name] = base
 
     def deltas(self, blocks: Iterable[HfBlock]) -> Iterator[HfDelta]:
@@ -79,7 +87,7 @@ class DeltaExport:
                 "(get_per_tensor_param), then DeltaExport.prime (verl: prime_delta_snapshots)"
             )
         for block in blocks:
-            local = block.tensor.reshape(-1)
+            local = self._flat(block)
             base = self._base.get(block.name)
             if base is None or base.numel() != local.numel() or base.dtype != local.dtype:
                 raise EngineStateError(

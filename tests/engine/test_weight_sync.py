@@ -221,3 +221,22 @@ def test_two_ranks_blocks_and_deltas_equal_the_full_export(layouts: list[Any]) -
             for report in reports:
                 embedding = next(b for b in report["blocks"] if "embed_tokens" in b.name)
                 assert embedding.tensor.numel() < torch.Size(embedding.shape).numel()
+
+
+def test_a_receiver_of_another_dtype_gets_the_elements_whose_value_in_it_changed() -> None:
+    """float32 weights, a bf16 receiver: compared in bf16, a step at a small learning rate
+    moves fewer elements than the model has, and the receiver holds the bf16 export."""
+    config = _config("dense")
+    config["optimizer"] = {"lr": 1e-4}
+    engine = Engine.build(head="lm", backend="megatron", device="cpu", config=config)
+    engine.initialize()
+    held = {name: t.to(torch.bfloat16) for name, t in engine.get_per_tensor_param()}
+    deltas = DeltaExport(dtype=torch.bfloat16)
+    deltas.prime(engine.get_per_tensor_param_shard())
+    _step(engine, 0)
+    changes = list(deltas.deltas(engine.get_per_tensor_param_shard()))
+    assert all(d.dtype == torch.bfloat16 for d in changes)
+    written = apply(held, changes)
+    assert 0 < written < sum(t.numel() for t in held.values())
+    for name, tensor in engine.get_per_tensor_param():
+        assert torch.equal(held[name], tensor.to(torch.bfloat16)), name
