@@ -214,7 +214,7 @@ class Engine:
     def train_mode(self) -> Iterator[Engine]:
         """Model in training mode inside, everything on the device; on exit gradients are
         zeroed and the parts ``config.offload`` names go back to host memory."""
-        self._require_initialized("train_mode")
+        self._check_call("train_mode")
         self.to("device")
         self.backend.train()
         outer, self._mode = self._mode, "train"
@@ -229,7 +229,7 @@ class Engine:
     @contextlib.contextmanager
     def eval_mode(self) -> Iterator[Engine]:
         """Model in evaluation mode inside, on the device; offloads as configured on exit."""
-        self._require_initialized("eval_mode")
+        self._check_call("eval_mode")
         self.to("device", optimizer=False, grad=False)
         self.backend.eval()
         outer, self._mode = self._mode, "eval"
@@ -245,7 +245,7 @@ class Engine:
         model's outputs exactly (e.g. the reference of an RL actor, without a second engine),
         and ``train_batch`` is refused. Not reentrant. A head whose output is not the vocabulary
         (value, reward) keeps its trained output layer: the base model's body under it."""
-        self._require_initialized("disable_adapter")
+        self._check_call("disable_adapter")
         if self.config.lora is None:
             raise ConfigError(
                 "disable_adapter() needs LoRA adapters, but config.lora is None (this engine "
@@ -265,7 +265,7 @@ class Engine:
     ) -> Engine:
         """``to("cpu")`` moves the chosen parts to host memory (their device storage is freed);
         ``to("device")`` (or the platform's device type, e.g. ``"cuda"``) brings them back."""
-        self._require_initialized("to")
+        self._check_call("to")
         wanted = {"model": model, "optimizer": optimizer, "grad": grad}
         parts = [name for name in OFFLOAD_PARTS if wanted[name]]
         if device == "cpu":
@@ -322,16 +322,14 @@ class Engine:
         settings: CallSettings | Mapping[str, Any] | None,
     ) -> dict[str, Any]:
         """:meth:`forward_backward_batch` on behalf of the public method ``what``."""
-        self._require_initialized(what)
-        self._require_resident(what, ("model",) if forward_only else OFFLOAD_PARTS)
-        if not forward_only:
-            self._require_trainable(what)
-            self._require_adapters_on(what)
-            if loss_function is None:
-                raise ConfigError(
-                    f"{what} needs a loss_function"
-                    + (" unless forward_only" if what == "forward_backward_batch" else "")
-                )
+        self._check_call(
+            what, ("model",) if forward_only else OFFLOAD_PARTS, trains=not forward_only
+        )
+        if not forward_only and loss_function is None:
+            raise ConfigError(
+                f"{what} needs a loss_function"
+                + (" unless forward_only" if what == "forward_backward_batch" else "")
+            )
         head, config = self._for_call(settings)
         self._enter_call_mode(what, training=not forward_only)
         results = self._forward_backward(
@@ -492,10 +490,7 @@ class Engine:
         data-parallel ranks) and the loss function's metrics (this rank's mean over
         micro-batches).
         """
-        self._require_initialized("train_batch")
-        self._require_trainable("train_batch")
-        self._require_adapters_on("train_batch")
-        self._require_resident("train_batch", OFFLOAD_PARTS)
+        self._check_call("train_batch", OFFLOAD_PARTS, trains=True)
         if loss_function is None:
             raise ConfigError(
                 "train_batch needs a loss_function (forward_backward_batch(batch, None, "
@@ -504,7 +499,7 @@ class Engine:
         head, config = self._for_call(settings)
         self._enter_call_mode("train_batch", training=True)
         start = time.perf_counter()
-        self.optimizer_zero_grad()
+        self.backend.optimizer_zero_grad()
         results = self._forward_backward(
             batch, loss_function, False, head, config, return_outputs=False
         )
@@ -521,7 +516,7 @@ class Engine:
         loss = sum(losses) if losses else None
         grad_norm, skip_reason = self._guarded_step(loss, batch, grad_norm=grad_norm)
         if step_lr and skip_reason is None:
-            self.lr_scheduler_step()
+            self.backend.lr_scheduler_step()
         elapsed = time.perf_counter() - start
         num_tokens = int(results.step.lengths.sum())
         summary: dict[str, float | str] = {
@@ -561,13 +556,13 @@ class Engine:
         return output
 
     def optimizer_zero_grad(self) -> None:
-        self._require_trainable("optimizer_zero_grad")
-        self._require_resident("optimizer_zero_grad", ("grad",))
+        self._check_call("optimizer_zero_grad", ("grad",), trains=True)
         self.backend.optimizer_zero_grad()
 
     def optimizer_step(self) -> float:
         """Clip and apply the gradients, unless the non-finite guard skips the step (see
         ``NonFiniteConfig``); returns the global gradient norm (before clipping)."""
+        self._check_call("optimizer_step", OFFLOAD_PARTS, trains=True)
         return self._guarded_step(None)[0]
 
     def _guarded_step(
@@ -578,10 +573,7 @@ class Engine:
         grad_norm: float | None = None,
     ) -> tuple[float, str | None]:
         """The gradient norm (measured here unless given), and why the step was skipped
-        (None: it was applied)."""
-        self._require_trainable("optimizer_step")
-        self._require_adapters_on("optimizer_step")
-        self._require_resident("optimizer_step", OFFLOAD_PARTS)
+        (None: it was applied); the caller has checked the call (:meth:`_check_call`)."""
         if grad_norm is None:
             grad_norm = self.backend.grad_norm()
         values = {"loss": loss, "grad_norm": grad_norm, "lr": self.backend.current_lr()}
@@ -599,26 +591,26 @@ class Engine:
 
     def lr_scheduler_step(self) -> float:
         """Advance the LR schedule; returns the new learning rate."""
-        self._require_trainable("lr_scheduler_step")
+        self._check_call("lr_scheduler_step", trains=True)
         return self.backend.lr_scheduler_step()
 
     # -- layout --------------------------------------------------------------------------------
     def get_data_parallel_rank(self) -> int:
-        self._require_initialized("get_data_parallel_rank")
+        self._check_call("get_data_parallel_rank")
         return self.backend.data_parallel_rank()
 
     def get_data_parallel_size(self) -> int:
-        self._require_initialized("get_data_parallel_size")
+        self._check_call("get_data_parallel_size")
         return self.backend.data_parallel_size()
 
     def get_data_parallel_group(self) -> dist.ProcessGroup | None:
-        self._require_initialized("get_data_parallel_group")
+        self._check_call("get_data_parallel_group")
         return self.backend.data_parallel_group()
 
     def holds_outputs(self) -> bool:
         """Whether this rank receives outputs and loss metrics (with model parallelism: tensor
         rank 0 of the last pipeline stage, context rank 0)."""
-        self._require_initialized("holds_outputs")
+        self._check_call("holds_outputs")
         return self.backend.holds_outputs()
 
     # -- weights -------------------------------------------------------------------------------
@@ -634,8 +626,7 @@ class Engine:
         reward head's output layer, which trains whole, as peft's ``modules_to_save`` has it
         (``base_model.model.score.weight``, and a zero ``score.bias``). Inside
         ``disable_adapter()`` the weights are the base model's, the adapters not merged."""
-        self._require_initialized("get_per_tensor_param")
-        self._require_resident("get_per_tensor_param", ("model",))
+        self._check_call("get_per_tensor_param", ("model",))
         if adapter_only:
             weights = self._peft_adapter("get_per_tensor_param")
         else:
@@ -646,7 +637,7 @@ class Engine:
             ):
                 config = config.replace(lora=None)  # the base model's weights
             weights = require(self.backend, HuggingFaceExport).export_hf(config)
-        return _WhileResident(weights, lambda: self._require_resident(WHILE_ITERATING, ("model",)))
+        return _WhileResident(weights, lambda: self._check_call(WHILE_ITERATING, ("model",)))
 
     def get_per_tensor_param_shard(self, *, adapter_only: bool = False) -> Iterator[HfBlock]:
         """The tensors ``get_per_tensor_param`` yields, as this rank's block of each
@@ -657,8 +648,7 @@ class Engine:
         the default process group; collective once, to agree on the blocks' places. With LoRA:
         ``adapter_only=True`` (the adapters), or inside ``disable_adapter()`` (the base model);
         the merged weights change everywhere each step and are refused."""
-        self._require_initialized("get_per_tensor_param_shard")
-        self._require_resident("get_per_tensor_param_shard", ("model",))
+        self._check_call("get_per_tensor_param_shard", ("model",))
         sharded = require(self.backend, ShardedExport)
         config = self.config
         if adapter_only:
@@ -681,7 +671,7 @@ class Engine:
                 config = config.replace(lora=None)
             shards = sharded.hf_param_shards(config, adapter_only=False)
         blocks = hf_blocks(shards)
-        return _WhileResident(blocks, lambda: self._require_resident(WHILE_ITERATING, ("model",)))
+        return _WhileResident(blocks, lambda: self._check_call(WHILE_ITERATING, ("model",)))
 
     def _peft_adapter(self, what: str) -> Iterator[tuple[str, torch.Tensor]]:
         from strategies.model.peft_lora import peft_tensors
@@ -700,8 +690,7 @@ class Engine:
         base model (a value or reward head's: onto ``AutoModelForTokenClassification`` of the
         base checkpoint, ``num_labels`` the head's features, its ``score`` layer replaced).
         Collective: every rank calls it."""
-        self._require_initialized("save_hf")
-        self._require_resident("save_hf", ("model",))
+        self._check_call("save_hf", ("model",))
         if adapter_only:
             from strategies.model.peft_lora import save_peft_adapter
 
@@ -735,9 +724,8 @@ class Engine:
         from engine.checkpointing.async_save import start_async_save
         from engine.checkpointing.save import save_checkpoint
 
-        self._require_initialized("save_checkpoint")
+        self._check_call("save_checkpoint", OFFLOAD_PARTS)
         state = require(self.backend, Checkpointing)
-        self._require_resident("save_checkpoint", OFFLOAD_PARTS)
         self.wait_for_checkpoint()
         step = self.global_step if global_step is None else global_step
         description = self._checkpoint_description()
@@ -767,9 +755,8 @@ class Engine:
         at the same layout only. Collective. Returns the directory loaded."""
         from engine.checkpointing.load import load_checkpoint
 
-        self._require_initialized("load_checkpoint")
+        self._check_call("load_checkpoint", OFFLOAD_PARTS)
         state = require(self.backend, Checkpointing)
-        self._require_resident("load_checkpoint", OFFLOAD_PARTS)
         self.wait_for_checkpoint()
         directory, self.global_step, guard = load_checkpoint(
             state, self._checkpoint_description(), os.fspath(path)
@@ -789,21 +776,40 @@ class Engine:
         }
 
     # -- internals -----------------------------------------------------------------------------
-    def _require_initialized(self, what: str) -> None:
+    def _check_call(self, what: str, needs: tuple[str, ...] = (), *, trains: bool = False) -> None:
+        """Whether the public call ``what`` may run now (EngineStateError saying what to do), in
+        one order: the engine initialised; for a call that ``trains``, an engine that trains
+        (not ``forward_only``) and, where the call changes the weights (it ``needs`` the model),
+        its LoRA adapters on (zeroing gradients and stepping the LR schedule do not need them);
+        the parts it ``needs`` (of ``OFFLOAD_PARTS``) on the device."""
         if not self._initialized:
             raise EngineStateError(f"{what}() needs an initialised engine: call initialize() first")
-
-    def _offloaded_parts(self) -> frozenset[str]:
-        return self.backend.offloaded() if isinstance(self.backend, Offloading) else frozenset()
-
-    def _require_resident(self, what: str, parts: tuple[str, ...]) -> None:
-        away = sorted(self._offloaded_parts() & set(parts))
+        if trains and self.config.forward_only:
+            raise EngineStateError(
+                f"{what}() trains, but this engine is forward-only (config.forward_only=True, e.g. "
+                "a reference model); use infer_batch()"
+            )
+        backend = self.backend
+        changes_weights = trains and "model" in needs
+        if (
+            changes_weights
+            and isinstance(backend, LowRankAdapters)
+            and not backend.adapters_enabled()
+        ):
+            raise EngineStateError(
+                f"{what}() trains the LoRA adapters, but they are off inside disable_adapter(); "
+                "train outside it (inside, use infer_batch() for the base model's outputs)"
+            )
+        away = sorted(self._offloaded_parts() & set(needs))
         if away:
             raise EngineStateError(
                 f"{what}() needs the {', '.join(away)} on the device, but "
                 f"{'they are' if len(away) > 1 else 'it is'} offloaded; "
                 "call engine.to('device') or work inside train_mode() / eval_mode()"
             )
+
+    def _offloaded_parts(self) -> frozenset[str]:
+        return self.backend.offloaded() if isinstance(self.backend, Offloading) else frozenset()
 
     def _check_outputs(self, loss_function: LossFn | None, head: Head) -> None:
         """The head outputs the loss declares it reads (``required_outputs``) are ``head``'s,
@@ -835,22 +841,6 @@ class Engine:
                 self.backend.train()
             else:
                 self.backend.eval()
-
-    def _require_trainable(self, what: str) -> None:
-        self._require_initialized(what)
-        if self.config.forward_only:
-            raise EngineStateError(
-                f"{what}() trains, but this engine is forward-only (config.forward_only=True, e.g. "
-                "a reference model); use infer_batch()"
-            )
-
-    def _require_adapters_on(self, what: str) -> None:
-        backend = self.backend
-        if isinstance(backend, LowRankAdapters) and not backend.adapters_enabled():
-            raise EngineStateError(
-                f"{what}() trains the LoRA adapters, but they are off inside disable_adapter(); "
-                "train outside it (inside, use infer_batch() for the base model's outputs)"
-            )
 
     def _grad_norm_parts(self) -> tuple[list[Number], Callable[[list[float]], float]]:
         """The gradient norm's device tensors and how to finish it from their host values:

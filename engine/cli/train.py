@@ -215,6 +215,38 @@ def _default_mask(record: dict[str, list[Any]]) -> list[float]:
     return [0.0] + [1.0] * (len(record["input_ids"]) - 1)
 
 
+def _checked_data(args: argparse.Namespace, config: Any) -> list[dict[str, list[Any]]] | None:
+    """The run's data checked before the engine starts: the data file's records (None:
+    synthetic data, its ``--max-length`` within :func:`length_limits`), as many as a batch
+    takes at least, a batch dividing over the ranks."""
+    for limit, name in length_limits(config) if not args.data else ():  # synthetic data
+        if args.max_length > limit:
+            raise EngineError(f"--max-length {args.max_length} exceeds {name} ({limit})")
+    if args.batch_size % int(os.environ.get("WORLD_SIZE", "1")):
+        raise EngineError(f"--batch-size {args.batch_size} must divide by the number of ranks")
+    records = read_sequences(args.data, args.head, config) if args.data else None
+    if records is not None and len(records) < args.batch_size:
+        raise BatchError(f"--data holds {len(records)} records, fewer than --batch-size")
+    return records
+
+
+def _batches(
+    args: argparse.Namespace,
+    config: Any,
+    records: list[dict[str, list[Any]]] | None,
+    generator: torch.Generator,
+) -> Iterator[TensorDict]:
+    """The run's whole batches: the data file's records, reshuffled every pass, or synthetic."""
+    if records is not None:
+        return data_batches(records, args.batch_size, generator)
+    return iter(
+        lambda: synthetic_batch(
+            args.head, config.model.vocab_size, args.batch_size, args.max_length, generator
+        ),
+        None,
+    )
+
+
 def train(args: argparse.Namespace) -> int:
     from engine import Engine, losses
     from engine.cli.hf_export import HF_DIR, export_final_model
@@ -230,14 +262,7 @@ def train(args: argparse.Namespace) -> int:
             f"`train` has synthetic tasks for heads {', '.join(TASKS)}, not {args.head!r}"
         )
     loss_fn = getattr(losses, TASKS[args.head])
-    for limit, name in length_limits(config) if not args.data else ():  # synthetic data
-        if args.max_length > limit:
-            raise EngineError(f"--max-length {args.max_length} exceeds {name} ({limit})")
-    if args.batch_size % int(os.environ.get("WORLD_SIZE", "1")):
-        raise EngineError(f"--batch-size {args.batch_size} must divide by the number of ranks")
-    records = read_sequences(args.data, args.head, config) if args.data else None
-    if records is not None and len(records) < args.batch_size:
-        raise BatchError(f"--data holds {len(records)} records, fewer than --batch-size")
+    records = _checked_data(args, config)
     output_dir = Path(args.output_dir) if args.output_dir else None
     metrics = MetricsFile(output_dir / "metrics.jsonl") if output_dir else None
     if metrics is not None and metrics.path.exists():
@@ -247,17 +272,7 @@ def train(args: argparse.Namespace) -> int:
     shard = args.batch_size // dp_size
     # One rank reports: the first data-parallel replica's output rank (TP 0, last stage).
     show = engine.holds_outputs() and dp_rank == 0
-    generator = torch.Generator().manual_seed(config.seed)
-    batches = (
-        data_batches(records, args.batch_size, generator)
-        if records is not None
-        else iter(
-            lambda: synthetic_batch(
-                args.head, config.model.vocab_size, args.batch_size, args.max_length, generator
-            ),
-            None,
-        )
-    )
+    batches = _batches(args, config, records, torch.Generator().manual_seed(config.seed))
     parallel = config.parallel
     start = time.perf_counter()
     history: list[dict[str, Any]] = []

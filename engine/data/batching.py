@@ -268,6 +268,37 @@ def validated(
     not refused here: a loss masks out the tokens it does not score, and a non-finite loss or
     gradient never reaches the weights (the engine's non-finite guard).
     """
+    batch, ids = _checked_input_ids(batch)
+    _check_required(batch, required)
+    real = _real_tokens(batch, ids)
+    unmasked = not is_jagged(ids) and ATTENTION_MASK not in batch.keys()
+    if unmasked and pad_token_id is not None and bool((ids[:, 0] == pad_token_id).any()):
+        rows = (ids[:, 0] == pad_token_id).nonzero().flatten().tolist()
+        raise BatchError(
+            f"padded 'input_ids' row(s) {rows[:5]} start with the model's pad token id "
+            f"{pad_token_id}, and the batch has no 'attention_mask': the pads would be read as "
+            "tokens. Give attention_mask (1 for real tokens, 0 for pads), or jagged rows "
+            "(engine.data.batching.jagged / from_token_lists); a real token of that id at the "
+            "start needs an attention_mask of ones"
+        )
+    for name, value in fields(batch):
+        if name != INPUT_IDS:
+            _check_layout(name, value, ids)
+        if name.endswith("mask"):
+            _check_binary(name, value, real if name != ATTENTION_MASK else None)
+    for name, wanted in (granularity or {}).items():
+        if name in batch.keys():
+            _check_granularity(name, _field(batch, name), wanted, ids)
+    lengths = sequence_lengths(batch)
+    _check_lengths(lengths, max_length)
+    if vocab_size is not None:
+        _check_vocabulary(ids, real, vocab_size)
+    return batch, lengths
+
+
+def _checked_input_ids(batch: object) -> tuple[TensorDict, torch.Tensor]:
+    """The batch, a TensorDict of batch size ``[B > 0]`` holding tensors only, and its integer
+    ``input_ids`` ``[B, L]``, jagged or padded."""
     if not isinstance(batch, TensorDict):
         raise BatchError(
             f"a batch must be a tensordict.TensorDict, got {type(batch).__name__}; build one with "
@@ -293,6 +324,11 @@ def validated(
     if ids.dim() != 2:
         shape = f"{ids.dim()} jagged dims" if ids.is_nested else f"shape {list(ids.shape)}"
         raise BatchError(f"'input_ids' must be [B, L] (padded or jagged), got {shape}")
+    return batch, ids
+
+
+def _check_required(batch: TensorDict, required: Iterable[str]) -> None:
+    """The ``required`` fields are there; a missing one is named with a near miss, if any."""
     missing = [name for name in required if name not in batch.keys()]
     if missing:
         spare = [name for name in field_names(batch) if name not in required]
@@ -306,26 +342,10 @@ def validated(
             f"the batch lacks field(s) {', '.join(missing)} needed here{hint}; it has: "
             f"{', '.join(field_names(batch))}"
         )
-    real = _real_tokens(batch, ids)
-    unmasked = not is_jagged(ids) and ATTENTION_MASK not in batch.keys()
-    if unmasked and pad_token_id is not None and bool((ids[:, 0] == pad_token_id).any()):
-        rows = (ids[:, 0] == pad_token_id).nonzero().flatten().tolist()
-        raise BatchError(
-            f"padded 'input_ids' row(s) {rows[:5]} start with the model's pad token id "
-            f"{pad_token_id}, and the batch has no 'attention_mask': the pads would be read as "
-            "tokens. Give attention_mask (1 for real tokens, 0 for pads), or jagged rows "
-            "(engine.data.batching.jagged / from_token_lists); a real token of that id at the "
-            "start needs an attention_mask of ones"
-        )
-    for name, value in fields(batch):
-        if name != INPUT_IDS:
-            _check_layout(name, value, ids)
-        if name.endswith("mask"):
-            _check_binary(name, value, real if name != ATTENTION_MASK else None)
-    for name, wanted in (granularity or {}).items():
-        if name in batch.keys():
-            _check_granularity(name, _field(batch, name), wanted, ids)
-    lengths = sequence_lengths(batch)
+
+
+def _check_lengths(lengths: torch.Tensor, max_length: int | None) -> None:
+    """No empty sequence, and none longer than ``max_length``."""
     shortest, longest = (int(bound) for bound in torch.aminmax(lengths))
     if shortest < 1:
         raise BatchError(f"sequence(s) {lengths.eq(0).nonzero().flatten().tolist()} are empty")
@@ -335,18 +355,20 @@ def validated(
             f"sequence {row} has {int(lengths[row])} tokens, more than "
             f"ModelConfig.max_sequence_length ({max_length})"
         )
-    if vocab_size is not None and not _ids_within(
-        _buffer(ids) if real is None else ids[real], vocab_size
-    ):
-        outside = (_buffer(ids) < 0) | (_buffer(ids) >= vocab_size)
-        if real is not None:
-            outside &= real
-        if bool(outside.any()):
-            raise BatchError(
-                f"'input_ids' must lie in [0, {vocab_size}) (the model's vocab_size); "
-                f"{_locate(ids, outside)}"
-            )
-    return batch, lengths
+
+
+def _check_vocabulary(ids: torch.Tensor, real: torch.Tensor | None, vocab_size: int) -> None:
+    """Every real token's id in ``[0, vocab_size)`` (padding may hold any id)."""
+    if _ids_within(_buffer(ids) if real is None else ids[real], vocab_size):
+        return
+    outside = (_buffer(ids) < 0) | (_buffer(ids) >= vocab_size)
+    if real is not None:
+        outside &= real
+    if bool(outside.any()):
+        raise BatchError(
+            f"'input_ids' must lie in [0, {vocab_size}) (the model's vocab_size); "
+            f"{_locate(ids, outside)}"
+        )
 
 
 def labels_as_loss_mask(batch: TensorDict) -> TensorDict:

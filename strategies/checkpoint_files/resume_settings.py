@@ -4,15 +4,19 @@ A checkpoint gives the optimizer its state (Adam moments, step counts) and the s
 count, nothing else: the settings (lr, min_lr, weight decay, betas, eps, the schedule's style,
 warmup and decay steps) are always this engine's config. Settings changed between runs are so
 honoured from the resumed step on, never blended with the saved ones, and a run resumed with
-the same settings is the run that was saved.
+the same settings is the run that was saved. A checkpoint without that state (a forward-only
+engine's, weights only) restarts them as a new engine's (:class:`OptimizerResume`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterable, Iterator
-from typing import Any, Protocol
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Generic, Protocol, TypeVar
+
+import attrs
 
 #: Param-group entries that are state, not settings (megatron's distributed optimizer keeps
 #: Adam's step count in its groups): a checkpoint's are kept.
@@ -61,3 +65,42 @@ def set_schedule_step(schedule: SteppedSchedule, steps: int) -> None:
     decay become those a fresh run's schedule gives at that step."""
     schedule.num_steps = steps
     schedule.step(0)
+
+
+#: A backend's optimizer type (a torch optimizer, or megatron's).
+OptimizerT = TypeVar("OptimizerT")
+
+
+@attrs.frozen
+class OptimizerResume(Generic[OptimizerT]):
+    """What one checkpoint load does to this engine's optimizer and LR schedule, for every
+    backend: a checkpoint that holds their state (its schedule file) resumes them; one without
+    (a forward-only engine's: weights only) restarts them as a new engine's, the optimizer with
+    no state over the loaded weights and the schedule at step 0."""
+
+    schedule_path: str
+    #: This engine's optimizer and schedule (None for a forward-only engine).
+    optimizer: OptimizerT | None
+    schedule: SteppedSchedule | None
+    #: Whether the checkpoint holds the optimizer's and the schedule's state.
+    resumes: bool
+
+    @classmethod
+    def at(
+        cls, schedule_path: str, optimizer: OptimizerT | None, schedule: SteppedSchedule | None
+    ) -> OptimizerResume[OptimizerT]:
+        return cls(schedule_path, optimizer, schedule, os.path.exists(schedule_path))
+
+    @property
+    def loaded_optimizer(self) -> OptimizerT | None:
+        """The optimizer the checkpoint's state loads into (None: load the weights only)."""
+        return self.optimizer if self.resumes else None
+
+    def finish(self, restart_optimizer: Callable[[OptimizerT], None]) -> None:
+        """After the load: the schedule at the saved step; or, restarting, the optimizer
+        restarted by the backend's ``restart_optimizer`` and the schedule at step 0."""
+        if not self.resumes and self.optimizer is not None:
+            restart_optimizer(self.optimizer)
+        if self.schedule is not None:
+            steps = saved_schedule_step(self.schedule_path) if self.resumes else 0
+            set_schedule_step(self.schedule, steps)

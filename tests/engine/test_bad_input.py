@@ -539,6 +539,15 @@ CALL_ORDER = {
         EngineStateError,
         r"config\.forward_only=True",
     ),
+    # every call checks in one order: a forward-only engine is told so before what is offloaded
+    "forward and backward on an offloaded forward-only engine": Case(
+        new_engine(
+            lambda e: e.initialize().to("cpu").forward_backward_batch(GOOD, value_regression_loss),
+            forward_only=True,
+        ),
+        EngineStateError,
+        r"forward_backward_batch\(\) trains, but this engine is forward-only",
+    ),
     "zero the grads of a forward-only engine": Case(
         new_engine(lambda e: e.initialize().optimizer_zero_grad(), forward_only=True),
         EngineStateError,

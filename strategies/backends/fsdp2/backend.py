@@ -39,14 +39,13 @@ from strategies.backends.fsdp2.optimizer import (
     gradient_norm_tensor,
 )
 from strategies.backends.fsdp2.ulysses import check_heads, sequence_groups
+from strategies.backends.shared import BackendState
 from strategies.config import ParallelConfig, PartsConfig
 from strategies.hf.architecture import hf_config_for
 from strategies.hf.classification import HeadLayer, head_layer
 from strategies.hf.shards import ParamShard
 from strategies.memory.model_size import DTYPE_BYTES, ParameterCount, RankMemory, training_state
-from strategies.memory.storage_offload import OffloadedParts
 from strategies.model.packed_attention import positions_in_sequences, row_segments
-from strategies.model.peft_lora import AdapterSwitch
 
 #: Parallel settings this backend has no use for, and the value it runs them at.
 _MODEL_PARALLEL_FIELDS = {
@@ -60,7 +59,7 @@ _MODEL_PARALLEL_FIELDS = {
 
 
 @attrs.define(kw_only=True)
-class Fsdp2Backend:
+class Fsdp2Backend(BackendState[torch.optim.AdamW]):
     """PyTorch FSDP2 (``fully_shard``) over Hugging Face transformers models."""
 
     name: ClassVar[str] = "fsdp2"
@@ -89,13 +88,9 @@ class Fsdp2Backend:
     cpu_offload: bool = bool_field(False)
 
     _model: CausalModel | None = attrs.field(default=None, init=False)
-    _optimizer: torch.optim.AdamW | None = attrs.field(default=None, init=False)
     _schedule: LRSchedule | None = attrs.field(default=None, init=False)
     _clip_grad: float = attrs.field(default=0.0, init=False)
     _device: torch.device = attrs.field(factory=lambda: torch.device("cpu"), init=False)
-    _offloaded: OffloadedParts = attrs.field(factory=OffloadedParts, init=False)
-    #: Whether LoRA adapters (``EngineConfig.lora``) take part in the forward.
-    _adapter_switch: AdapterSwitch = attrs.field(factory=AdapterSwitch, init=False)
     #: The head applies the output layer itself (``OutputSpec.fused``).
     _fused: bool = attrs.field(default=False, init=False)
     #: The head's output layer: its bias, where its weights come from, what save_hf writes.
@@ -387,13 +382,6 @@ class Fsdp2Backend:
             tensors["optimizer"] = self._optimizer_tensors
         self._offloaded.offload(parts, tensors)
 
-    def reload(self, parts: Iterable[str]) -> None:
-        """Bring offloaded ``parts`` back onto the device, in place."""
-        self._offloaded.reload(parts)
-
-    def offloaded(self) -> frozenset[str]:
-        return self._offloaded.names()
-
     def _model_tensors(self) -> list[torch.Tensor]:
         """This rank's shards of the weights, and the buffers (RoPE frequencies)."""
         model = self._require_model()
@@ -471,12 +459,6 @@ class Fsdp2Backend:
 
         check_lora(config)
 
-    def set_adapters_enabled(self, enabled: bool) -> None:
-        self._adapter_switch.enabled = enabled
-
-    def adapters_enabled(self) -> bool:
-        return self._adapter_switch.enabled
-
     def export_adapter(self, config: PartsConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """The adapters as (Hugging Face name, full tensor) pairs, one at a time (collective)."""
         from strategies.backends.fsdp2.export import export_adapter
@@ -487,13 +469,6 @@ class Fsdp2Backend:
         if self._model is None:
             raise EngineStateError("the fsdp2 backend has no model yet: call build_model first")
         return self._model
-
-    def _require_optimizer(self) -> torch.optim.AdamW:
-        if self._optimizer is None:
-            raise EngineStateError(
-                "this engine has no optimizer (forward-only, or not initialised)"
-            )
-        return self._optimizer
 
     @override
     def __repr__(self) -> str:

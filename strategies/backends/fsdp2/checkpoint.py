@@ -16,11 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from strategies.backends.fsdp2.optimizer import LRSchedule, materialize_optimizer_state
-from strategies.checkpoint_files.resume_settings import (
-    keeping_settings,
-    saved_schedule_step,
-    set_schedule_step,
-)
+from strategies.checkpoint_files.resume_settings import OptimizerResume, keeping_settings
 from strategies.checkpoint_files.rng_states import rng_states, set_rng_states
 from strategies.parallel.collectives import barrier, rank
 
@@ -96,10 +92,8 @@ def load_state(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    scheduler_path = os.path.join(directory, SCHEDULER_FILE)
-    restart = None  # a forward-only engine's checkpoint: weights only
-    if not os.path.exists(scheduler_path):
-        restart, optimizer, schedule = (optimizer, schedule), None, None
+    resume = OptimizerResume.at(os.path.join(directory, SCHEDULER_FILE), optimizer, schedule)
+    optimizer = resume.loaded_optimizer
     state = _state(model, optimizer)
     dcp.load(state, checkpoint_id=os.path.join(directory, STATE_DIR))
     if optimizer is None:
@@ -112,10 +106,7 @@ def load_state(
                 model_state_dict=state["model"],
                 optim_state_dict=state["optimizer"],
             )
-    if restart is not None:
-        _restart(*restart)
-    if schedule is not None:
-        set_schedule_step(schedule, saved_schedule_step(scheduler_path))
+    resume.finish(_clear_state)
     rng_path = os.path.join(directory, RNG_DIR, f"rank_{rank()}.pt")
     if same_layout and os.path.exists(rng_path):
         set_rng_states(torch.load(rng_path, weights_only=True))
@@ -132,10 +123,6 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> d
     return {"model": model_state, "optimizer": optimizer_state}
 
 
-def _restart(optimizer: torch.optim.Optimizer | None, schedule: LRSchedule | None) -> None:
-    """``optimizer`` and ``schedule`` (None for a forward-only engine) as built: no Adam state,
-    step 0."""
-    if optimizer is not None:
-        optimizer.state.clear()
-    if schedule is not None:
-        set_schedule_step(schedule, 0)
+def _clear_state(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer`` as built: no Adam state."""
+    optimizer.state.clear()

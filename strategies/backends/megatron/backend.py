@@ -36,15 +36,14 @@ from strategies.backends.megatron.optimizer import (
     optimizer_overrides_on,
     step_with_grad_norm,
 )
+from strategies.backends.shared import BackendState
 from strategies.checkpoint_files.publish import FileChecksums
 from strategies.config import ModelConfig, ParallelConfig, PartsConfig
 from strategies.hf.classification import HeadLayer, head_layer
 from strategies.megatron_support.imports import import_megatron
 from strategies.megatron_support.version import check_megatron_version
 from strategies.memory.model_size import DTYPE_BYTES, ParameterCount, RankMemory, training_state
-from strategies.memory.storage_offload import OffloadedParts
 from strategies.model.packed_attention import positions_in_sequences, row_segments
-from strategies.model.peft_lora import AdapterSwitch
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -62,7 +61,7 @@ MEGATRON_MODULES = (
 
 
 @attrs.define(kw_only=True)
-class MegatronBackend:
+class MegatronBackend(BackendState[Any]):
     """Megatron-core (GPTModel, local or TransformerEngine layer spec)."""
 
     name: ClassVar[str] = "megatron"
@@ -83,8 +82,6 @@ class MegatronBackend:
 
     _chunks: list[torch.nn.Module] = attrs.field(factory=list, init=False)
     _wrapped: list[torch.nn.Module] = attrs.field(factory=list, init=False)
-    _optimizer: Any = attrs.field(default=None, init=False)
-    _offloaded: OffloadedParts = attrs.field(factory=OffloadedParts, init=False)
     _scheduler: Any = attrs.field(default=None, init=False)
     _device: torch.device = attrs.field(factory=lambda: torch.device("cpu"), init=False)
     _head_context: HeadContext = attrs.field(factory=HeadContext, init=False)
@@ -99,8 +96,6 @@ class MegatronBackend:
     #: Host copies of the state an asynchronous save writes, reused by the next one.
     _staging_buffers: dict[Any, torch.Tensor] = attrs.field(factory=dict, init=False)
     _model: ModelConfig | None = attrs.field(default=None, init=False)
-    #: Whether LoRA adapters (``EngineConfig.lora``) take part in the forward.
-    _adapter_switch: AdapterSwitch = attrs.field(factory=AdapterSwitch, init=False)
     #: Mixture-of-experts routers (load statistics, router replay); empty for a dense model.
     _routing: Routing = attrs.field(factory=lambda: Routing([], 0, 0), init=False)
 
@@ -467,13 +462,6 @@ class MegatronBackend:
             tensors["optimizer"] = lambda: state_tensors.optimizer_tensors(self._optimizer)
         self._offloaded.offload(parts, tensors)
 
-    def reload(self, parts: Iterable[str]) -> None:
-        """Bring offloaded ``parts`` back onto the device, in place."""
-        self._offloaded.reload(parts)
-
-    def offloaded(self) -> frozenset[str]:
-        return self._offloaded.names()
-
     def _model_tensors(self) -> list[torch.Tensor]:
         return state_tensors.model_tensors(self._chunks, self._wrapped)
 
@@ -486,23 +474,22 @@ class MegatronBackend:
             module.eval()
 
     def optimizer_zero_grad(self) -> None:
-        self._require_optimizer()
+        optimizer = self._require_optimizer()
         for module in self._wrapped:
             module.zero_grad_buffer()  # type: ignore[operator]
-        self._optimizer.zero_grad()
+        optimizer.zero_grad()
 
     def grad_norm(self) -> float:
         squares, finish = self.grad_norm_parts()
         return finish([float(square) for square in squares])
 
     def grad_norm_parts(self) -> tuple[list[torch.Tensor], Callable[[list[float]], float]]:
-        self._require_optimizer()
-        self._optimizer.prepare_grads()  # gradients where the norm reads them (no loss scaler)
-        return grad_norm_parts(self._optimizer, self._device)
+        optimizer = self._require_optimizer()
+        optimizer.prepare_grads()  # gradients where the norm reads them (no loss scaler)
+        return grad_norm_parts(optimizer, self._device)
 
     def optimizer_step(self, grad_norm: float) -> None:
-        self._require_optimizer()
-        step_with_grad_norm(self._optimizer, grad_norm)
+        step_with_grad_norm(self._require_optimizer(), grad_norm)
 
     def lr_scheduler_step(self) -> float:
         self._require_optimizer()
@@ -510,8 +497,7 @@ class MegatronBackend:
         return self.current_lr()
 
     def current_lr(self) -> float:
-        self._require_optimizer()
-        return float(self._optimizer.param_groups[0]["lr"])
+        return float(self._require_optimizer().param_groups[0]["lr"])
 
     # -- layout --------------------------------------------------------------------------------
     def data_parallel_rank(self) -> int:
@@ -602,12 +588,6 @@ class MegatronBackend:
 
         check_lora(config, uses_transformer_engine(self.layer_spec))
 
-    def set_adapters_enabled(self, enabled: bool) -> None:
-        self._adapter_switch.enabled = enabled
-
-    def adapters_enabled(self) -> bool:
-        return self._adapter_switch.enabled
-
     def export_adapter(self, config: PartsConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's adapters as (Hugging Face name, full tensor) (collective over TP)."""
         from strategies.backends.megatron.hf.export import export_adapter
@@ -628,12 +608,6 @@ class MegatronBackend:
     def _require_model(self) -> None:
         if not self._wrapped:
             raise EngineStateError("the megatron backend has no model yet: call build_model first")
-
-    def _require_optimizer(self) -> None:
-        if self._optimizer is None:
-            raise EngineStateError(
-                "this engine has no optimizer (forward-only, or not initialised)"
-            )
 
     @override
     def __repr__(self) -> str:

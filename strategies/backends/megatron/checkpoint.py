@@ -21,11 +21,7 @@ import torch
 
 from heads.errors import CheckpointError
 from strategies.checkpoint_files.publish import FileChecksums
-from strategies.checkpoint_files.resume_settings import (
-    keeping_settings,
-    saved_schedule_step,
-    set_schedule_step,
-)
+from strategies.checkpoint_files.resume_settings import OptimizerResume, keeping_settings
 from strategies.checkpoint_files.rng_states import rng_states, set_rng_states
 from strategies.parallel.collectives import barrier, rank
 
@@ -166,11 +162,8 @@ def load_state(
 
     from strategies.backends.megatron.checkpoint_reader import MappedLoadStrategy
 
-    scheduler_path = os.path.join(directory, SCHEDULER_FILE)
-    # A forward-only engine's checkpoint has neither optimizer nor scheduler state.
-    restart = None if os.path.exists(scheduler_path) else (optimizer, scheduler)
-    if restart is not None:
-        optimizer = scheduler = None
+    resume = OptimizerResume.at(os.path.join(directory, SCHEDULER_FILE), optimizer, scheduler)
+    optimizer = resume.loaded_optimizer
     with torch.no_grad():
         if optimizer is not None:
             _materialize_optimizer_state(optimizer)
@@ -196,10 +189,8 @@ def load_state(
         if optimizer is not None:
             with keeping_settings(getattr(optimizer, "chained_optimizers", [optimizer])):
                 _load_optimizer(optimizer, loaded["optimizer"])
-    if restart is not None:
-        _restart(*restart)
-    if scheduler is not None:  # not megatron's load_state_dict: it takes the saved settings
-        set_schedule_step(scheduler, saved_schedule_step(scheduler_path))
+    # the schedule's step count set, not megatron's load_state_dict (it takes the saved settings)
+    resume.finish(_restart_optimizer)
     rng_path = os.path.join(directory, RNG_DIR, f"rank_{rank()}.pt")
     if same_layout and os.path.exists(rng_path):
         _set_rng_states(torch.load(rng_path, weights_only=True))
@@ -295,16 +286,13 @@ def _live_groups(live: dict[str, Any], saved: dict[str, Any]) -> list[dict[str, 
     return groups
 
 
-def _restart(optimizer: Any, scheduler: Any) -> None:
-    """``optimizer`` and ``scheduler`` (None for a forward-only engine) as built, from the
-    model's weights as they now are: no Adam state, fp32 main parameters copied from the
-    model (else the next step would write back the ones from before the load), step 0."""
-    if optimizer is not None:
-        for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-            part.optimizer.state.clear()
-        optimizer.reload_model_params()
-    if scheduler is not None:
-        set_schedule_step(scheduler, 0)
+def _restart_optimizer(optimizer: Any) -> None:
+    """``optimizer`` as built, from the model's weights as they now are: no Adam state, fp32
+    main parameters copied from the model (else the next step would write back the ones from
+    before the load)."""
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        part.optimizer.state.clear()
+    optimizer.reload_model_params()
 
 
 def _materialize_optimizer_state(optimizer: Any) -> None:
