@@ -39,20 +39,12 @@ def test_the_cache_is_passed_under_the_name_the_models_forward_takes() -> None:
 def test_a_left_padded_batch_generates_what_each_prompt_generates_alone() -> None:
     """Greedy tokens of prompts of different lengths in one left-padded batch equal each
     prompt's alone; a row stops after its stop token, the others go on."""
-    from transformers import LlamaConfig
-
     from engine.generation.weights import build_model
+    from strategies.config import model_preset
+    from strategies.hf.architecture import hf_config_for
 
-    config = LlamaConfig(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
     torch.manual_seed(0)
-    model = build_model(config)
+    model = build_model(hf_config_for(model_preset("tiny")))  # the demo's generator
     prompts = [[3, 9, 4, 1, 7], [5, 2]]
     input_ids, mask = left_padded(prompts, pad=0)
     batch = generate(model, input_ids, attention_mask=mask, max_tokens=6, pick=MostLikely())
