@@ -20,6 +20,8 @@ FORBIDDEN = {
     "strategies": ("engine",),
     "strategies/backends": ("strategies.devices",),
     "strategies/devices": ("strategies.backends",),
+    # the Hugging Face generator the demo and verl share serves both, importing neither
+    "engine/generation": ("engine.cli", "engine.integrations", "verl"),
 }
 
 

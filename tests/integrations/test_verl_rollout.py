@@ -27,7 +27,6 @@ from engine.integrations.verl.rollout import (  # noqa: E402
     HFServerAdapter,
     Sampling,
     _buckets,
-    _processed_logits,
 )
 from heads.errors import ConfigError  # noqa: E402
 
@@ -90,7 +89,7 @@ def _direct_log_probs(
     ids = torch.tensor([prompt + tokens])
     with torch.no_grad():
         logits = source(ids).logits[0, len(prompt) - 1 : -1]
-    processed = _processed_logits(logits, sampling).log_softmax(-1)
+    processed = sampling.warp(logits).log_softmax(-1)
     return processed.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
@@ -140,7 +139,7 @@ def test_sampling_draws_from_the_processed_distribution(model: str) -> None:
     outputs = _generate(generator, PROMPTS[:1] * samples, temperature=0.8, top_k=6, max_tokens=1)
     with torch.no_grad():
         logits = source(torch.tensor([PROMPTS[0]])).logits[0, -1]
-    expected = _processed_logits(logits, Sampling(temperature=0.8, top_k=6)).softmax(-1)
+    expected = Sampling(temperature=0.8, top_k=6).warp(logits).softmax(-1)
     counts = torch.bincount(
         torch.tensor([o.token_ids[0] for o in outputs]), minlength=len(expected)
     )

@@ -1,9 +1,9 @@
-"""The demo's rollouts: the parity task's prompts and reward, and a Hugging Face generator that
-receives the actor's weights through ``Engine.get_per_tensor_param()``."""
+"""The demo's rollouts: the parity task's prompts and reward, and the shared Hugging Face
+generator (:mod:`engine.generation`) receiving the actor's weights through
+``Engine.get_per_tensor_param()``."""
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,8 +11,11 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from engine.generation.sampling import MostLikely, Multinomial, generate
+from engine.generation.weights import GeneratorWeights, build_model
 from engine.losses.rollout_correction import ROLLOUT_LOG_PROBS
 from heads.errors import EngineStateError
+from strategies.hf.experts import CheckpointLayout
 
 
 # -- the task -------------------------------------------------------------------------------------
@@ -41,12 +44,9 @@ def parity_reward(prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tenso
 # -- the generator (rollout engine) ---------------------------------------------------------------
 def build_generator(model: Any, device: torch.device) -> torch.nn.Module:
     """A Hugging Face causal LM with the engine model's architecture (weights come later)."""
-    from transformers import AutoModelForCausalLM
-
     from strategies.hf.architecture import hf_config_for
 
-    generator = AutoModelForCausalLM.from_config(hf_config_for(model))
-    return generator.to(device=device, dtype=torch.float32).eval()
+    return build_model(hf_config_for(model), device)
 
 
 def push_weights(actor: Any, generator: torch.nn.Module) -> int:
@@ -55,44 +55,23 @@ def push_weights(actor: Any, generator: torch.nn.Module) -> int:
     Every rank holds a full generator: under model parallelism the ranks' tensors (each pipeline
     stage yields its own layers) are exchanged first.
     """
-    params = checkpoint_views(generator, actor.config.model)
+    weights = GeneratorWeights(generator, CheckpointLayout.of(actor.config.model), "the actor")
     pairs: Iterator[tuple[str, torch.Tensor]] = actor.get_per_tensor_param()
     if dist.is_initialized() and dist.get_world_size() > 1:
         local = [(name, tensor.cpu()) for name, tensor in pairs]
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, local)
         pairs = iter(dict(pair for rank in everyone for pair in rank).items())
-    received = set()
-    with torch.no_grad():
-        for name, tensor in pairs:
-            if name not in params:
-                raise EngineStateError(f"the actor exported {name!r}, which the generator lacks")
-            params[name].copy_(tensor)
-            received.add(name)
-    missing = sorted(set(params) - received)
+    sent = set()
+    for name, tensor in pairs:
+        weights.copy(name, tensor)
+        sent.add(name)
+    missing = weights.end_sync()
     if missing:
         raise EngineStateError(f"the actor exported no weights for {', '.join(missing[:5])}")
-    return len(received)
+    return len(sent)
 
 
-def checkpoint_views(generator: torch.nn.Module, model: Any) -> dict[str, torch.Tensor]:
-    """The generator's weights under the names the engine exports (a checkpoint's): a
-    parameter that transformers holds fused (experts) is viewed as its checkpoint tensors."""
-    from strategies.hf.experts import CheckpointLayout
-
-    layout = CheckpointLayout.of(model)
-    views: dict[str, torch.Tensor] = {}
-    for name, param in generator.named_parameters():
-        names = layout.names(name, param.shape)
-        if len(names) == 1:
-            views[names[0]] = param
-            continue
-        pieces = param.data.view(-1, param.shape[-1]).chunk(len(names))
-        views.update(zip(names, pieces, strict=True))
-    return views
-
-
-@torch.no_grad()
 def sample(
     generator: torch.nn.Module,
     prompts: torch.Tensor,
@@ -105,23 +84,9 @@ def sample(
     likely token each time (``greedy``: ReMax's baseline response); returns the tokens
     ``[B, new_tokens]`` and the generator's log-probs of them (what a rollout engine reports,
     for rollout correction)."""
-    # transformers 5 calls the KV cache ``cache``; 4.x called it ``past_key_values``.
-    cache = (
-        "cache" if "cache" in inspect.signature(generator.forward).parameters else "past_key_values"
-    )
-    output = generator(input_ids=prompts, use_cache=True)
-    chosen, chosen_log_probs = [], []
-    for index in range(new_tokens):
-        log_probs = torch.log_softmax(output.logits[:, -1].float(), dim=-1)
-        if greedy:
-            token = log_probs.argmax(-1, keepdim=True)
-        else:
-            token = torch.multinomial(log_probs.exp(), 1, generator=rng)
-        chosen.append(token)
-        chosen_log_probs.append(log_probs.gather(-1, token))
-        if index + 1 < new_tokens:
-            output = generator(input_ids=token, use_cache=True, **{cache: output[cache]})
-    return torch.cat(chosen, dim=1), torch.cat(chosen_log_probs, dim=1)
+    pick = MostLikely(of_log_probs=True) if greedy else Multinomial(rng)
+    generation = generate(generator, prompts, max_tokens=new_tokens, pick=pick)
+    return generation.tokens, generation.log_probs
 
 
 def rollout_batch(

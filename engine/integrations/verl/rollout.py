@@ -7,6 +7,11 @@ adapter (``verl.workers.rollout.base._ROLLOUT_REGISTRY``, built inside every tra
 which receives the actor's weights). The plug-in registers both under :data:`NAME`
 (``actor_rollout_ref.rollout.name=composable_hf``).
 
+The model, its weight sync, the LoRA merge, the sampling loop and the routes are the shared
+Hugging Face generator's (:mod:`engine.generation`, the demo's too); this module holds what is
+verl's: request batching, request-id streams, sleep / resume, the bucketed sync protocol and
+verl's rollout classes.
+
 - **Generation** (:class:`HFGenerator`, one Ray actor per replica): verl's agent loop calls
   ``generate(request_id, prompt_ids=..., sampling_params=...)`` once per sample, concurrently;
   requests that arrive together are generated as one batch per distinct sampling setting
@@ -51,6 +56,9 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
+from engine.generation.routes import RouteRecorder, is_moe
+from engine.generation.sampling import GumbelMax, MostLikely, Warp, generate, left_padded
+from engine.generation.weights import GeneratorWeights, build_model
 from engine.integrations.verl.cells import ROLLOUT
 from engine.integrations.verl.config import Refusals, lora_unwrapped_name, model_overrides
 from heads.errors import ConfigError
@@ -129,6 +137,11 @@ class Sampling:
             )
         return cls(max_tokens=max_tokens, **settings)
 
+    @property
+    def warp(self) -> Warp:
+        """The logits its tokens are drawn from."""
+        return Warp(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
 
 @attrs.define
 class _Request:
@@ -138,29 +151,12 @@ class _Request:
     done: asyncio.Future[TokenOutput]
 
 
-def _processed_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """The logits a token is drawn from: temperature, then top-k, then top-p (as vLLM)."""
-    logits = logits.float()
-    if sampling.temperature > 0:
-        logits = logits / sampling.temperature
-    if sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        ordered, order = torch.sort(logits, dim=-1, descending=True)
-        mass = ordered.softmax(-1).cumsum(-1)
-        # drop a token once the mass before it reaches top_p (the first token always stays)
-        drop = (mass - ordered.softmax(-1)) >= sampling.top_p
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return logits
-
-
 class HFGenerator:
     """The serving actor (one per replica): a Hugging Face causal LM built from the model's
     config, its weights set by the trainer's sync."""
 
     def __init__(self, config: Any, model_config: Any, replica_rank: int) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         check_settings(config)
         self.config = config
@@ -170,29 +166,18 @@ class HFGenerator:
             path, trust_remote_code=bool(getattr(model_config, "trust_remote_code", False))
         )
         apply_overrides(hf_config, model_overrides(model_config, Refusals()))  # as the trainer
-        if getattr(config, "enable_rollout_routing_replay", False) and not _is_moe(hf_config):
+        if getattr(config, "enable_rollout_routing_replay", False) and not is_moe(hf_config):
             raise ConfigError(
                 f"{NAME} rollout: enable_rollout_routing_replay=True needs a "
                 f"mixture-of-experts model; {hf_config.model_type!r} has no router"
             )
-        self.model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
-        self.shapes = {name: p.shape for name, p in self.model.named_parameters()}
-        # the model's parameters and buffers by name: the same objects for its whole life
-        # (release and resume swap a parameter's storage, not the parameter)
-        self.state = self.model.state_dict(keep_vars=True)
-        self.layout = CheckpointLayout(hf_config.model_type)
-        # what a sync must fill: each parameter's checkpoint tensors (one, or its experts')
-        self.pieces = {name: self.layout.names(name, shape) for name, shape in self.shapes.items()}
-        self.targets = self._targets()
-        self.received: set[str] = set()
-        #: LoRA synced alone: each adapted linear's base weight, and adapter halves received
-        #: (module -> {"lora_A": ..., "lora_B": ...}) until both are in.
-        self.base_weights: dict[str, torch.Tensor] = {}
-        #: The dtype each weight was sent in: a merged adapter is rounded to it, as the
-        #: trainer's merged export rounds it.
-        self.sent_dtypes: dict[str, torch.dtype] = {}
+        self.model = build_model(hf_config)
+        self.weights = GeneratorWeights(
+            self.model, CheckpointLayout(hf_config.model_type), f"{NAME} rollout: the trainer"
+        )
+        #: LoRA synced alone: adapter halves received (module -> {"lora_A": ..., "lora_B":
+        #: ...}) until both are in.
         self.adapter_halves: dict[str, dict[str, torch.Tensor]] = {}
-        self.adapted: set[str] = set()
         self.adapter_mode = False
         self.stop_ids = _stop_token_ids(hf_config, path)
         self.max_model_len = config.max_model_len or (config.prompt_length + config.response_length)
@@ -205,7 +190,7 @@ class HFGenerator:
         self.server: asyncio.Task[None] | None = None
         self.batches = 0
         self.paused = False
-        self.routes = _RouteRecorder(self.model) if _is_moe(hf_config) else None
+        self.routes = RouteRecorder(self.model) if is_moe(hf_config) else None
         self.global_steps: int | None = None
         self.seen_step: int | None = None
         self.seen: dict[str, int] = {}
@@ -315,86 +300,34 @@ class HFGenerator:
             streams.append(torch.Generator().manual_seed(seed))
         return streams
 
-    @torch.no_grad()
     def _generate(
         self, prompts: list[list[int]], sampling: Sampling, request_ids: list[str]
     ) -> list[TokenOutput]:
         """One batch: left-padded prompts, a KV cache, one token per row per step."""
         self.batches += 1
-        rows = len(prompts)
         streams = self._row_generators(request_ids)
-        width = max(len(prompt) for prompt in prompts)
-        pad = self.stop_ids[0] if self.stop_ids else 0
-        input_ids = torch.full((rows, width), pad, dtype=torch.long)
-        mask = torch.zeros((rows, width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
-        stop = torch.tensor(self.stop_ids, dtype=torch.long)
-        tokens: list[list[int]] = [[] for _ in range(rows)]
-        log_probs: list[list[float]] = [[] for _ in range(rows)]
-        routes: list[list[Any]] = [[] for _ in range(rows)]
-        finished = torch.zeros(rows, dtype=torch.bool)
-        past = None
-        step_ids = input_ids
-        if self.routes is not None:
-            self.routes.start()
-        for step in range(sampling.max_tokens):
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
-            out = self.model(
-                input_ids=step_ids,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=past,
-                use_cache=True,
+        input_ids, mask = left_padded(prompts, self.stop_ids[0] if self.stop_ids else 0)
+        generation = generate(
+            self.model,
+            input_ids,
+            attention_mask=mask,
+            max_tokens=sampling.max_tokens,
+            warp=sampling.warp,
+            pick=GumbelMax(streams) if sampling.temperature > 0 else MostLikely(),
+            stop_ids=() if sampling.ignore_eos else self.stop_ids,
+            routes=self.routes,
+        )
+        lengths = generation.lengths.tolist()
+        return [
+            TokenOutput(
+                token_ids=generation.tokens[row, :length].tolist(),
+                log_probs=generation.log_probs[row, :length].tolist(),
+                routed_experts=None if generation.routes is None else generation.routes[row],
+                stop_reason="completed",
+                extra_fields={"global_steps": self.global_steps},
             )
-            past = out.past_key_values
-            if self.routes is not None:
-                chosen = self.routes.take(rows, step_ids.shape[1])  # [rows, positions, layers, k]
-                for row in range(rows):
-                    if step == 0:
-                        length = len(prompts[row])
-                        routes[row].extend(chosen[row, width - length :].tolist())
-                    elif not finished[row]:
-                        routes[row].extend(chosen[row].tolist())
-            logits = _processed_logits(out.logits[:, -1], sampling)
-            if sampling.temperature > 0:
-                # Gumbel-max: argmax(logits + Gumbel noise) draws from softmax(logits)
-                noise = torch.stack(
-                    [torch.rand(logits.shape[-1], generator=stream) for stream in streams]
-                )
-                gumbel = -torch.log(-torch.log(noise.clamp(min=1e-20)))
-                picked = (logits + gumbel).argmax(-1)
-            else:
-                picked = logits.argmax(-1)
-            chosen_log_probs = logits.log_softmax(-1).gather(-1, picked[:, None])[:, 0]
-            for row in range(rows):
-                if not finished[row]:
-                    tokens[row].append(int(picked[row]))
-                    log_probs[row].append(float(chosen_log_probs[row]))
-            if not sampling.ignore_eos and len(stop):
-                finished |= torch.isin(picked, stop)
-            if bool(finished.all()) or step + 1 == sampling.max_tokens:
-                break
-            step_ids = picked[:, None]
-            mask = torch.cat([mask, torch.ones((rows, 1), dtype=torch.long)], dim=1)
-        outputs = []
-        for row in range(rows):
-            routed = None
-            if self.routes is not None:
-                # the last token's routes are not computed (it is never fed back): verl's R3
-                # replays prompt + response minus one position
-                routed = torch.tensor(routes[row][: len(prompts[row]) + len(tokens[row]) - 1])
-            outputs.append(
-                TokenOutput(
-                    token_ids=tokens[row],
-                    log_probs=log_probs[row],
-                    routed_experts=routed,
-                    stop_reason="completed",
-                    extra_fields={"global_steps": self.global_steps},
-                )
-            )
-        return outputs
+            for row, length in enumerate(lengths)
+        ]
 
     def wake_up(self) -> None:
         """verl's replica wake-up: the weights come back with the next sync, if released."""
@@ -418,7 +351,7 @@ class HFGenerator:
         """Allocate the parameters again (their values come with the sync)."""
         if "weights" in tags and not self.loaded:
             for name, parameter in self.model.named_parameters():
-                parameter.data = torch.empty(self.shapes[name], dtype=parameter.dtype)
+                parameter.data = torch.empty(self.weights.shapes[name], dtype=parameter.dtype)
             self.loaded = True
 
     def update_weights(
@@ -434,35 +367,12 @@ class HFGenerator:
         self.resume(["weights"])
         if lora is not None:  # the base model: adapters are merged again at their next sync
             named = [(lora_unwrapped_name(name), tensor) for name, tensor in named]
-        self.base_weights, self.adapted = {}, set()  # the adapters' base is being replaced
+        self.weights.forget_adapters()  # the adapters' base is being replaced
         self.adapter_mode = lora is not None
         for name, tensor in named:
-            target = self.targets.get(name)
-            if target is None:
-                raise KeyError(
-                    f"{NAME} rollout: the trainer sent {name!r}, which the generator's "
-                    f"{type(self.model).__name__} does not have"
-                )
-            parameter, rows = target
-            destination = self.state[parameter].data
-            if rows is not None:  # one expert's projection inside a fused parameter
-                destination = destination.view(-1, destination.shape[-1])[rows]
-            if destination.shape != tensor.shape:
-                raise ValueError(
-                    f"{NAME} rollout: {name!r} has shape {tuple(tensor.shape)} from the "
-                    f"trainer and {tuple(destination.shape)} in the generator"
-                )
-            destination.copy_(tensor)
-            self.sent_dtypes[name] = tensor.dtype
-            self.received.update(self.pieces.get(parameter, ()) if rows is None else (name,))
+            self.weights.copy(name, tensor)
         if last:
-            missing = sorted(
-                piece
-                for pieces in self.pieces.values()
-                for piece in pieces
-                if piece not in self.received
-            )
-            self.received = set()
+            missing = self.weights.end_sync()
             if missing:
                 raise ValueError(
                     f"{NAME} rollout: the trainer's weights lack {len(missing)} the generator "
@@ -475,8 +385,8 @@ class HFGenerator:
     ) -> None:
         """One bucket of adapters under peft's names (``base_model.model.<linear>.lora_A.weight``
         and ``lora_B``): each linear whose pair is complete becomes its base weight plus
-        ``(B @ A) * scale`` (float32, as the engine's merged export); the last bucket must have
-        completed every pair, and every linear a previous sync adapted."""
+        ``(B @ A) * scale``; the last bucket must have completed every pair, and every linear a
+        previous sync adapted."""
         if not self.synced:
             raise RuntimeError(
                 f"{NAME} rollout: LoRA adapters arrived before the base model (verl sends it "
@@ -487,7 +397,7 @@ class HFGenerator:
         scale = alpha / math.sqrt(r) if _field(lora, "use_rslora", False) else alpha / r
         for name, tensor in named:
             module, _, half = name[len(PEFT_PREFIX) :].removesuffix(".weight").rpartition(".")
-            if half not in ("lora_A", "lora_B") or f"{module}.weight" not in self.targets:
+            if half not in ("lora_A", "lora_B") or not self.weights.accepts(f"{module}.weight"):
                 raise KeyError(
                     f"{NAME} rollout: the trainer sent the adapter tensor {name!r}, which "
                     f"adapts no linear of the generator's {type(self.model).__name__}"
@@ -495,50 +405,18 @@ class HFGenerator:
             halves = self.adapter_halves.setdefault(module, {})
             halves[half] = tensor
             if len(halves) == 2:
-                self._merge_adapter(module, halves.pop("lora_A"), halves.pop("lora_B"), scale)
+                lora_a, lora_b = halves.pop("lora_A"), halves.pop("lora_B")
+                self.weights.merge_adapter(f"{module}.weight", lora_a, lora_b, scale)
                 del self.adapter_halves[module]
         if last:
             incomplete = sorted(self.adapter_halves)
-            missing = sorted(self.adapted - self.received)
-            self.adapter_halves, self.received = {}, set()
+            missing = self.weights.end_adapter_sync()
+            self.adapter_halves = {}
             if incomplete or missing:
                 raise ValueError(
                     f"{NAME} rollout: the adapter sync left linears with an old or half "
                     f"adapter: {(incomplete + missing)[:3]}"
                 )
-
-    def _merge_adapter(
-        self, module: str, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float
-    ) -> None:
-        name = f"{module}.weight"
-        parameter, rows = self.targets[name]
-        weight = self.state[parameter].data
-        if rows is not None:
-            weight = weight.view(-1, weight.shape[-1])[rows]
-        base = self.base_weights.setdefault(name, weight.detach().clone())
-        delta = (lora_b.float() @ lora_a.float()) * scale
-        if delta.shape != base.shape:
-            raise ValueError(
-                f"{NAME} rollout: the adapter of {module!r} makes {tuple(delta.shape)}, its "
-                f"weight is {tuple(base.shape)}"
-            )
-        sent = self.sent_dtypes.get(name, base.dtype)
-        weight.copy_((base.float() + delta).to(sent))
-        self.adapted.add(name)
-        self.received.add(name)
-
-    def _targets(self) -> dict[str, tuple[str, slice | None]]:
-        """Each name a sync may send -> (the model's parameter or buffer, its rows or None)."""
-        targets: dict[str, tuple[str, slice | None]] = {}
-        for name, tensor in self.state.items():
-            shape = self.shapes.get(name, tensor.shape)
-            targets[name] = (name, None)
-            pieces = self.pieces.get(name) or self.layout.names(name, shape)
-            if len(pieces) > 1:
-                rows = math.prod(shape[:-1]) // len(pieces)
-                for index, piece in enumerate(pieces):
-                    targets[piece] = (name, slice(index * rows, (index + 1) * rows))
-        return targets
 
     def set_global_steps(self, global_steps: int | None) -> None:
         self.global_steps = global_steps
@@ -546,11 +424,7 @@ class HFGenerator:
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The generator's weights under checkpoint names (for checks: the trainer's sync must
         equal them)."""
-        return {
-            stored: piece.detach().clone()
-            for name, tensor in self.model.state_dict().items()
-            for stored, piece in self.layout.split(name, tensor)
-        }
+        return self.weights.checkpoint_tensors()
 
     def statistics(self) -> dict[str, int]:
         return {"batches": self.batches}
@@ -575,10 +449,6 @@ class HFGenerator:
         return None
 
 
-def _is_moe(hf_config: Any) -> bool:
-    return bool(getattr(hf_config, "num_experts", 0) or getattr(hf_config, "num_local_experts", 0))
-
-
 def _stop_token_ids(hf_config: Any, path: str) -> list[int]:
     """The model's end-of-sequence ids: its generation config's, else its config's."""
     from transformers import GenerationConfig
@@ -591,41 +461,6 @@ def _stop_token_ids(hf_config: Any, path: str) -> list[int]:
     if ids is None:
         return []
     return [int(i) for i in (ids if isinstance(ids, list | tuple) else [ids])]
-
-
-class _RouteRecorder:
-    """The experts each position was routed to, per MoE layer (a forward hook on every
-    ``mlp.gate``: the indices it returns, or the top-k of its logits)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        config = model.config
-        self.top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
-        self.gates = [
-            module
-            for name, module in model.named_modules()
-            if name.endswith("mlp.gate") and isinstance(module, torch.nn.Module)
-        ]
-        if not self.gates or self.top_k < 1:
-            raise ConfigError(f"{NAME} rollout: no router found in {type(model).__name__}")
-        self.records: list[torch.Tensor] = []
-        for gate in self.gates:
-            gate.register_forward_hook(self._hook)
-
-    def start(self) -> None:
-        self.records = []
-
-    def _hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if isinstance(output, tuple) and len(output) == 3:  # (logits, scores, indices)
-            self.records.append(output[2])
-        else:
-            logits = output[0] if isinstance(output, tuple) else output
-            self.records.append(torch.topk(logits.float(), self.top_k, dim=-1).indices)
-
-    def take(self, rows: int, positions: int) -> torch.Tensor:
-        """This forward's routes: ``[rows, positions, layers, top_k]``."""
-        layers = [record.reshape(rows, positions, self.top_k) for record in self.records]
-        self.records = []
-        return torch.stack(layers, dim=2)
 
 
 class HFReplica(RolloutReplica):

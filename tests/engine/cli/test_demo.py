@@ -21,7 +21,6 @@ from engine.cli import main
 from engine.cli.demo.config import ROLES, DemoConfig, resolve_config
 from engine.cli.demo.rollout import (
     build_generator,
-    checkpoint_views,
     in_groups,
     make_prompts,
     parity_reward,
@@ -29,8 +28,10 @@ from engine.cli.demo.rollout import (
     rollout_batch,
     sample,
 )
+from engine.generation.weights import GeneratorWeights
 from engine.losses import GRPO
 from heads.errors import ConfigError
+from strategies.hf.experts import CheckpointLayout
 from tests.engine.cli.test_cli import ROOT, run
 from tests.multiprocess import TORCHRUN_TWO_RANKS
 
@@ -372,7 +373,9 @@ def test_the_generator_gets_the_actors_weights_and_samples_its_distribution(
     actor.initialize()
     generator = build_generator(actor.config.model, torch.device("cpu"))
     # one per checkpoint tensor: transformers may hold several (experts) in one parameter
-    assert push_weights(actor, generator) == len(checkpoint_views(generator, actor.config.model))
+    layout = CheckpointLayout.of(actor.config.model)
+    expected = GeneratorWeights(generator, layout, "the actor").checkpoint_names
+    assert push_weights(actor, generator) == len(expected)
     vocab = actor.config.model.vocab_size
     prompts = make_prompts(config.prompts, config.task.prompt_length, vocab, seed=0, iteration=1)
     responses, rollout_log_probs = sample(generator, prompts, 6, torch.Generator().manual_seed(0))
