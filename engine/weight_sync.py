@@ -51,7 +51,8 @@ class DeltaExport:
     def __init__(self, *, pin_memory: bool = False, dtype: torch.dtype | None = None) -> None:
         self.pin_memory = pin_memory
         self.dtype = dtype
-        self._base: dict[str, torch.Tensor] = {}
+        #: Each contributing block's base (flat); None for a block another rank contributes.
+        self._base: dict[str, torch.Tensor | None] = {}
 
     def _flat(self, block: HfBlock) -> torch.Tensor:
         flat = block.tensor.reshape(-1)
@@ -67,9 +68,12 @@ class DeltaExport:
         """Take ``blocks`` as the base, right after a full sync sent the same weights (with
         ``zeros``: a base of zeros, for tensors the receiver does not hold yet, e.g. LoRA
         adapters after a sync of the base model: the first delta then carries their nonzero
-        elements)."""
+        elements). A block another rank contributes needs no base here."""
         self._base = {}
         for block in blocks:
+            if not block.contributes:
+                self._base[block.name] = None
+                continue
             flat = self._flat(block)
             base = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=self.pin_memory)
             if zeros:
@@ -79,8 +83,9 @@ class DeltaExport:
             self._base[block.name] = base
 
     def deltas(self, blocks: Iterable[HfBlock]) -> Iterator[HfDelta]:
-        """Each block's changes since the base, in the blocks' order; the base becomes the
-        blocks. EngineStateError before :meth:`prime`, or for a block whose place changed."""
+        """Each block's changes since the base, in the blocks' order; the changed elements of
+        the base take their new values. EngineStateError before :meth:`prime`, or for a block
+        whose place changed."""
         if not self._base:
             raise EngineStateError(
                 "a weight delta before any base: sync the whole model first "
@@ -88,20 +93,26 @@ class DeltaExport:
             )
         for block in blocks:
             local = self._flat(block)
-            base = self._base.get(block.name)
-            if base is None or base.numel() != local.numel() or base.dtype != local.dtype:
+            if block.name not in self._base:
+                raise EngineStateError(
+                    f"{block.name}: DeltaExport.prime saw no such block (prime again after a full "
+                    "sync)"
+                )
+            base = self._base[block.name]
+            if base is None:
+                positions, values = torch.empty(0, dtype=torch.long), local[:0]
+            elif block.contributes and base.numel() == local.numel() and base.dtype == local.dtype:
+                bits = _BITS[local.element_size()]
+                held = base.to(local.device, non_blocking=True)
+                changed = (local.view(bits) != held.view(bits)).nonzero().reshape(-1)
+                values = local[changed]
+                base[changed.to(base.device)] = values.to(base.device)
+                positions = block.positions(changed)
+            else:
                 raise EngineStateError(
                     f"{block.name}: this rank's block is not the one DeltaExport.prime saw "
                     "(prime again after a full sync)"
                 )
-            held = base.to(local.device, non_blocking=True)
-            if block.contributes:
-                bits = _BITS[local.element_size()]
-                changed = (local.view(bits) != held.view(bits)).nonzero().reshape(-1)
-                positions, values = block.positions(changed), local[changed]
-            else:
-                positions, values = torch.empty(0, dtype=torch.long), local[:0]
-            base.copy_(local)
             yield HfDelta(
                 name=block.name,
                 shape=block.shape,

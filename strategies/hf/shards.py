@@ -115,6 +115,8 @@ class HfBlock:
     def positions(self, local: torch.Tensor) -> torch.Tensor:
         """Flat positions in the Hugging Face tensor of the block's flat positions ``local``."""
         width = self.columns[1] - self.columns[0]
+        if width == self.row_view[1]:  # whole rows: one contiguous run of the tensor
+            return local + self.rows[0] * width if self.rows[0] else local
         row, column = local // width, local % width
         return (row + self.rows[0]) * self.row_view[1] + column + self.columns[0]
 
