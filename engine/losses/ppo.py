@@ -230,23 +230,54 @@ class ActorLoss:
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], batch: Any, ctx: LossContext
     ) -> LossResult:
-        mask, key = select_mask(batch, self.mask_key)
-        local = local_context(ctx, mask, key)
-
-        def agg(values: torch.Tensor, context: LossContext) -> torch.Tensor:
-            return aggregate(
-                values, mask, self.loss_agg_mode, context, mask_key=key, horizon=self.horizon
-            )
-
+        agg = _Aggregation(batch, ctx, self.loss_agg_mode, self.horizon, self.mask_key)
+        mask = agg.mask
         log_probs = zero_masked(scalar_output(outputs, "log_probs", PER_TOKEN, "ActorLoss"), mask)
         dtype = log_probs.dtype
         old = zero_masked(batch["old_log_probs"].to(dtype), mask)
         advantages = zero_masked(batch["advantages"].to(dtype), mask)
 
         terms = self._policy(log_probs, old, advantages, mask, self)
-        per_token, rollout = terms.per_token, {}
-        precomputed = ROLLOUT_IS_WEIGHTS in batch.keys()
-        if precomputed:  # verl's trainer hands its rollout correction's weights over
+        per_token, rollout = self._rollout_weighted(terms.per_token, batch, mask, dtype)
+        ppo_kl = terms.ppo_kl
+        if ppo_kl is None:
+            ppo_kl = -torch.clamp(log_probs - old, -MAX_LOG_RATIO, MAX_LOG_RATIO)
+        loss = agg.loss(per_token)
+        metrics: dict[str, float | torch.Tensor] = {
+            "pg_loss": agg.metric(per_token),
+            "pg_clipfrac": masked_mean(terms.clipped.to(dtype), mask),
+            "ppo_kl": masked_mean(ppo_kl.detach(), mask),
+            "pg_clipfrac_lower": masked_mean(terms.clipped_lower.to(dtype), mask),
+            **rollout,
+        }
+
+        if "entropy" in outputs:  # the entropy bonus's term
+            entropy = _entropy(outputs, mask, "ActorLoss")
+            metrics["entropy"] = agg.metric(entropy)
+            if self.entropy_coeff > 0:
+                loss = loss - self.entropy_coeff * agg.loss(entropy)
+        elif self.entropy_coeff > 0:
+            raise ConfigError(
+                f"ActorLoss.entropy_coeff={self.entropy_coeff} needs the head's 'entropy' output; "
+                "build the LM head with compute_entropy=True"
+            )
+        if "ref_log_probs" in batch.keys():  # the KL loss's term
+            kl = _kl(log_probs, batch, mask, self.kl_type)
+            metrics["kl"] = agg.metric(kl)
+            if self.kl_coeff > 0:
+                loss = loss + self.kl_coeff * agg.loss(kl)
+        elif self.kl_coeff > 0:
+            raise BatchError(
+                f"ActorLoss.kl_coeff={self.kl_coeff} needs the batch field 'ref_log_probs'"
+            )
+        return loss, metrics
+
+    def _rollout_weighted(
+        self, per_token: torch.Tensor, batch: Any, mask: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The per-token policy loss times the rollout weights (the batch's precomputed ones,
+        or ``rollout_correction``'s), and their metrics."""
+        if ROLLOUT_IS_WEIGHTS in batch.keys():  # verl's trainer hands its weights over
             if self.rollout_correction is not None or isinstance(self._policy, BypassMode):
                 raise BatchError(
                     f"the batch holds precomputed {ROLLOUT_IS_WEIGHTS!r} and ActorLoss computes "
@@ -254,62 +285,23 @@ class ActorLoss:
                     "both (they would multiply)"
                 )
             weights_field = zero_masked(batch[ROLLOUT_IS_WEIGHTS].to(dtype), mask).detach()
-            per_token = per_token * weights_field
-            rollout = {"rollout_is_mean": masked_mean(weights_field, mask)}
-        if self.rollout_correction is not None:  # the one place every policy loss is weighted
-            if ROLLOUT_LOG_PROBS not in batch.keys():
-                raise BatchError(
-                    f"ActorLoss.rollout_correction needs the batch field {ROLLOUT_LOG_PROBS!r} "
-                    "(the rollout engine's log-probs of the sampled tokens)"
-                )
-            weights = rollout_weights(
-                batch["old_log_probs"],
-                batch[ROLLOUT_LOG_PROBS],
-                mask,
-                self.rollout_correction,
-                dtype=torch.promote_types(dtype, torch.float32),
-            )
-            per_token = per_token * weights.weights
-            rollout = rollout_metrics(weights, mask)
-        ppo_kl = terms.ppo_kl
-        if ppo_kl is None:
-            ppo_kl = -torch.clamp(log_probs - old, -MAX_LOG_RATIO, MAX_LOG_RATIO)
-        loss = agg(per_token, ctx)
-        metrics: dict[str, float | torch.Tensor] = {
-            "pg_loss": agg(per_token.detach(), local),
-            "pg_clipfrac": masked_mean(terms.clipped.to(dtype), mask),
-            "ppo_kl": masked_mean(ppo_kl.detach(), mask),
-            "pg_clipfrac_lower": masked_mean(terms.clipped_lower.to(dtype), mask),
-            **rollout,
-        }
-
-        entropy = (
-            scalar_output(outputs, "entropy", PER_TOKEN, "ActorLoss")
-            if "entropy" in outputs
-            else None
-        )
-        if self.entropy_coeff > 0 and entropy is None:
-            raise ConfigError(
-                f"ActorLoss.entropy_coeff={self.entropy_coeff} needs the head's 'entropy' output; "
-                "build the LM head with compute_entropy=True"
-            )
-        if entropy is not None:
-            entropy = zero_masked(entropy, mask)
-            metrics["entropy"] = agg(entropy.detach(), local)
-            if self.entropy_coeff > 0:
-                loss = loss - self.entropy_coeff * agg(entropy, ctx)
-
-        if "ref_log_probs" in batch.keys():
-            ref = zero_masked(batch["ref_log_probs"].to(dtype), mask)
-            kl = kl_penalty(log_probs, ref, self.kl_type)
-            metrics["kl"] = agg(kl.detach(), local)
-            if self.kl_coeff > 0:
-                loss = loss + self.kl_coeff * agg(kl, ctx)
-        elif self.kl_coeff > 0:
+            return per_token * weights_field, {"rollout_is_mean": masked_mean(weights_field, mask)}
+        if self.rollout_correction is None:
+            return per_token, {}
+        # the one place every policy loss is weighted
+        if ROLLOUT_LOG_PROBS not in batch.keys():
             raise BatchError(
-                f"ActorLoss.kl_coeff={self.kl_coeff} needs the batch field 'ref_log_probs'"
+                f"ActorLoss.rollout_correction needs the batch field {ROLLOUT_LOG_PROBS!r} "
+                "(the rollout engine's log-probs of the sampled tokens)"
             )
-        return loss, metrics
+        weights = rollout_weights(
+            batch["old_log_probs"],
+            batch[ROLLOUT_LOG_PROBS],
+            mask,
+            self.rollout_correction,
+            dtype=torch.promote_types(dtype, torch.float32),
+        )
+        return per_token * weights.weights, rollout_metrics(weights, mask)
 
 
 @attrs.frozen(kw_only=True)
@@ -344,7 +336,8 @@ class CriticLoss:
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], batch: Any, ctx: LossContext
     ) -> LossResult:
-        mask, key = select_mask(batch, self.mask_key)
+        agg = _Aggregation(batch, ctx, self.loss_agg_mode, self.horizon, self.mask_key)
+        mask = agg.mask
         predictions = zero_masked(scalar_output(outputs, "values", PER_TOKEN, "CriticLoss"), mask)
         dtype = predictions.dtype
         returns = zero_masked(batch["returns"].to(dtype), mask)
@@ -359,14 +352,9 @@ class CriticLoss:
             clip_hit = clipped > per_token
             per_token = torch.maximum(per_token, clipped)
 
-        def agg(values: torch.Tensor, context: LossContext) -> torch.Tensor:
-            return aggregate(
-                values, mask, self.loss_agg_mode, context, mask_key=key, horizon=self.horizon
-            )
-
-        loss = 0.5 * agg(per_token, ctx)
+        loss = 0.5 * agg.loss(per_token)
         metrics: dict[str, float | torch.Tensor] = {
-            "vf_loss": 0.5 * agg(per_token.detach(), local_context(ctx, mask, key)),
+            "vf_loss": 0.5 * agg.metric(per_token),
             "vf_clipfrac": masked_mean(clip_hit.to(dtype), mask),
             "vpred_mean": masked_mean(predictions.detach(), mask),
         }
@@ -389,18 +377,9 @@ def entropy_bonus(
     ``entropy`` (local). Needs the LM head's ``entropy`` output."""
     if "entropy" not in outputs:
         raise ConfigError("entropy_bonus needs the head's 'entropy' output (compute_entropy=True)")
-    mask, key = select_mask(batch, mask_key)
-    entropy = zero_masked(scalar_output(outputs, "entropy", PER_TOKEN, "entropy_bonus"), mask)
-    loss = -aggregate(entropy, mask, loss_agg_mode, ctx, mask_key=key, horizon=horizon)
-    local = aggregate(
-        entropy.detach(),
-        mask,
-        loss_agg_mode,
-        local_context(ctx, mask, key),
-        mask_key=key,
-        horizon=horizon,
-    )
-    return loss, {"entropy": local.detach()}
+    agg = _Aggregation(batch, ctx, loss_agg_mode, horizon, mask_key)
+    entropy = _entropy(outputs, agg.mask, "entropy_bonus")
+    return -agg.loss(entropy), {"entropy": agg.metric(entropy)}
 
 
 @token_separable
@@ -417,17 +396,47 @@ def kl_loss(
     mask_key: str | None = None,
 ) -> LossResult:
     """``agg(kl_penalty(log_probs, ref_log_probs, kl_type))``; metric ``kl`` (local)."""
-    mask, key = select_mask(batch, mask_key)
-    log_probs = zero_masked(scalar_output(outputs, "log_probs", PER_TOKEN, "kl_loss"), mask)
+    agg = _Aggregation(batch, ctx, loss_agg_mode, horizon, mask_key)
+    log_probs = zero_masked(scalar_output(outputs, "log_probs", PER_TOKEN, "kl_loss"), agg.mask)
+    kl = _kl(log_probs, batch, agg.mask, kl_type)
+    return agg.loss(kl), {"kl": agg.metric(kl)}
+
+
+class _Aggregation:
+    """A loss call's aggregation of per-token values over its mask (``mask_key``, else
+    ``loss_mask``, else ``response_mask``): the loss's share of the global aggregate, and the
+    metric, the same over this micro-batch alone."""
+
+    def __init__(
+        self,
+        batch: Any,
+        ctx: LossContext,
+        loss_agg_mode: str,
+        horizon: float | None,
+        mask_key: str | None,
+    ) -> None:
+        self.mask, self.mask_key = select_mask(batch, mask_key)
+        self.mode, self.horizon, self.ctx = loss_agg_mode, horizon, ctx
+        self.local = local_context(ctx, self.mask, self.mask_key)
+
+    def loss(self, values: torch.Tensor) -> torch.Tensor:
+        return self._over(values, self.ctx)
+
+    def metric(self, values: torch.Tensor) -> torch.Tensor:
+        return self._over(values.detach(), self.local)
+
+    def _over(self, values: torch.Tensor, ctx: LossContext) -> torch.Tensor:
+        return aggregate(
+            values, self.mask, self.mode, ctx, mask_key=self.mask_key, horizon=self.horizon
+        )
+
+
+def _entropy(outputs: Mapping[str, torch.Tensor], mask: torch.Tensor, loss: str) -> torch.Tensor:
+    """The head's entropy output, read by ``loss``, masked."""
+    return zero_masked(scalar_output(outputs, "entropy", PER_TOKEN, loss), mask)
+
+
+def _kl(log_probs: torch.Tensor, batch: Any, mask: torch.Tensor, kl_type: str) -> torch.Tensor:
+    """Per token, the KL penalty of the (masked) ``log_probs`` against ``ref_log_probs``."""
     ref = zero_masked(batch["ref_log_probs"].to(log_probs.dtype), mask)
-    kl = kl_penalty(log_probs, ref, kl_type)
-    loss = aggregate(kl, mask, loss_agg_mode, ctx, mask_key=key, horizon=horizon)
-    local = aggregate(
-        kl.detach(),
-        mask,
-        loss_agg_mode,
-        local_context(ctx, mask, key),
-        mask_key=key,
-        horizon=horizon,
-    )
-    return loss, {"kl": local.detach()}
+    return kl_penalty(log_probs, ref, kl_type)

@@ -41,11 +41,15 @@ above, so both give bit-identical log-probs and entropy.
 
 :func:`fused_sum_pi_squared` gives each token's sum of squared probabilities (no gradient) from
 the same tiles, computed once more, apart from the log-probs and entropy.
+
+Every path walks the tiles one way (``_Tiles``), and the paths differ only in what they do with
+a tile: fold its statistics into the chunk's (``_SoftmaxSums``, ``_PowerSums``: one online
+softmax, ``_add_chunk``), or turn it into its gradient (``_Gradients``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -192,92 +196,43 @@ def fused_log_probs_with_gradient(
         the results.
     """
     _check_inputs(hidden, weight, targets, group, vocab_start)
-    flat = hidden.detach().reshape(-1, hidden.shape[-1])
-    w = weight.detach()
-    n_tokens, vocab_local = flat.shape[0], w.shape[0]
-    chunk, block = _tile_for(tile, n_tokens, w)
-    blocks = _blocks(vocab_local, block)
+    flat, w = hidden.detach().reshape(-1, hidden.shape[-1]), weight.detach()
+    tiles = _Tiles(flat, w, _tile_for(tile, flat.shape[0], w), keep_chunk=True)
     temp = max(float(temperature), MIN_TEMPERATURE)
-    device, dtype, f32 = w.device, w.dtype, torch.float32
     local_targets = targets.reshape(-1) - vocab_start
-    log_probs = torch.empty(n_tokens, dtype=f32, device=device)
+    log_probs = torch.empty(flat.shape[0], dtype=torch.float32, device=w.device)
     entropy = torch.empty_like(log_probs) if compute_entropy else None
     grad_h = torch.empty_like(flat) if hidden.requires_grad else None
     grad_w = torch.zeros_like(w) if weight.requires_grad else None
-
-    rows, columns = min(chunk, n_tokens), min(block, vocab_local)
-    rows_of_stats = 3 if compute_entropy else 2
-    kept = torch.empty(rows * vocab_local, dtype=dtype, device=device)  # a chunk's tiles
-    scratch = torch.empty(rows_of_stats, rows, dtype=f32, device=device)
-    shifted_buf = torch.empty(rows * columns, dtype=f32, device=device)
-    exp_buf = torch.empty_like(shifted_buf) if compute_entropy else None
-    total = (
-        torch.empty(rows, flat.shape[1], dtype=f32, device=device) if grad_h is not None else None
-    )
+    sums = _SoftmaxSums(tiles, local_targets, temp, compute_entropy)
+    # the gradient's work space: the statistics' float32 buffers
+    work_buf = None if w.dtype == torch.float32 else sums.shifted_buf
+    gradients = _Gradients(tiles, grad_h, grad_w, (work_buf, sums.exp_buf), temp)
     with torch.no_grad():
-        for start in range(0, n_tokens, chunk):
-            end = min(start + chunk, n_tokens)
-            size = end - start
-            h_chunk = flat[start:end].to(dtype)
-            chunk_stats = torch.zeros(rows_of_stats, size, dtype=f32, device=device)
-            chunk_max = torch.empty(size, dtype=f32, device=device)
-            tiles = []
-            for first, last in blocks:
-                logits = torch.mm(
-                    h_chunk,
-                    w[first:last].t(),
-                    out=kept[size * first : size * last].view(size, last - first),
-                )
-                running = (chunk_stats, chunk_max, scratch[:, :size])
-                _add_tile(
-                    logits, local_targets[start:end], first, temp, running, shifted_buf, exp_buf
-                )
-                tiles.append(logits)
-            _combine_over_ranks(chunk_stats, chunk_max, temp, group)
-            chunk_log_probs, log_sum, chunk_entropy = finish_statistics(
-                chunk_stats, chunk_max, temp
-            )
-            log_probs[start:end] = chunk_log_probs
+        for tokens, h_chunk in tiles.chunks():
+            results = _chunk_results(tiles, sums, tokens, h_chunk, group)
+            chunk_log_probs, log_sum, chunk_entropy, chunk_max = results
+            log_probs[tokens] = chunk_log_probs
             if entropy is not None and chunk_entropy is not None:
-                entropy[start:end] = chunk_entropy
+                entropy[tokens] = chunk_entropy
             if grad_h is None and grad_w is None:
                 continue
-            g_lp, g_h = upstream_of(start, end, chunk_log_probs, chunk_entropy)
+            g_lp, g_h = upstream_of(tokens.start, tokens.stop, chunk_log_probs, chunk_entropy)
             if g_lp is None and g_h is None:
                 if grad_h is not None:
-                    grad_h[start:end] = 0
+                    grad_h[tokens] = 0
                 continue
             if g_h is not None and chunk_entropy is None:
                 raise ValueError("upstream_of gave an entropy gradient, but no entropy is computed")
-            _, elsewhere = target_columns(local_targets[start:end], 0, vocab_local)
+            _, elsewhere = target_columns(local_targets[tokens], 0, w.shape[0])
             upstream = UpstreamGradients((g_lp, g_h), chunk_entropy, elsewhere, temp)
-            tokens, per_token = slice(0, size), (chunk_max, -log_sum, local_targets[start:end])
-            here = None if total is None else total[:size].zero_()
-            for (first, last), logits in zip(blocks, tiles, strict=True):
-                _tile_gradient(
-                    logits,
-                    tokens,
-                    upstream,
-                    per_token,
-                    first,
-                    temp,
-                    (None if dtype == f32 else shifted_buf, exp_buf),
-                    here,
-                    None if grad_w is None else grad_w[first:last],
-                    h_chunk,
-                    w[first:last],
-                )
-            if grad_h is not None and here is not None:
-                grad_h[start:end] = here
-    del kept, scratch, shifted_buf, exp_buf, total
+            per_token = (chunk_max, -log_sum, local_targets[tokens])
+            kept, at = tiles.tiles(h_chunk, computed=False), slice(0, h_chunk.shape[0])
+            gradients.add_chunk(kept, h_chunk, tokens, at, upstream, per_token)
+    del tiles, sums, gradients
     apply: Callable[..., Any] = _PrecomputedGradients.apply
-    anchor = apply(hidden, weight, grad_h, grad_w)
-    shape = hidden.shape[:-1]
-    return (
-        log_probs.view(shape),
-        None if entropy is None else entropy.view(shape),
-        anchor,
-    )
+    anchor, shape = apply(hidden, weight, grad_h, grad_w), hidden.shape[:-1]
+    return log_probs.view(shape), None if entropy is None else entropy.view(shape), anchor
 
 
 @torch.no_grad()
@@ -297,31 +252,11 @@ def fused_sum_pi_squared(
     log-sum-exp is. Arguments as :func:`fused_log_probs_and_entropy`'s; the memory, its
     forward's without the entropy."""
     _check_hidden_and_weight(hidden, weight)
-    flat = hidden.detach().reshape(-1, hidden.shape[-1])
-    w = weight.detach()
-    n_tokens, vocab_local = flat.shape[0], w.shape[0]
-    chunk, block = _tile_for(tile, n_tokens, w)
-    temp = max(float(temperature), MIN_TEMPERATURE)
-    device, f32 = w.device, torch.float32
-    sums = torch.empty(2, n_tokens, dtype=f32, device=device)
-    row_max = torch.empty(n_tokens, dtype=f32, device=device)
-    rows, columns = min(chunk, n_tokens), min(block, vocab_local)
-    tile_sums = torch.empty(2, rows, dtype=f32, device=device)
-    logits_buf = torch.empty(rows * columns, dtype=w.dtype, device=device)
-    shifted_buf = torch.empty(rows * columns, dtype=f32, device=device)
-    for start in range(0, n_tokens, chunk):
-        end = min(start + chunk, n_tokens)
-        h_chunk = flat[start:end].to(w.dtype)
-        here = tile_sums[:, : end - start]
-        for first, last in _blocks(vocab_local, block):
-            logits = torch.mm(
-                h_chunk, w[first:last].t(), out=work_view(logits_buf, end - start, last - first)
-            )
-            tile_max = logits.amax(dim=-1).to(f32)
-            chunk_power_sums(logits, tile_max, temp, here, shifted_buf)
-            running = (sums[:, start:end], row_max[start:end])
-            _fold(running, (here, tile_max), temp, _rebase_power_sums, (0, 1), first == 0)
-    _combine_over_ranks(sums, row_max, temp, group, _rebase_power_sums)
+    flat, w = hidden.detach().reshape(-1, hidden.shape[-1]), weight.detach()
+    tiles = _Tiles(flat, w, _tile_for(tile, flat.shape[0], w))
+    power_sums = _PowerSums(tiles, max(float(temperature), MIN_TEMPERATURE))
+    sums, row_max = _statistics(tiles, power_sums)
+    _combine_over_ranks(sums, row_max, power_sums.temp, group, _rebase_power_sums)
     return finish_power_sums(sums).view(hidden.shape[:-1])
 
 
@@ -464,65 +399,214 @@ def _blocks(vocab_local: int, block: int) -> list[tuple[int, int]]:
     return [(start, min(start + block, vocab_local)) for start in range(0, vocab_local, block)]
 
 
-def _add_tile(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    first: int,
-    temp: float,
-    running: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    shifted_buf: torch.Tensor,
-    exp_buf: torch.Tensor | None,
-) -> None:
-    """Add a tile's logits ``[C, B]`` (vocabulary rows from ``first``; ``targets`` the chunk's
-    local target ids) to its token chunk's running statistics ``running = (stats, row_max,
-    scratch)``: ``stats`` rows ``S``, target logit (and ``W``), relative to ``row_max``, both
-    written in place; ``scratch`` a float32 ``[rows of stats, >= C]`` work array. The first
-    tile (``first == 0``) starts them; later ones are combined by rescaling to the larger
-    maximum (online softmax)."""
-    chunk_stats, chunk_max, here = running
-    with_entropy = chunk_stats.shape[0] == 3
-    col, outside = target_columns(targets, first, logits.shape[1])
-    chunk_stats[1] += logits.gather(1, col[:, None]).squeeze(1).masked_fill_(outside, 0)
-    tile_max = logits.amax(dim=-1).to(torch.float32)
-    chunk_statistics(
-        logits, tile_max, temp, here[0], here[2] if with_entropy else None, shifted_buf, exp_buf
-    )
-    rows = (0, 2) if with_entropy else (0,)
-    _fold((chunk_stats, chunk_max), (here, tile_max), temp, _rebase, rows, first == 0)
+class _Tiles:
+    """The work every path shares: the tiles of ``hidden @ weight.T`` (``C`` tokens x ``B``
+    vocabulary rows, in the weight's dtype) computed into one buffer, a tile's or, with
+    ``keep_chunk``, a token chunk's (``[C, V_local]``: its tiles side by side, kept until the
+    next chunk), and float32 work buffers of a tile's size."""
+
+    def __init__(
+        self,
+        flat: torch.Tensor,
+        weight: torch.Tensor,
+        tile: tuple[int, int],
+        *,
+        keep_chunk: bool = False,
+    ) -> None:
+        chunk, block = tile
+        n_tokens, vocab_local = flat.shape[0], weight.shape[0]
+        self.flat, self.weight, self.chunk, self.keep_chunk = flat, weight, chunk, keep_chunk
+        self.blocks = _blocks(vocab_local, block)
+        self.rows, self.columns = min(chunk, n_tokens), min(block, vocab_local)
+        width = vocab_local if keep_chunk else self.columns
+        self.logits_buf = torch.empty(self.rows * width, dtype=weight.dtype, device=weight.device)
+
+    def float32(self) -> torch.Tensor:
+        """A float32 work buffer of a tile's size."""
+        return torch.empty(self.rows * self.columns, dtype=torch.float32, device=self.weight.device)
+
+    def chunks(self) -> Iterator[tuple[slice, torch.Tensor]]:
+        """Each token chunk: its tokens and their hidden states in the weight's dtype."""
+        n_tokens = self.flat.shape[0]
+        for start in range(0, n_tokens, self.chunk):
+            tokens = slice(start, min(start + self.chunk, n_tokens))
+            yield tokens, self.flat[tokens].to(self.weight.dtype)
+
+    def tiles(
+        self, h_chunk: torch.Tensor, *, computed: bool = True
+    ) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """A token chunk's tiles ``(first, last, logits [C, last - first])`` over the vocabulary
+        rows ``[first, last)``: computed (one matmul each), or (``computed=False``, with
+        ``keep_chunk``) as the chunk's walk left them."""
+        size = h_chunk.shape[0]
+        for first, last in self.blocks:
+            at = size * first if self.keep_chunk else 0
+            logits = work_view(self.logits_buf[at:], size, last - first)
+            if computed:
+                torch.mm(h_chunk, self.weight[first:last].t(), out=logits)
+            yield first, last, logits
 
 
-def _tile_gradient(
-    logits: torch.Tensor,
+class _TileStatistic:
+    """Per-token statistics of the tiles relative to a row max, with their work buffers: a
+    tile's computed by :meth:`of_tile`, the rows ``folded`` rescaled by ``rebase`` and added
+    over the blocks (the others added as they are)."""
+
+    def __init__(
+        self, tiles: _Tiles, temp: float, rows: int, folded: tuple[int, ...], rebase: Rebase
+    ) -> None:
+        self.temp, self.rows, self.folded, self.rebase = temp, rows, folded, rebase
+        device = tiles.weight.device
+        self.scratch = torch.empty(rows, tiles.rows, dtype=torch.float32, device=device)
+        self.shifted_buf = tiles.float32()
+
+    def of_tile(
+        self, logits: torch.Tensor, tokens: slice, first: int, stats: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A tile's ``(statistics, row max)`` (``[C, B]`` logits of ``tokens`` from the
+        vocabulary row ``first``); ``stats``: its token chunk's running ones."""
+        raise NotImplementedError
+
+
+class _SoftmaxSums(_TileStatistic):
+    """The log-probs' and entropy's: rows ``S``, the target logit (0 where no tile here holds
+    it) and, with the entropy, ``W``; a tile's from ``vocab_parallel``'s own chunk code."""
+
+    def __init__(
+        self, tiles: _Tiles, local_targets: torch.Tensor, temp: float, compute_entropy: bool
+    ) -> None:
+        rows, folded = (3, (0, 2)) if compute_entropy else (2, (0,))
+        super().__init__(tiles, temp, rows, folded, _rebase)
+        self.local_targets = local_targets
+        self.exp_buf = tiles.float32() if compute_entropy else None
+
+    def of_tile(
+        self, logits: torch.Tensor, tokens: slice, first: int, stats: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # the target logit, added as it is (relative to no maximum)
+        col, outside = target_columns(self.local_targets[tokens], first, logits.shape[1])
+        stats[1] += logits.gather(1, col[:, None]).squeeze(1).masked_fill_(outside, 0)
+        tile_max = logits.amax(dim=-1).to(torch.float32)
+        here = self.scratch[:, : logits.shape[0]]
+        entropy_terms = here[2] if self.rows == 3 else None
+        chunk_statistics(
+            logits, tile_max, self.temp, here[0], entropy_terms, self.shifted_buf, self.exp_buf
+        )
+        return here, tile_max
+
+
+class _PowerSums(_TileStatistic):
+    """``sum_pi_squared``'s: rows ``S = sum exp(s)`` and ``S2 = sum exp(s) ** 2``."""
+
+    def __init__(self, tiles: _Tiles, temp: float) -> None:
+        super().__init__(tiles, temp, 2, (0, 1), _rebase_power_sums)
+
+    def of_tile(
+        self, logits: torch.Tensor, tokens: slice, first: int, stats: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        tile_max = logits.amax(dim=-1).to(torch.float32)
+        here = self.scratch[:, : logits.shape[0]]
+        chunk_power_sums(logits, tile_max, self.temp, here, self.shifted_buf)
+        return here, tile_max
+
+
+def _add_chunk(
+    tiles: _Tiles,
+    statistic: _TileStatistic,
     tokens: slice,
-    upstream: UpstreamGradients,
-    per_token: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    first: int,
-    temp: float,
-    buffers: tuple[torch.Tensor | None, torch.Tensor | None],
-    total: torch.Tensor | None,
-    grad_weight: torch.Tensor | None,
     h_chunk: torch.Tensor,
-    w_block: torch.Tensor,
+    stats: torch.Tensor,
+    row_max: torch.Tensor,
 ) -> None:
-    """Turn a tile's logits ``[C, B]`` (tokens ``tokens`` of the per-token arrays
-    ``per_token = (row_max, -log_sum, local targets)``, vocabulary rows from ``first``) into
-    their gradient in place, then add ``dlogits @ w_block`` to ``total`` (float32 ``[C,
-    hidden]``) and ``dlogits^T h_chunk`` to ``grad_weight`` (the tile's rows of W's gradient);
-    ``buffers``: ``chunk_gradient``'s float32 work and probability buffers."""
-    row_max, neg_log_sum, local_targets = per_token
-    col, outside = target_columns(local_targets[tokens], first, logits.shape[1])
-    one_hot = upstream.target_grad[tokens].masked_fill(outside[:, None], 0)
-    chunk_gradient(
-        logits, tokens, upstream, row_max, neg_log_sum, col[:, None], one_hot, temp, logits,
-        *buffers,
-    )  # fmt: skip
-    if total is not None:
-        if logits.dtype == torch.float32:
-            total.addmm_(logits, w_block)
-        else:
-            total.add_(torch.mm(logits, w_block))
-    if grad_weight is not None:
-        grad_weight.addmm_(logits.t(), h_chunk)
+    """A token chunk's per-token ``stats``, relative to ``row_max`` (both written in place),
+    from its tiles: the first tile's start them, later ones are combined by rescaling to the
+    larger maximum (online softmax)."""
+    for first, _, logits in tiles.tiles(h_chunk):
+        tile = statistic.of_tile(logits, tokens, first, stats)
+        running = (stats, row_max)
+        _fold(running, tile, statistic.temp, statistic.rebase, statistic.folded, first == 0)
+
+
+def _chunk_results(
+    tiles: _Tiles,
+    sums: _SoftmaxSums,
+    tokens: slice,
+    h_chunk: torch.Tensor,
+    group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A token chunk's ``(log_probs, log_sum, entropy, row_max)``, its statistics combined over
+    the ranks of ``group``."""
+    size, device = h_chunk.shape[0], tiles.weight.device
+    stats = torch.zeros(sums.rows, size, dtype=torch.float32, device=device)
+    row_max = torch.empty(size, dtype=torch.float32, device=device)
+    _add_chunk(tiles, sums, tokens, h_chunk, stats, row_max)
+    _combine_over_ranks(stats, row_max, sums.temp, group)
+    return (*finish_statistics(stats, row_max, sums.temp), row_max)
+
+
+def _statistics(tiles: _Tiles, statistic: _TileStatistic) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token's ``(stats, row_max)``, chunk by chunk (this rank's vocabulary rows)."""
+    n_tokens, device = tiles.flat.shape[0], tiles.weight.device
+    stats = torch.zeros(statistic.rows, n_tokens, dtype=torch.float32, device=device)
+    row_max = torch.empty(n_tokens, dtype=torch.float32, device=device)
+    for tokens, h_chunk in tiles.chunks():
+        _add_chunk(tiles, statistic, tokens, h_chunk, stats[:, tokens], row_max[tokens])
+    return stats, row_max
+
+
+class _Gradients:
+    """The gradients of ``h`` (rows of ``grad_h``, through a float32 ``[C, hidden]``
+    accumulator over the blocks) and ``W`` (``grad_w``, accumulated over the token chunks in
+    its dtype) from the tiles, each turned into its gradient in place with
+    ``vocab_parallel.chunk_gradient``; ``buffers``: its float32 work and probability buffers."""
+
+    def __init__(
+        self,
+        tiles: _Tiles,
+        grad_h: torch.Tensor | None,
+        grad_w: torch.Tensor | None,
+        buffers: tuple[torch.Tensor | None, torch.Tensor | None],
+        temp: float,
+    ) -> None:
+        self.weight, self.grad_h, self.grad_w = tiles.weight, grad_h, grad_w
+        self.buffers, self.temp = buffers, temp
+        hidden_size, device = tiles.flat.shape[1], tiles.weight.device
+        self.total = (
+            None
+            if grad_h is None
+            else torch.empty(tiles.rows, hidden_size, dtype=torch.float32, device=device)
+        )
+
+    def add_chunk(
+        self,
+        tiles: Iterable[tuple[int, int, torch.Tensor]],
+        h_chunk: torch.Tensor,
+        tokens: slice,
+        at: slice,
+        upstream: UpstreamGradients,
+        per_token: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> None:
+        """Add the gradients from a token chunk's ``tiles`` (its tokens ``tokens``; ``at`` in
+        ``upstream`` and the per-token ``per_token = (row_max, -log_sum, local targets)``)."""
+        row_max, neg_log_sum, local_targets = per_token
+        here = None if self.total is None else self.total[: h_chunk.shape[0]].zero_()
+        for first, last, logits in tiles:
+            col, outside = target_columns(local_targets[at], first, logits.shape[1])
+            one_hot = upstream.target_grad[at].masked_fill(outside[:, None], 0)
+            chunk_gradient(
+                logits, at, upstream, row_max, neg_log_sum, col[:, None], one_hot, self.temp,
+                logits, *self.buffers,
+            )  # fmt: skip
+            w_block = self.weight[first:last]
+            if here is not None:
+                if logits.dtype == torch.float32:
+                    here.addmm_(logits, w_block)
+                else:
+                    here.add_(torch.mm(logits, w_block))
+            if self.grad_w is not None:
+                self.grad_w[first:last].addmm_(logits.t(), h_chunk)
+        if self.grad_h is not None and here is not None:
+            self.grad_h[tokens] = here
 
 
 class _FusedLogProbsAndEntropy(torch.autograd.Function):
@@ -542,41 +626,11 @@ class _FusedLogProbsAndEntropy(torch.autograd.Function):
         tile: tuple[int, int],
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         flat = hidden.reshape(-1, hidden.shape[-1])
-        n_tokens, vocab_local = flat.shape[0], weight.shape[0]
-        device, f32 = weight.device, torch.float32
-        chunk, block = tile
         local_targets = targets.reshape(-1) - vocab_start
-        # stats rows: S, target logit x_t (0 where no tile here holds it), W
-        rows_of_stats = 3 if compute_entropy else 2
-        stats = torch.zeros(rows_of_stats, n_tokens, dtype=f32, device=device)
-        row_max = torch.empty(n_tokens, dtype=f32, device=device)
-        tile_stats = torch.empty(rows_of_stats, min(chunk, n_tokens), dtype=f32, device=device)
-
-        rows, columns = min(chunk, n_tokens), min(block, vocab_local)
-        logits_buf = torch.empty(rows * columns, dtype=weight.dtype, device=device)
-        shifted_buf = torch.empty(rows * columns, dtype=f32, device=device)
-        exp_buf = torch.empty_like(shifted_buf) if compute_entropy else None
-        for start in range(0, n_tokens, chunk):
-            end = min(start + chunk, n_tokens)
-            h_chunk = flat[start:end].to(weight.dtype)
-            chunk_stats, chunk_max = stats[:, start:end], row_max[start:end]
-            here = tile_stats[:, : end - start]
-            for first, last in _blocks(vocab_local, block):
-                logits = torch.mm(
-                    h_chunk,
-                    weight[first:last].t(),
-                    out=work_view(logits_buf, end - start, last - first),
-                )
-                _add_tile(
-                    logits,
-                    local_targets[start:end],
-                    first,
-                    temp,
-                    (chunk_stats, chunk_max, here),
-                    shifted_buf,
-                    exp_buf,
-                )
-        del logits_buf, shifted_buf, exp_buf, tile_stats
+        tiles = _Tiles(flat, weight, tile)
+        sums = _SoftmaxSums(tiles, local_targets, temp, compute_entropy)
+        stats, row_max = _statistics(tiles, sums)
+        del tiles, sums
         _combine_over_ranks(stats, row_max, temp, group)
         log_probs, log_sum, entropy = finish_statistics(stats, row_max, temp)
 
@@ -593,51 +647,19 @@ class _FusedLogProbsAndEntropy(torch.autograd.Function):
         want_hidden, want_weight = ctx.needs_input_grad[:2]
         if all(g is None for g in grads) or not (want_hidden or want_weight):
             return (None, None, *no_grads)
-        temp: float = ctx.temp
-        chunk, block = ctx.tile
-        f32 = torch.float32
         flat = hidden.reshape(-1, hidden.shape[-1])
-        n_tokens, vocab_local = flat.shape[0], weight.shape[0]
-        device, dtype = weight.device, weight.dtype
-        _, elsewhere = target_columns(local_targets, 0, vocab_local)
-        upstream = UpstreamGradients(grads, rest[0] if rest else None, elsewhere, temp)
-        neg_log_sum = -log_sum
-
+        _, elsewhere = target_columns(local_targets, 0, weight.shape[0])
+        upstream = UpstreamGradients(grads, rest[0] if rest else None, elsewhere, ctx.temp)
+        per_token = (row_max, -log_sum, local_targets)
         grad_hidden = torch.empty_like(flat) if want_hidden else None
         grad_weight = torch.zeros_like(weight) if want_weight else None
-        rows, columns = min(chunk, n_tokens), min(block, vocab_local)
-        hidden_total = (
-            torch.empty(rows, flat.shape[1], dtype=f32, device=device) if want_hidden else None
-        )
+        tiles = _Tiles(flat, weight, ctx.tile)
         # the logits' buffer receives their gradient in place; float32 work space beside it
         # where the weight is not float32, and for the probabilities when the entropy has one
-        logits_buf = torch.empty(rows * columns, dtype=dtype, device=device)
-        work_buf = None if dtype == f32 else torch.empty(rows * columns, dtype=f32, device=device)
-        prob_buf = None if upstream.slope is None else torch.empty_like(logits_buf, dtype=f32)
-        for start in range(0, n_tokens, chunk):
-            end = min(start + chunk, n_tokens)
-            tokens = slice(start, end)
-            h_chunk = flat[tokens].to(dtype)
-            total = None if hidden_total is None else hidden_total[: end - start].zero_()
-            for first, last in _blocks(vocab_local, block):
-                w_block = weight[first:last]
-                logits = torch.mm(
-                    h_chunk, w_block.t(), out=work_view(logits_buf, end - start, last - first)
-                )
-                _tile_gradient(
-                    logits,
-                    tokens,
-                    upstream,
-                    (row_max, neg_log_sum, local_targets),
-                    first,
-                    temp,
-                    (work_buf, prob_buf),
-                    total,
-                    None if grad_weight is None else grad_weight[first:last],
-                    h_chunk,
-                    w_block,
-                )
-            if grad_hidden is not None and total is not None:
-                grad_hidden[tokens] = total
+        work_buf = None if weight.dtype == torch.float32 else tiles.float32()
+        prob_buf = None if upstream.slope is None else tiles.float32()
+        gradients = _Gradients(tiles, grad_hidden, grad_weight, (work_buf, prob_buf), ctx.temp)
+        for tokens, h_chunk in tiles.chunks():
+            gradients.add_chunk(tiles.tiles(h_chunk), h_chunk, tokens, tokens, upstream, per_token)
         grad_h = None if grad_hidden is None else grad_hidden.view(hidden.shape)
         return (grad_h, grad_weight, *no_grads)
