@@ -8,7 +8,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from contextlib import closing, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -250,8 +250,8 @@ def _batches(
 def train(args: argparse.Namespace) -> int:
     from engine import Engine, losses
     from engine.cli.hf_export import HF_DIR, export_final_model
-    from engine.cli.loggers import open_loggers, resolve_loggers
-    from engine.cli.progress import MetricsFile, ProgressReporter, plot_metrics
+    from engine.cli.loggers import resolve_loggers
+    from engine.cli.run_harness import METRICS_FILE, Plot, RunHarness
     from engine.data.batching import take_rows
 
     logger_names = resolve_loggers(args.logger, args.output_dir)
@@ -264,35 +264,33 @@ def train(args: argparse.Namespace) -> int:
     loss_fn = getattr(losses, TASKS[args.head])
     records = _checked_data(args, config)
     output_dir = Path(args.output_dir) if args.output_dir else None
-    metrics = MetricsFile(output_dir / "metrics.jsonl") if output_dir else None
-    if metrics is not None and metrics.path.exists():
-        raise ConfigError(f"{metrics.path} exists (an earlier run's); choose another --output-dir")
+    if output_dir is not None and (output_dir / METRICS_FILE).exists():
+        raise ConfigError(
+            f"{output_dir / METRICS_FILE} exists (an earlier run's); choose another --output-dir"
+        )
     engine.initialize()
     dp_rank, dp_size = engine.get_data_parallel_rank(), engine.get_data_parallel_size()
     shard = args.batch_size // dp_size
-    # One rank reports: the first data-parallel replica's output rank (TP 0, last stage).
-    show = engine.holds_outputs() and dp_rank == 0
     batches = _batches(args, config, records, torch.Generator().manual_seed(config.seed))
     parallel = config.parallel
-    start = time.perf_counter()
-    history: list[dict[str, Any]] = []
-    progress = ProgressReporter(
+    harness = RunHarness(
         label="step",
+        step_key="step",
         total=args.steps,
         columns=TRAIN_COLUMNS,
-        enabled=show and "console" in logger_names,
-    )
-    loggers = open_loggers(
-        logger_names if show else (),
-        step_key="step",
-        progress=progress,
-        metrics=metrics,
+        loggers=logger_names,
+        # One rank reports: the first data-parallel replica's output rank (TP 0, last stage).
+        lead=engine.holds_outputs() and dp_rank == 0,
         output_dir=output_dir,
         run_name=f"train-{engine.head.name}-{engine.backend.name}",
         settings=config.to_dict(),
+        plot=Plot(
+            panels=[("loss", ["loss"]), ("grad norm", ["grad_norm"])],
+            title=f"train --head {engine.head.name}",
+        ),
     )
-    with progress, engine.train_mode(), closing(loggers):
-        progress.message(
+    with harness, engine.train_mode():
+        harness.message(
             f"training head={engine.head.name} backend={engine.backend.name} "
             f"device={engine.platform.name} model={args.model or 'config'} steps={args.steps} "
             f"tp={parallel.tensor_parallel_size} pp={parallel.pipeline_parallel_size} dp={dp_size}"
@@ -300,22 +298,11 @@ def train(args: argparse.Namespace) -> int:
         )
         for step in range(1, args.steps + 1):
             batch = take_rows(next(batches), slice(dp_rank * shard, (dp_rank + 1) * shard))
-            record = {"step": step, **engine.train_batch(batch, loss_fn)}
-            loggers.log(record)
-            history.append(record)
-        done = [f"done in {time.perf_counter() - start:.1f} s"]
-        if output_dir is not None:
-            model = export_final_model(engine, output_dir / HF_DIR, f"model ({args.head} head)")
-            if show:
-                plot_metrics(
-                    history,
-                    output_dir / "metrics.png",
-                    x="step",
-                    panels=[("loss", ["loss"]), ("grad norm", ["grad_norm"])],
-                    title=f"train --head {engine.head.name}",
-                )
-            done += [*loggers.destinations(), f"plot in {output_dir / 'metrics.png'}", model]
+            harness.record({"step": step, **engine.train_batch(batch, loss_fn)})
+        done = f"done in {time.perf_counter() - harness.started:.1f} s"
+        if output_dir is None:
+            harness.message(f"{done}; nothing saved (give --output-dir for the model and metrics)")
         else:
-            done.append("nothing saved (give --output-dir for the model and metrics)")
-        progress.message("; ".join(done))
+            model = export_final_model(engine, output_dir / HF_DIR, f"model ({args.head} head)")
+            harness.message(harness.where(before=[done], after=[model]))
     return 0

@@ -67,12 +67,8 @@ ROLE_DEFAULTS: dict[str, dict[str, Any]] = {
     "reference": {},
 }
 
-RUN_FILE, METRICS_FILE, PLOT_FILE, CHECKPOINTS = (
-    "run.json",
-    "metrics.jsonl",
-    "metrics.png",
-    "checkpoints",
-)
+#: Under the run's output directory (beside run_harness's metrics file and plot).
+RUN_FILE, CHECKPOINTS = "run.json", "checkpoints"
 
 
 def _logger_names(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:

@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import attrs
@@ -45,8 +44,6 @@ import torch.distributed as dist
 from engine.cli.demo.config import (
     CHECKPOINTS,
     HEADS,
-    METRICS_FILE,
-    PLOT_FILE,
     RUN_FILE,
     DemoConfig,
     PPOConfig,
@@ -61,8 +58,9 @@ from engine.cli.demo.rollout import (
     sample,
 )
 from engine.cli.hf_export import HF_DIR, export_final_model
-from engine.cli.loggers import DEFAULT_LOGGERS, open_loggers
-from engine.cli.progress import Column, MetricsFile, ProgressReporter, plot_metrics
+from engine.cli.loggers import DEFAULT_LOGGERS
+from engine.cli.progress import Column, MetricsFile
+from engine.cli.run_harness import METRICS_FILE, Checkpoints, Plot, RunHarness
 from engine.data.batching import ROUTED_EXPERTS, take_rows
 from engine.losses import (
     ActorLoss,
@@ -92,35 +90,6 @@ COLUMNS: list[Column] = [
 
 
 # -- the loop -------------------------------------------------------------------------------------
-class StopRequest:
-    """First Ctrl-C (or SIGTERM): finish the iteration, save, exit. A second Ctrl-C aborts."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> StopRequest:
-        for number in (signal.SIGINT, signal.SIGTERM):
-            self._previous[number] = signal.signal(number, self._handle)
-        return self
-
-    def _handle(self, number: int, frame: FrameType | None) -> None:
-        self.requested = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    def agreed(self, device: torch.device) -> bool:
-        """Whether any rank was asked to stop (so all ranks stop at the same iteration)."""
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return self.requested
-        flag = torch.tensor([float(self.requested)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def __exit__(self, *exc: object) -> None:
-        for number, handler in self._previous.items():
-            signal.signal(number, handler)
-
-
 class Interrupted(Exception):
     """Raised after a requested stop was saved; carries the iteration it stopped at."""
 
@@ -134,13 +103,68 @@ def run(
 ) -> dict[str, Any]:
     """Train, writing each iteration's record to ``loggers``; returns the summary. Raises
     :class:`Interrupted` after a saved Ctrl-C stop."""
-    from engine import Engine
-
     out = Path(config.output_dir)
-    metrics = MetricsFile(out / METRICS_FILE)
     trained = [role for role in config.roles if role != "reference"]
     roots = {role: out / CHECKPOINTS / role for role in trained}
     built = [r for r in config.roles if not (r == "reference" and config.reference_is_actor)]
+    engines = _build_engines(config, built)
+    done = _start(config, engines, built, roots, resume=resume)
+    lead = _is_lead()
+    actor = engines["actor"]
+    device = actor.device or torch.device("cpu")
+    generator = build_generator(actor.config.model, device)
+    history = MetricsFile(out / METRICS_FILE).read()  # a resumed run's earlier iterations
+    training = Training(
+        estimator=config.estimator(),
+        actor_loss=_actor_loss(config.ppo),
+        critic_loss=_critic_loss(config.ppo) if "critic" in engines else None,
+        reward_kl=_reward_kl_controller(config, history, done),
+    )
+    vocab = actor.config.model.vocab_size
+    harness = RunHarness(
+        label="iter",
+        step_key="iteration",
+        total=config.steps,
+        columns=COLUMNS,
+        loggers=loggers,
+        lead=lead,
+        output_dir=out,
+        run_name=f"demo-{config.algorithm}",
+        settings=config.to_dict(),
+        plot=_plot(config.algorithm.upper()),
+        done=done,
+        history=history,
+        checkpoints=Checkpoints(
+            save=partial(_save, engines, roots, keep=config.keep_checkpoints),
+            every=config.save_every,
+            directory=out / CHECKPOINTS,
+            device=device,
+        ),
+    )
+    with harness:
+        resumed = f"; resumed after iteration {done}" if done else ""
+        harness.message(_header(config, engines, built) + resumed)
+        for iteration in range(done + 1, config.steps + 1):
+            record = _iteration(
+                config, iteration, engines, generator, training, vocab, device, harness.started
+            )
+            if harness.record(record):
+                break
+        harness.finish()
+        harness.message(harness.where())
+        for role in trained if not harness.interrupted else ():  # a resumed run exports at its end
+            harness.message(
+                export_final_model(engines[role], out / HF_DIR / role, _role_name(role))
+            )
+    if harness.interrupted:
+        raise Interrupted(harness.last_step)
+    return summarise(history) if lead else {}
+
+
+def _build_engines(config: DemoConfig, built: Sequence[str]) -> dict[str, Any]:
+    """The engines of the ``built`` roles (the LoRA actor stands in for the reference)."""
+    from engine import Engine
+
     engines = {
         role: Engine.build(
             head=HEADS[role],
@@ -152,6 +176,22 @@ def run(
     }
     if config.reference_is_actor:
         engines["reference"] = engines["actor"]
+    return engines
+
+
+def _start(
+    config: DemoConfig,
+    engines: Mapping[str, Any],
+    built: Sequence[str],
+    roots: Mapping[str, Path],
+    *,
+    resume: bool,
+) -> int:
+    """Check the output directory against ``resume``, initialize the engines (from the latest
+    checkpoint every trained role saved, when resuming), cut the metrics back to it and write
+    the run's settings; the iterations done."""
+    out = Path(config.output_dir)
+    metrics = MetricsFile(out / METRICS_FILE)
     if not resume and (metrics.path.exists() or (out / CHECKPOINTS).exists()):
         raise ConfigError(
             f"{out} already holds a run; pass --resume to continue it, or choose another "
@@ -164,8 +204,7 @@ def run(
         )
     for role in built:
         engines[role].initialize()
-    actor = engines["actor"]
-    lead = (dist.get_rank() if dist.is_initialized() else 0) == 0
+    lead = _is_lead()
     for role, directory in saved.items():
         engines[role].load_checkpoint(directory)
     if lead and done and metrics.path.exists():
@@ -173,19 +212,18 @@ def run(
     if lead:
         out.mkdir(parents=True, exist_ok=True)
         _write_json(out / RUN_FILE, config.to_dict())
-    device = actor.device or torch.device("cpu")
-    generator = build_generator(actor.config.model, device)
-    history = metrics.read()  # a resumed run's earlier iterations
-    training = Training(
-        estimator=config.estimator(),
-        actor_loss=_actor_loss(config.ppo),
-        critic_loss=_critic_loss(config.ppo) if "critic" in engines else None,
-        reward_kl=_reward_kl_controller(config, history, done),
-    )
-    vocab = actor.config.model.vocab_size
-    start = time.perf_counter()
-    last_saved = done
-    header = (
+    return done
+
+
+def _is_lead() -> bool:
+    """Whether this is the rank that writes the run's files and shows its progress."""
+    return (dist.get_rank() if dist.is_initialized() else 0) == 0
+
+
+def _header(config: DemoConfig, engines: Mapping[str, Any], built: Sequence[str]) -> str:
+    """The run's opening line: algorithm, task, model, batch, engines, device, processes."""
+    actor = engines["actor"]
+    return (
         f"{config.algorithm.upper()} demo: task parity, model {_describe_model(config)}, "
         f"{config.prompts} prompts x {config.group_size} "
         f"response{'s' if config.group_size > 1 else ''} x "
@@ -195,60 +233,6 @@ def run(
         f"device {actor.platform.name}, backend {actor.backend.name}, "
         f"{dist.get_world_size() if dist.is_initialized() else 1} process(es)"
     )
-    progress = ProgressReporter(
-        label="iter",
-        total=config.steps,
-        columns=COLUMNS,
-        start=done,
-        enabled=lead and "console" in loggers,
-    )
-    sinks = open_loggers(
-        loggers if lead else (),
-        step_key="iteration",
-        progress=progress,
-        metrics=metrics,
-        output_dir=out,
-        run_name=f"demo-{config.algorithm}",
-        settings=config.to_dict(),
-        first_step=done + 1 if done else None,
-    )
-    with progress, StopRequest() as stop:
-        progress.message(header + (f"; resumed after iteration {done}" if done else ""))
-        iteration = done
-        try:
-            for iteration in range(done + 1, config.steps + 1):
-                record = _iteration(
-                    config, iteration, engines, generator, training, vocab, device, start
-                )
-                sinks.log(record)
-                history.append(record)
-                stopping = stop.agreed(device)
-                if stopping or iteration % config.save_every == 0 or iteration == config.steps:
-                    _save(engines, roots, iteration, config.keep_checkpoints)
-                    last_saved = iteration
-                if stopping:
-                    break
-        finally:
-            sinks.close()
-            if lead:
-                _plot(history, out / PLOT_FILE, config.algorithm.upper())
-        progress.message(
-            "; ".join(
-                [
-                    f"checkpoint of iteration {last_saved} in {out / CHECKPOINTS}",
-                    *sinks.destinations(),
-                    f"plot in {out / PLOT_FILE}",
-                ]
-            )
-        )
-        interrupted = stop.requested and iteration < config.steps
-        for role in trained if not interrupted else ():  # a resumed run exports at its end
-            progress.message(
-                export_final_model(engines[role], out / HF_DIR / role, _role_name(role))
-            )
-    if interrupted:
-        raise Interrupted(iteration)
-    return summarise(history) if lead else {}
 
 
 @attrs.frozen(kw_only=True)
@@ -262,6 +246,20 @@ class Training:
     reward_kl: KLController | None
 
 
+class _Phases:
+    """An iteration's time per phase, each phase ending where the one before it ended."""
+
+    def __init__(self) -> None:
+        self.began = time.perf_counter()
+        self.times: dict[str, float] = {}
+
+    def end(self, name: str) -> float:
+        """End phase ``name``; the time since the iteration began."""
+        elapsed = time.perf_counter() - self.began
+        self.times[name] = elapsed - sum(self.times.values())
+        return elapsed
+
+
 def _iteration(
     config: DemoConfig,
     iteration: int,
@@ -272,13 +270,49 @@ def _iteration(
     device: torch.device,
     start: float,
 ) -> dict[str, Any]:
-    actor, reference, critic = engines["actor"], engines["reference"], engines.get("critic")
-    task, ppo = config.task, config.ppo
-    began = time.perf_counter()
-    phases: dict[str, float] = {}
+    phases = _Phases()
+    needs = estimator_inputs(training.estimator)
+    batch, scores, group_ids = _rollout(
+        config, iteration, engines["actor"], generator, needs, vocab, device, phases
+    )
+    _infer(batch, engines, needs)
+    record: dict[str, Any] = {
+        "iteration": iteration,
+        "reward": float(scores.mean()),
+        "reward_std": float(scores.std()),
+        **add_advantages(batch, training, group_ids, config.ppo.kl_type),
+    }
+    phases.end("score_s")
+    record.update(_train(config, iteration, engines, training, batch))
+    elapsed = phases.end("train_s")
+    _short_names(record)
+    rows = batch.batch_size[0]
+    tokens = rows * (config.task.prompt_length + config.task.response_length)
+    record.update(
+        tokens_per_s=tokens / elapsed,
+        iteration_s=elapsed,
+        elapsed_s=time.perf_counter() - start,
+        **phases.times,
+    )
+    return record
+
+
+def _rollout(
+    config: DemoConfig,
+    iteration: int,
+    actor: Any,
+    generator: torch.nn.Module,
+    needs: Sequence[str],
+    vocab: int,
+    device: torch.device,
+    phases: _Phases,
+) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """Push the actor's weights to the generator, sample each prompt's group and score it: the
+    batch, the scores and the group ids."""
+    task = config.task
     with actor.eval_mode():
         push_weights(actor, generator)
-    phases["sync_s"] = time.perf_counter() - began
+    phases.end("sync_s")
     prompts = make_prompts(config.prompts, task.prompt_length, vocab, config.seed, iteration)
     prompts, group_ids = in_groups(prompts, config.group_size)
     prompts = prompts.to(device)
@@ -286,14 +320,18 @@ def _iteration(
     responses, rollout_log_probs = sample(generator, prompts, task.response_length, rng)
     scores = parity_reward(prompts, responses).cpu()
     batch = rollout_batch(prompts.cpu(), responses.cpu(), scores, rollout_log_probs.cpu())
-    needs = estimator_inputs(training.estimator)
     if "reward_baselines" in needs:  # ReMax: each prompt's greedy response, scored
         greedy, _ = sample(generator, prompts, task.response_length, rng, greedy=True)
         batch["reward_baselines"] = parity_reward(prompts, greedy).cpu()
-    phases["generate_s"] = time.perf_counter() - began - sum(phases.values())
+    phases.end("generate_s")
+    return batch, scores, group_ids
 
-    dp_rank, dp_size = actor.get_data_parallel_rank(), actor.get_data_parallel_size()
-    shard = _shard(batch, dp_rank, dp_size)
+
+def _infer(batch: Any, engines: Mapping[str, Any], needs: Sequence[str]) -> None:
+    """The actor's old log-probs (and what the estimator or router replay keeps of its pass),
+    the reference's log-probs and the critic's values, into ``batch``."""
+    actor, reference, critic = engines["actor"], engines["reference"], engines.get("critic")
+    shard = _shard(batch, actor.get_data_parallel_rank(), actor.get_data_parallel_size())
     with actor.eval_mode():
         old = actor.infer_batch(shard)
         batch["old_log_probs"] = _gather_outputs(actor, old, "log_probs")
@@ -309,13 +347,20 @@ def _iteration(
     if critic is not None:
         with critic.eval_mode():
             batch["values"] = _gather_outputs(critic, critic.infer_batch(shard), "values")
-    record: dict[str, Any] = {
-        "iteration": iteration,
-        "reward": float(scores.mean()),
-        "reward_std": float(scores.std()),
-        **add_advantages(batch, training, group_ids, ppo.kl_type),
-    }
-    phases["score_s"] = time.perf_counter() - began - sum(phases.values())
+
+
+def _train(
+    config: DemoConfig,
+    iteration: int,
+    engines: Mapping[str, Any],
+    training: Training,
+    batch: Any,
+) -> dict[str, float]:
+    """Each epoch's mini-batches through the actor's (and the critic's) ``train_batch``; each
+    recorded metric's mean over them, named by role."""
+    actor, critic = engines["actor"], engines.get("critic")
+    dp_rank, dp_size = actor.get_data_parallel_rank(), actor.get_data_parallel_size()
+    ppo = config.ppo
     trained: dict[str, list[float]] = {}
     order_rng = torch.Generator().manual_seed(config.seed * 7919 + iteration)
     rows = batch.batch_size[0]
@@ -331,9 +376,11 @@ def _iteration(
                     _collect(
                         trained, "critic_", critic.train_batch(values_batch, training.critic_loss)
                     )
-    elapsed = time.perf_counter() - began
-    phases["train_s"] = elapsed - sum(phases.values())
-    record.update({name: sum(values) / len(values) for name, values in trained.items()})
+    return {name: sum(values) / len(values) for name, values in trained.items()}
+
+
+def _short_names(record: dict[str, Any]) -> None:
+    """The record's names for the actor's rollout-correction and main metrics, moved last."""
     for name in [name for name in record if name.startswith("actor_" + ROLLOUT_METRICS_PREFIX)]:
         record[name.removeprefix("actor_")] = record.pop(name)  # rollout_is_mean, ...
     for short, name in (
@@ -345,14 +392,6 @@ def _iteration(
     ):
         if name in record:
             record[short] = record.pop(name)
-    tokens = rows * (task.prompt_length + task.response_length)
-    record.update(
-        tokens_per_s=tokens / elapsed,
-        iteration_s=elapsed,
-        elapsed_s=time.perf_counter() - start,
-        **phases,
-    )
-    return record
 
 
 def add_advantages(
@@ -486,20 +525,16 @@ def _latest_common_checkpoint(roots: Mapping[str, Path]) -> tuple[int, dict[str,
     return common[-1], {role: steps[common[-1]] for role, steps in found.items()}
 
 
-def _plot(records: list[dict[str, Any]], path: Path, title: str) -> None:
-    if records:
-        plot_metrics(
-            records,
-            path,
-            x="iteration",
-            panels=[
-                ("reward (mean per iteration)", ["reward"]),
-                ("losses", ["pg_loss", "vf_loss"]),
-                ("advantages over response tokens", ["adv_mean", "adv_max", "adv_min"]),
-                ("KL to the reference", ["kl"]),
-            ],
-            title=f"{title} demo (parity task)",
-        )
+def _plot(title: str) -> Plot:
+    return Plot(
+        panels=[
+            ("reward (mean per iteration)", ["reward"]),
+            ("losses", ["pg_loss", "vf_loss"]),
+            ("advantages over response tokens", ["adv_mean", "adv_max", "adv_min"]),
+            ("KL to the reference", ["kl"]),
+        ],
+        title=f"{title} demo (parity task)",
+    )
 
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:
