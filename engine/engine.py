@@ -195,7 +195,7 @@ class Engine:
         self.backend.init_mesh(self.config.parallel)
         self.backend.build_model(self.config, self.head, self.device)
         if not self.config.forward_only:
-            self.backend.build_optimizer(self.config)
+            self.backend.build_optimizer(self.config, memory_is_host=self.platform.memory_is_host)
         self._initialized = True
         return self
 

@@ -240,6 +240,10 @@ class SchedulerConfig:
             )
 
 
+#: dtype names, short (``bf16``, ``fp32``) or long, -> the engine's (``EngineConfig.dtype``, a
+#: backend's weights dtype).
+DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
+
 #: LoRA targets by their Hugging Face module names, in the order adapters are listed.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

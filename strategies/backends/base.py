@@ -100,7 +100,11 @@ class Backend(Protocol):
 
     def build_model(self, config: PartsConfig, head: Head, device: torch.device) -> None: ...
 
-    def build_optimizer(self, config: PartsConfig) -> None: ...
+    def build_optimizer(self, config: PartsConfig, *, memory_is_host: bool) -> None:
+        """``memory_is_host``: the platform's device memory is the host's
+        (``DevicePlatform.memory_is_host``), where host-memory optimizer settings change
+        nothing."""
+        ...
 
     def forward_backward(self, step: Step, consume: MicroBatchConsumer, forward_only: bool) -> None:
         """Run every micro-batch of ``step`` through the model (and backward unless
@@ -225,6 +229,11 @@ class Offloading(Protocol):
 
     def offloaded(self) -> frozenset[str]: ...
 
+    def weights_in_host_memory(self) -> bool:
+        """The weights live in host memory whatever the device (they are computed with on it
+        unit by unit): offloading the model moves nothing."""
+        ...
+
 
 @runtime_checkable
 class Packing(Protocol):
@@ -316,6 +325,11 @@ class LowRankAdapters(Protocol):
         head's), its tensors under their ``export_hf`` names (``score.weight``)."""
         ...
 
+
+#: Refuses a training framework's setting the backend cannot honour, with the config it is
+#: in, its name, its value and what to do instead (``(kind, setting, value, hint)``): what a
+#: backend's translation of the framework's settings reports to (verl's ``Refusals.add``).
+Refuse = Callable[[str, str, Any, str], None]
 
 #: What ``Offloading`` moves: the names ``Engine.to`` and ``OffloadConfig`` use.
 OFFLOAD_PARTS = ("model", "optimizer", "grad")

@@ -76,6 +76,9 @@ class DevicePlatform(abc.ABC):
     visible_devices_env: ClassVar[str | None]
     #: Features backends may require of a platform (see ``Backend.required_capabilities``).
     capabilities: ClassVar[frozenset[str]] = frozenset()
+    #: The device's memory is the host's (the CPU): what a backend would offload to host memory
+    #: is there already.
+    memory_is_host: ClassVar[bool] = False
 
     runtime: DeviceRuntime | None = None
     process_group_backend: str | None = None

@@ -36,6 +36,7 @@ class CpuPlatform(DevicePlatform):
     dist_backend: ClassVar[str] = "gloo"
     visible_devices_env: ClassVar[str | None] = None
     capabilities: ClassVar[frozenset[str]] = frozenset({"sequence_parallel", "context_parallel"})
+    memory_is_host: ClassVar[bool] = True
 
     @override
     def load_runtime(self) -> DeviceRuntime:

@@ -198,9 +198,10 @@ class ComposableEngine(BaseEngine):
 
     @property
     def _in_host(self) -> bool:
-        """The model lives in host memory already (fsdp2's ``cpu_offload``, verl's
+        """The backend keeps the model in host memory already (fsdp2's ``cpu_offload``, verl's
         ``offload_policy``): verl turns its phase offloads off then."""
-        return bool(self.engine.config.backend.get("cpu_offload", False))
+        backend = self.engine.backend
+        return isinstance(backend, Offloading) and backend.weights_in_host_memory()
 
     @contextlib.contextmanager
     def train_mode(self, **kwargs: Any) -> Iterator[ComposableEngine]:

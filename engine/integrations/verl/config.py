@@ -11,13 +11,16 @@ computes log-probs and entropy from the hidden states and output weight either w
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
+from engine import registry
 from engine.config import EngineConfig
 from engine.integrations.verl.cells import BACKENDS, HEADS
 from heads.errors import ConfigError
-from strategies.config import LORA_TARGETS, LoraConfig
+from strategies.backends.base import Refuse
+from strategies.config import DTYPE_NAMES, LORA_TARGETS, LoraConfig
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:
@@ -70,7 +73,6 @@ REFUSED: list[tuple[str, str, Callable[[Any], bool], str]] = [
     ("checkpoint", "async_save", _off, "use a backend with async checkpoints directly"),
 ]
 
-_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
 _SCHEDULES = {"constant": "constant", "cosine": "cosine", "linear": "linear"}
 
 
@@ -293,6 +295,60 @@ def replay_mode(engine_config: Any, refusals: Refusals | None = None) -> str:
     return mode
 
 
+_ABSENT = object()
+
+
+class Fields(Mapping[str, Any]):
+    """A verl config object (a dataclass, a DictConfig or a dict) as the mapping of its fields
+    a backend's translation reads (a nested dataclass reads the same way)."""
+
+    def __init__(self, config: Any) -> None:
+        self._config = config
+
+    def __getitem__(self, name: str) -> Any:
+        value = _get(self._config, name, _ABSENT)
+        if value is _ABSENT:
+            raise KeyError(name)
+        nested = dataclasses.is_dataclass(value) and not isinstance(value, type)
+        return Fields(value) if nested else value
+
+    def __iter__(self) -> Iterator[str]:
+        if isinstance(self._config, Mapping):
+            return iter(self._config)
+        if dataclasses.is_dataclass(self._config):
+            return (field.name for field in dataclasses.fields(self._config))
+        return iter(vars(self._config))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+@runtime_checkable
+class VerlTranslation(Protocol):
+    """What a backend (its class) owns of verl's settings: where the compute dtype is set,
+    and its options from verl's model and engine config fields and its optimizer settings,
+    refusing what it cannot honour (``MegatronBackend``, ``Fsdp2Backend``)."""
+
+    def verl_compute_dtype(self, engine: Mapping[str, Any]) -> tuple[str, Any]: ...
+
+    def options_from_verl(
+        self,
+        model: Mapping[str, Any],
+        engine: Mapping[str, Any],
+        optimizer_settings: Sequence[tuple[str, str, Any]],
+        world_size: int,
+        refuse: Refuse,
+    ) -> dict[str, Any]: ...
+
+
+def verl_translation(backend: str) -> VerlTranslation:
+    """The registered ``backend``'s class, which translates verl's settings for itself."""
+    translation = registry.BACKENDS.get(backend)
+    if not isinstance(translation, VerlTranslation):
+        raise ConfigError(f"the {backend} backend does not translate verl's settings")
+    return translation
+
+
 def head_and_backend(model_type: str, strategy: str) -> tuple[str, str]:
     """This project's head and backend names for verl's model type and strategy."""
     if model_type not in HEADS:
@@ -307,20 +363,13 @@ def head_and_backend(model_type: str, strategy: str) -> tuple[str, str]:
     return HEADS[model_type], BACKENDS[strategy]
 
 
-def compute_dtype(engine_config: Any, backend: str, refusals: Refusals) -> str:
-    """The engine's compute dtype: FSDP's ``mixed_precision.param_dtype`` (verl's default bf16)
-    for fsdp2, the engine config's ``dtype`` otherwise."""
-    if backend == "fsdp2" and _get(engine_config, "mixed_precision", None) is not None:
-        value = _get(_get(engine_config, "mixed_precision"), "param_dtype", "bf16")
-        setting = "mixed_precision.param_dtype"
-    elif backend == "fsdp2" and _get(engine_config, "model_dtype", None) is not None:
-        value, setting = "bf16", "mixed_precision.param_dtype"  # verl's FSDP default
-    else:
-        value, setting = _get(engine_config, "dtype", "bfloat16"), "dtype"
-    if str(value) not in _DTYPES:
+def compute_dtype(engine_config: Any, backend: VerlTranslation, refusals: Refusals) -> str:
+    """The engine's compute dtype, from the verl setting ``backend`` reads it from."""
+    setting, value = backend.verl_compute_dtype(Fields(engine_config))
+    if str(value) not in DTYPE_NAMES:
         refusals.add("engine", setting, value, "float32 or bfloat16")
         return "float32"
-    return _DTYPES[str(value)]
+    return DTYPE_NAMES[str(value)]
 
 
 def _parallel(engine_config: Any) -> dict[str, Any]:
@@ -346,97 +395,15 @@ def packing(model_config: Any, parallel: Mapping[str, Any]) -> bool:
     return wanted and parallel["context_parallel_size"] == 1
 
 
-def _backend_options(
-    backend: str, model_config: Any, engine_config: Any, world_size: int, refusals: Refusals
-) -> dict[str, Any]:
-    checkpointing = bool(_get(model_config, "enable_gradient_checkpointing", False))
-    if backend == "fsdp2":
-        options: dict[str, Any] = {
-            "activation_checkpointing": checkpointing,
-            "reshard_after_forward": bool(_get(engine_config, "reshard_after_forward", True)),
-        }
-        fsdp_size = _get(engine_config, "fsdp_size", -1)
-        if fsdp_size not in (-1, None, world_size):
-            if fsdp_size <= 0 or world_size % fsdp_size:
-                refusals.add(
-                    "engine", "fsdp_size", fsdp_size, f"must divide the world size ({world_size})"
-                )
-            else:
-                options["replicate_size"] = world_size // fsdp_size
-        ulysses = int(_get(engine_config, "ulysses_sequence_parallel_size", 1) or 1)
-        if ulysses > 1:
-            options["ulysses_size"] = ulysses
-        return options | _fsdp2_memory(engine_config, refusals)
-    ulysses = _get(engine_config, "ulysses_sequence_parallel_size", 1)
-    if ulysses not in (None, 1):
-        refusals.add(
-            "engine",
-            "ulysses_sequence_parallel_size",
-            ulysses,
-            "Ulysses is the fsdp strategies'; megatron splits sequences with context_parallel_size",
-        )
-    overrides = dict(_get(engine_config, "override_transformer_config", None) or {})
-    if checkpointing:
-        overrides.setdefault("recompute_granularity", "full")
-        overrides.setdefault("recompute_method", "uniform")
-        overrides.setdefault("recompute_num_layers", 1)
-    return {
-        "use_distributed_optimizer": bool(_get(engine_config, "use_distributed_optimizer", False)),
-        "transformer_overrides": overrides,
-    }
-
-
-def uses_cpu_offload_policy(engine_config: Any) -> bool:
-    """verl's FSDP2 engines keep a model in host memory (``CPUOffloadPolicy``) with
-    ``offload_policy`` and always for a forward-only one (the reference); its phase offloads
-    (``param_offload``, ``optimizer_offload``) are then off."""
-    return bool(_get(engine_config, "offload_policy", False)) or bool(
-        _get(engine_config, "forward_only", False)
-    )
-
-
-def _fsdp2_memory(engine_config: Any, refusals: Refusals) -> dict[str, Any]:
-    """The fsdp2 backend's ``weights_dtype`` (verl's ``model_dtype``: float32 by default, bf16
-    for a forward-only engine when unset) and ``cpu_offload``."""
-    forward_only = bool(_get(engine_config, "forward_only", False))
-    value = _get(engine_config, "model_dtype", "fp32")
-    if value is None:
-        value = "bf16" if forward_only else "fp32"
-    if str(value) not in _DTYPES:
-        refusals.add("engine", "model_dtype", value, "fp32 or bf16")
-    return {
-        "weights_dtype": _DTYPES.get(str(value), "float32"),
-        "cpu_offload": uses_cpu_offload_policy(engine_config),
-    }
-
-
-#: verl's ``optimizer.override_optimizer_config`` keys the megatron backend passes to megatron's
-#: ``OptimizerConfig`` (CPU optimizer offload), with ``optimizer.use_precision_aware_optimizer``.
-OPTIMIZER_OVERRIDES = (
-    "optimizer_cpu_offload",
-    "optimizer_offload_fraction",
-    "overlap_cpu_optimizer_d2h_h2d",
-    "use_precision_aware_optimizer",
-)
-
-
-def optimizer_overrides(backend: str, optimizer_config: Any, refusals: Refusals) -> dict[str, Any]:
-    """The megatron backend's ``optimizer_overrides`` from verl's optimizer config; another key,
-    or any on the fsdp2 backend (whose AdamW has no such settings), is refused by name."""
+def optimizer_settings(optimizer_config: Any) -> list[tuple[str, str, Any]]:
+    """verl's settings for a backend's own optimizer, each as (verl's setting, key, value):
+    ``override_optimizer_config``'s entries and ``use_precision_aware_optimizer``."""
     given = dict(_get(optimizer_config, "override_optimizer_config", None) or {})
     entries = [(f"override_optimizer_config.{key}", key, value) for key, value in given.items()]
     if _get(optimizer_config, "use_precision_aware_optimizer", False):
         name = "use_precision_aware_optimizer"
         entries.append((name, name, True))
-    kept: dict[str, Any] = {}
-    for setting, key, value in entries:
-        if backend != "megatron":
-            refusals.add("optimizer", setting, value, "megatron's optimizer settings only")
-        elif key not in OPTIMIZER_OVERRIDES:
-            refusals.add("optimizer", setting, value, f"one of {', '.join(OPTIMIZER_OVERRIDES)}")
-        else:
-            kept[key] = float(value) if key == "optimizer_offload_fraction" else bool(value)
-    return kept
+    return entries
 
 
 def _optimizer_and_schedule(
@@ -533,11 +500,15 @@ def engine_config_from_verl(
     path = _get(model_config, "local_path", None) or _get(model_config, "path")
     overrides = model_overrides(model_config, refusals)
     optimizer, schedule, total_steps = _optimizer_and_schedule(optimizer_config, refusals)
-    dtype = compute_dtype(engine_config, backend, refusals)
-    options = _backend_options(backend, model_config, engine_config, world_size, refusals)
-    settings = optimizer_overrides(backend, optimizer_config, refusals)
-    if settings:
-        options["optimizer_overrides"] = settings
+    translation = verl_translation(backend)
+    dtype = compute_dtype(engine_config, translation, refusals)
+    options = translation.options_from_verl(
+        Fields(model_config),
+        Fields(engine_config),
+        optimizer_settings(optimizer_config),
+        world_size,
+        refusals.add,
+    )
     lora = lora_from_verl(model_config, refusals)
     replay = replay_mode(engine_config, refusals) != "disabled"
     refusals.raise_any()

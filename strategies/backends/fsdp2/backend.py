@@ -16,7 +16,7 @@ backend is cheap.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, cast
 
 import attrs
@@ -27,7 +27,7 @@ from typing_extensions import override
 from heads.base import Head, HeadContext
 from heads.errors import ConfigError, EngineStateError
 from heads.validation import bool_field, int_field, one_of
-from strategies.backends.base import MicroBatch, MicroBatchConsumer, StagedSave, Step
+from strategies.backends.base import MicroBatch, MicroBatchConsumer, Refuse, StagedSave, Step
 from strategies.backends.fsdp2 import sharding
 from strategies.backends.fsdp2.attention import PACKED_BOUNDS
 from strategies.backends.fsdp2.model import CausalModel, build_causal_model
@@ -40,7 +40,7 @@ from strategies.backends.fsdp2.optimizer import (
 )
 from strategies.backends.fsdp2.ulysses import check_heads, sequence_groups
 from strategies.backends.shared import BackendState
-from strategies.config import ParallelConfig, PartsConfig
+from strategies.config import DTYPE_NAMES, ParallelConfig, PartsConfig
 from strategies.hf.architecture import hf_config_for
 from strategies.hf.classification import HeadLayer, head_layer
 from strategies.hf.shards import ParamShard
@@ -100,6 +100,61 @@ class Fsdp2Backend(BackendState[torch.optim.AdamW]):
     #: Ulysses: this rank's sequence-parallel and data-parallel groups (None without it).
     _sequence_group: dist.ProcessGroup | None = attrs.field(default=None, init=False)
     _data_group: dist.ProcessGroup | None = attrs.field(default=None, init=False)
+
+    # -- verl's settings -----------------------------------------------------------------------
+    @classmethod
+    def verl_compute_dtype(cls, engine: Mapping[str, Any]) -> tuple[str, Any]:
+        """The verl setting that gives the compute dtype, and its value: FSDP's
+        ``mixed_precision.param_dtype`` (verl's default bf16), else the engine's ``dtype``."""
+        if engine.get("mixed_precision") is not None:
+            return "mixed_precision.param_dtype", engine["mixed_precision"].get(
+                "param_dtype", "bf16"
+            )
+        if engine.get("model_dtype") is not None:
+            return "mixed_precision.param_dtype", "bf16"  # verl's FSDP default
+        return "dtype", engine.get("dtype", "bfloat16")
+
+    @classmethod
+    def options_from_verl(
+        cls,
+        model: Mapping[str, Any],
+        engine: Mapping[str, Any],
+        optimizer_settings: Sequence[tuple[str, str, Any]],
+        world_size: int,
+        refuse: Refuse,
+    ) -> dict[str, Any]:
+        """This backend's options from verl's model and FSDP engine config fields: ``fsdp_size``
+        as ``replicate_size``, Ulysses, ``model_dtype`` as ``weights_dtype`` (float32 by
+        default, bf16 for a forward-only engine when unset) and ``cpu_offload``, which verl's
+        FSDP2 engines turn on with ``offload_policy`` and always for a forward-only engine (the
+        reference). ``optimizer_settings`` (verl's setting, key, value) are all refused: this
+        AdamW has none."""
+        options: dict[str, Any] = {
+            "activation_checkpointing": bool(model.get("enable_gradient_checkpointing", False)),
+            "reshard_after_forward": bool(engine.get("reshard_after_forward", True)),
+        }
+        fsdp_size = engine.get("fsdp_size", -1)
+        if fsdp_size not in (-1, None, world_size):
+            if fsdp_size <= 0 or world_size % fsdp_size:
+                refuse(
+                    "engine", "fsdp_size", fsdp_size, f"must divide the world size ({world_size})"
+                )
+            else:
+                options["replicate_size"] = world_size // fsdp_size
+        ulysses = int(engine.get("ulysses_sequence_parallel_size", 1) or 1)
+        if ulysses > 1:
+            options["ulysses_size"] = ulysses
+        forward_only = bool(engine.get("forward_only", False))
+        weights = engine.get("model_dtype", "fp32")
+        if weights is None:
+            weights = "bf16" if forward_only else "fp32"
+        if str(weights) not in DTYPE_NAMES:
+            refuse("engine", "model_dtype", weights, "fp32 or bf16")
+        options["weights_dtype"] = DTYPE_NAMES.get(str(weights), "float32")
+        options["cpu_offload"] = bool(engine.get("offload_policy", False)) or forward_only
+        for setting, _, value in optimizer_settings:
+            refuse("optimizer", setting, value, "megatron's optimizer settings only")
+        return options
 
     # -- checks --------------------------------------------------------------------------------
     def required_capabilities(self, config: PartsConfig) -> frozenset[str]:
@@ -224,7 +279,7 @@ class Fsdp2Backend(BackendState[torch.optim.AdamW]):
         )
         self._model = model
 
-    def build_optimizer(self, config: PartsConfig) -> None:
+    def build_optimizer(self, config: PartsConfig, *, memory_is_host: bool) -> None:
         model = self._require_model()
         self._optimizer = build_optimizer(config, model)
         self._schedule = LRSchedule.from_config(config, self._optimizer)
@@ -370,6 +425,10 @@ class Fsdp2Backend(BackendState[torch.optim.AdamW]):
         return [self._require_model()]
 
     # -- offload -------------------------------------------------------------------------------
+    def weights_in_host_memory(self) -> bool:
+        """With ``cpu_offload``: FSDP2's CPU offload policy keeps them there."""
+        return self.cpu_offload
+
     def offload(self, parts: Iterable[str]) -> None:
         """Move ``parts`` (model, optimizer, grad) to host memory; their device storage is freed."""
         model = self._require_model()

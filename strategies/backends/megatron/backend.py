@@ -6,7 +6,7 @@ megatron-core is imported inside methods only, so listing or constructing the ba
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
@@ -17,7 +17,7 @@ from typing_extensions import override
 from heads.base import Head, HeadContext
 from heads.errors import BatchError, ConfigError, EngineStateError
 from heads.validation import bool_field, of_type, one_of
-from strategies.backends.base import MicroBatch, MicroBatchConsumer, StagedSave, Step
+from strategies.backends.base import MicroBatch, MicroBatchConsumer, Refuse, StagedSave, Step
 from strategies.backends.megatron import mesh, state_tensors
 from strategies.backends.megatron.context_parallel import Layout, padded_bounds
 from strategies.backends.megatron.model import (
@@ -29,6 +29,7 @@ from strategies.backends.megatron.model import (
 )
 from strategies.backends.megatron.moe_routers import Routing
 from strategies.backends.megatron.optimizer import (
+    OPTIMIZER_OVERRIDES,
     build_optimizer,
     build_scheduler,
     check_optimizer_overrides,
@@ -98,6 +99,53 @@ class MegatronBackend(BackendState[Any]):
     _model: ModelConfig | None = attrs.field(default=None, init=False)
     #: Mixture-of-experts routers (load statistics, router replay); empty for a dense model.
     _routing: Routing = attrs.field(factory=lambda: Routing([], 0, 0), init=False)
+
+    # -- verl's settings -----------------------------------------------------------------------
+    @classmethod
+    def verl_compute_dtype(cls, engine: Mapping[str, Any]) -> tuple[str, Any]:
+        """The verl setting that gives the compute dtype, and its value: the engine's ``dtype``."""
+        return "dtype", engine.get("dtype", "bfloat16")
+
+    @classmethod
+    def options_from_verl(
+        cls,
+        model: Mapping[str, Any],
+        engine: Mapping[str, Any],
+        optimizer_settings: Sequence[tuple[str, str, Any]],
+        world_size: int,
+        refuse: Refuse,
+    ) -> dict[str, Any]:
+        """This backend's options from verl's model and megatron engine config fields: the
+        distributed optimizer, ``override_transformer_config`` (with full recompute for
+        gradient checkpointing), and of ``optimizer_settings`` (verl's setting, key, value)
+        the :data:`OPTIMIZER_OVERRIDES` fields as ``optimizer_overrides``, another refused."""
+        ulysses = engine.get("ulysses_sequence_parallel_size", 1)
+        if ulysses not in (None, 1):
+            refuse(
+                "engine",
+                "ulysses_sequence_parallel_size",
+                ulysses,
+                "Ulysses is the fsdp strategies'; megatron splits sequences with "
+                "context_parallel_size",
+            )
+        overrides = dict(engine.get("override_transformer_config") or {})
+        if model.get("enable_gradient_checkpointing", False):
+            overrides.setdefault("recompute_granularity", "full")
+            overrides.setdefault("recompute_method", "uniform")
+            overrides.setdefault("recompute_num_layers", 1)
+        options: dict[str, Any] = {
+            "use_distributed_optimizer": bool(engine.get("use_distributed_optimizer", False)),
+            "transformer_overrides": overrides,
+        }
+        kept: dict[str, Any] = {}
+        for setting, key, value in optimizer_settings:
+            if key in OPTIMIZER_OVERRIDES:
+                kept[key] = value
+            else:
+                refuse("optimizer", setting, value, f"one of {', '.join(OPTIMIZER_OVERRIDES)}")
+        if kept:
+            options["optimizer_overrides"] = kept
+        return options
 
     # -- checks --------------------------------------------------------------------------------
     def required_capabilities(self, config: PartsConfig) -> frozenset[str]:
@@ -281,12 +329,12 @@ class MegatronBackend(BackendState[Any]):
         )
         return list(wrapped)
 
-    def build_optimizer(self, config: PartsConfig) -> None:
+    def build_optimizer(self, config: PartsConfig, *, memory_is_host: bool) -> None:
         self._optimizer = build_optimizer(
             config,
             self._wrapped,
             distributed=self.use_distributed_optimizer,
-            overrides=optimizer_overrides_on(self._device, self.optimizer_overrides),
+            overrides=optimizer_overrides_on(memory_is_host, self.optimizer_overrides),
         )
         self._scheduler = build_scheduler(config, self._optimizer)
 
@@ -451,6 +499,10 @@ class MegatronBackend(BackendState[Any]):
         )
 
     # -- offload -------------------------------------------------------------------------------
+    def weights_in_host_memory(self) -> bool:
+        """Never: they live on the device (the CPU platform's device is the host)."""
+        return False
+
     def offload(self, parts: Iterable[str]) -> None:
         """Move ``parts`` (model, optimizer, grad) to host memory; their device storage is freed."""
         self._require_model()

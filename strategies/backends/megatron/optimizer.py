@@ -49,14 +49,15 @@ def check_optimizer_overrides(overrides: dict[str, Any], distributed: bool) -> N
             )
 
 
-def optimizer_overrides_on(device: torch.device, overrides: dict[str, Any]) -> dict[str, Any]:
-    """What of ``overrides`` megatron is given on ``device``. Where the device is the host (the
-    CPU platform), none: the optimizer state and step are in host memory already (megatron's
-    offloading optimizer asks for CUDA streams), and the precision-aware optimizer with its
-    default float32 master weights and moments is the AdamW the engine runs. Elsewhere all;
-    the precision-aware optimizer needs TransformerEngine (megatron 0.16 reads its version
-    for the setting, and uses its fused Adam without offload)."""
-    if device.type == "cpu":
+def optimizer_overrides_on(memory_is_host: bool, overrides: dict[str, Any]) -> dict[str, Any]:
+    """What of ``overrides`` megatron is given on a platform whose device memory is the host's
+    (``memory_is_host``: the CPU platform) or not. On the host, none: the optimizer state and
+    step are in host memory already (megatron's offloading optimizer asks for CUDA streams),
+    and the precision-aware optimizer with its default float32 master weights and moments is
+    the AdamW the engine runs. Elsewhere all; the precision-aware optimizer needs
+    TransformerEngine (megatron 0.16 reads its version for the setting, and uses its fused
+    Adam without offload)."""
+    if memory_is_host:
         return {}
     if overrides.get("use_precision_aware_optimizer"):
         import importlib.util

@@ -194,9 +194,9 @@ def test_cpu_optimizer_offload_reaches_megatrons_optimizer_config_on_an_accelera
     from strategies.backends.megatron.optimizer import build_optimizer, optimizer_overrides_on
     from strategies.config import PartsConfig
 
-    assert optimizer_overrides_on(torch.device("cpu"), CPU_OPTIMIZER_OFFLOAD) == {}
+    assert optimizer_overrides_on(True, CPU_OPTIMIZER_OFFLOAD) == {}
     offload = {k: v for k, v in CPU_OPTIMIZER_OFFLOAD.items() if k.startswith(("opt", "over"))}
-    overrides = optimizer_overrides_on(torch.device("cuda"), offload)
+    overrides = optimizer_overrides_on(False, offload)
     assert overrides == offload and len(offload) == 3
     seen: list[Any] = []
     monkeypatch.setattr(
@@ -220,7 +220,7 @@ def test_precision_aware_optimizer_without_transformer_engine_is_refused_on_an_a
     if importlib.util.find_spec("transformer_engine") is not None:
         pytest.skip("TransformerEngine is installed: its fused Adam takes the setting")
     with pytest.raises(ConfigError, match="needs TransformerEngine"):
-        optimizer_overrides_on(torch.device("cuda"), CPU_OPTIMIZER_OFFLOAD)
+        optimizer_overrides_on(False, CPU_OPTIMIZER_OFFLOAD)
 
 
 @pytest.mark.parametrize(
