@@ -60,10 +60,6 @@ class DeltaExport:
             return flat.to(self.dtype)
         return flat
 
-    @property
-    def primed(self) -> bool:
-        return bool(self._base)
-
     def prime(self, blocks: Iterable[HfBlock], *, zeros: bool = False) -> None:
         """Take ``blocks`` as the base, right after a full sync sent the same weights (with
         ``zeros``: a base of zeros, for tensors the receiver does not hold yet, e.g. LoRA
