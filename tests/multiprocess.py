@@ -3,13 +3,16 @@ process timed out)."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import json
 import os
 import pickle
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,28 +23,34 @@ TORCHRUN_TWO_RANKS = (
     sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
 )  # fmt: skip
 
-_LAUNCHER = """
-import os, pickle, sys, traceback
-sys.path.insert(0, {root!r})
-import importlib
-module_name, function_name, args_path, out_path = sys.argv[1:5]
-with open(args_path, "rb") as handle:
-    args = pickle.load(handle)
-try:
-    result = ("ok", getattr(importlib.import_module(module_name), function_name)(*args))
-except BaseException as error:
-    result = ("error", f"{{type(error).__name__}}: {{error}}\\n{{traceback.format_exc()}}")
-with open(out_path, "wb") as handle:
-    pickle.dump(result, handle)
-sys.stdout.flush()
-sys.stderr.flush()
-# No process-group teardown and no interpreter finalisation: teardown can block on a peer that
-# has already left, and finalising a rank that holds a gloo group aborted it now and then
-# ("terminate called without an active exception", exit -6: seen in 1 of 4 runs of a rank that
-# had already printed its result). The result is written; the launcher kills whatever this rank
-# started along with its process group.
-os._exit(0)
-"""
+#: A rank in a fresh interpreter: the repository importable, then :func:`launch`.
+_FRESH = "import sys; sys.path.insert(0, {root!r}); from tests.multiprocess import launch; launch()"
+
+
+def launch(argv: list[str] | None = None) -> None:
+    """A rank's body (argv: module, function, pickled args, result path): call the function, write
+    ``("ok", result)`` or ``("error", traceback)``, then leave at once."""
+    import importlib
+    import traceback
+
+    module_name, function_name, args_path, out_path = (argv or sys.argv[1:])[:4]
+    try:
+        with open(args_path, "rb") as handle:
+            args = pickle.load(handle)
+        function = getattr(importlib.import_module(module_name), function_name)
+        result: tuple[str, Any] = ("ok", function(*args))
+    except BaseException as error:
+        result = ("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
+    with open(out_path, "wb") as handle:
+        pickle.dump(result, handle)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # No process-group teardown and no interpreter finalisation: teardown can block on a peer
+    # that has already left, and finalising a rank that holds a gloo group aborted it now and
+    # then ("terminate called without an active exception", exit -6: seen in 1 of 4 runs of a
+    # rank that had already printed its result). The result is written; the launcher kills
+    # whatever this rank started along with its process group.
+    os._exit(0)
 
 
 def fresh_process_env(**settings: str) -> dict[str, str]:
@@ -108,20 +117,19 @@ def run_ranks(
                 "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
             }
             out_path = os.path.join(folder, f"rank{rank}.pkl")
-            command = [
-                sys.executable,
-                "-c",
-                _LAUNCHER.format(root=root),
-                module,
-                function.__name__,
-                args_path,
-                out_path,
-            ]
-            log = open(os.path.join(folder, f"rank{rank}.log"), "w+")  # noqa: SIM115
+            argv = [module, function.__name__, args_path, out_path]
+            log_path = os.path.join(folder, f"rank{rank}.log")
+            log = open(log_path, "w+")  # noqa: SIM115
             # Each rank leads its own process group, so that whatever it started (e.g. the
             # Manager of megatron's checkpoint writer) goes with it when the rank ends or dies.
-            worker = subprocess.Popen(
-                command, env=env, stdout=log, stderr=log, start_new_session=True
+            request = {"argv": argv, "env": env, "cwd": os.getcwd()}
+            worker = _ZYGOTE.fork({**request, "stdout": log_path, "stderr": log_path})
+            worker = worker or subprocess.Popen(
+                [sys.executable, "-c", _FRESH.format(root=root), *argv],
+                env=env,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
             )
             processes.append((worker, log))
         failures, results = [], []
@@ -171,3 +179,112 @@ def rendezvous_store(world_size: int, timeout: float) -> Any:
         wait_for_workers=False,
         timeout=timedelta(seconds=timeout),
     )
+
+
+#: What no import reads: the zygote's children may differ from it in these.
+_NOT_READ_AT_IMPORT = frozenset(
+    {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "TMPDIR", "PATH"}
+    | {"TORCHELASTIC_USE_AGENT_STORE", "GLOO_SOCKET_IFNAME", "PYTEST_CURRENT_TEST"}
+)
+
+
+class _ForkedChild:
+    """A child the zygote forked: waited for through the status file the zygote writes."""
+
+    def __init__(self, pid: int, status_path: str, zygote: subprocess.Popen[str]) -> None:
+        self.pid, self._status_path, self._zygote = pid, status_path, zygote
+        self.returncode: int | None = None
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            if os.path.exists(self._status_path):
+                with open(self._status_path) as handle:
+                    self.returncode = int(handle.read())
+            elif self._zygote.poll() is not None:
+                self.returncode = -signal.SIGKILL  # the zygote died: nobody reports this child
+            elif deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            else:
+                time.sleep(0.02)
+        return self.returncode
+
+
+class _Zygote:
+    """The test run's zygote (:mod:`tests.rank_zygote`), started at the first child; ``fork``
+    answers None (start a fresh process) where it cannot serve: an environment that differs from
+    the zygote's in what imports read, ``TESTS_FRESH_PROCESSES=1``, or a zygote that failed to
+    start or died."""
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen[str] | None = None
+        self._imported_under: dict[str, str] | None = None
+        self._broken = os.environ.get("TESTS_FRESH_PROCESSES") == "1"
+
+    def fork(self, request: dict[str, Any]) -> _ForkedChild | None:
+        """``request`` (:mod:`tests.rank_zygote`'s, less ``status``) forked, or None."""
+        env = request["env"]
+        read = {name: value for name, value in env.items() if name not in _NOT_READ_AT_IMPORT}
+        # the same search path however written (an empty entry, the working directory, aside)
+        path = env.get("PYTHONPATH", "").split(os.pathsep)
+        read["PYTHONPATH"] = os.pathsep.join(filter(None, path))
+        if self._broken or self._imported_under not in (None, read):
+            return None
+        try:
+            process = self._started(env, read)
+            assert process.stdin is not None and process.stdout is not None
+            status_path = request["stderr"] + ".status"
+            process.stdin.write(json.dumps({**request, "status": status_path}) + "\n")
+            process.stdin.flush()
+            return _ForkedChild(int(process.stdout.readline()), status_path, process)
+        except (OSError, ValueError):
+            self._broken = True  # the rest of the run starts fresh processes
+            return None
+
+    def _started(self, env: dict[str, str], read: dict[str, str]) -> subprocess.Popen[str]:
+        if self._process is None:
+            self._imported_under = read
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "tests.rank_zygote"],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                start_new_session=True,
+            )
+            atexit.register(self._process.kill)
+            assert self._process.stdout is not None
+            if self._process.stdout.readline().strip() != "ready":
+                raise OSError("the zygote did not start")
+        return self._process
+
+
+_ZYGOTE = _Zygote()
+
+
+def run_script(
+    path: Path, env: dict[str, str], cwd: Path, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """``python path`` in ``cwd`` with ``env`` (forked from the zygote where it can be), its
+    output captured; killed with whatever it started after ``timeout`` seconds."""
+    command = [sys.executable, str(path)]
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = Path(folder, "stdout"), Path(folder, "stderr")
+        request = {"script": str(path), "env": env, "cwd": str(cwd)}
+        child = _ZYGOTE.fork({**request, "stdout": str(out), "stderr": str(err)})
+        if child is None:
+            with open(out, "w") as stdout, open(err, "w") as stderr:
+                child = subprocess.Popen(
+                    command, cwd=cwd, env=env, stdout=stdout, stderr=stderr, start_new_session=True
+                )
+        note = ""
+        try:
+            child.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            note = f"\n(killed after {timeout:.0f} s)"
+        _kill_group(child.pid)  # what it left running; all of it after the timeout
+        returncode = child.wait()
+        return subprocess.CompletedProcess(
+            command, returncode, out.read_text(), err.read_text() + note
+        )

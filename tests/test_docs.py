@@ -27,6 +27,7 @@ from pathlib import Path
 import attrs
 import pytest
 
+from tests.multiprocess import fresh_process_env, run_script
 from tests.test_layering import ROOT
 
 RUN = ("python", "bash")
@@ -149,25 +150,17 @@ def all_blocks() -> list[Block]:
 
 def run_block(block: Block, workdir: Path) -> subprocess.CompletedProcess[str]:
     interpreter = Path(sys.executable).parent
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(
-            os.pathsep
-        ),
-        "OMP_NUM_THREADS": "1",
-        "TMPDIR": str(workdir),
-        "PATH": os.pathsep.join([str(interpreter), os.environ.get("PATH", "")]),
-    }
+    path = os.pathsep.join([str(interpreter), os.environ.get("PATH", "")])
+    env = fresh_process_env(TMPDIR=str(workdir), PATH=path)
     if block.language == "python":
         script = workdir / "block.py"
         script.write_text(block.code)
-        command, cwd = [sys.executable, str(script)], workdir
-    else:
-        command, cwd = ["bash", "-e", "-o", "pipefail", "-c", block.code], ROOT
+        return run_script(script, env, workdir, TIMEOUT)
+    command = ["bash", "-e", "-o", "pipefail", "-c", block.code]
     # a session of its own, so that a timeout ends the block's children too
     process = subprocess.Popen(
         command,
-        cwd=cwd,
+        cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
