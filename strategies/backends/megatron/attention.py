@@ -33,14 +33,14 @@ from typing import Any
 import torch
 
 from heads.errors import ConfigError
-from strategies.backends.megatron.context_parallel import Layout
+from strategies.backends.megatron.context_parallel import ContextAttention
 from strategies.model.packed_attention import attend_per_sequence
 
 
 @functools.cache
 def packed_dot_product_attention() -> type:
     """The class (built once, on first use, so megatron is imported lazily)."""
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import tensor_parallel
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -55,11 +55,6 @@ def packed_dot_product_attention() -> type:
             local.context_parallel_size = 1
             super().__init__(local, *args, **kwargs)
             self.config = config
-            self.cp_group = (
-                parallel_state.get_context_parallel_group()
-                if config.context_parallel_size > 1
-                else None
-            )
 
         def forward(
             self,
@@ -71,7 +66,7 @@ def packed_dot_product_attention() -> type:
             attention_bias: torch.Tensor | None = None,
             packed_seq_params: Any = None,
         ) -> torch.Tensor:
-            if self.cp_group is not None:
+            if self.config.context_parallel_size > 1:
                 if attention_mask is not None or attention_bias is not None:
                     raise ConfigError(
                         "context parallelism on megatron's local layer spec takes causal "
@@ -107,21 +102,26 @@ def packed_dot_product_attention() -> type:
         ) -> torch.Tensor:
             """This rank's queries (``[s / CP, b, heads, dim]``, or ``[t / CP, heads, dim]``
             packed) over the whole row's keys and values (gathered), causal in the queries'
-            row positions and inside their own sequence."""
+            row positions and inside their own sequence, as the micro-batch's layout (built
+            once, handed to every layer in ``packed_seq_params``) says."""
             if not self._sdpa_expresses_it():
                 raise ConfigError(
                     "context parallelism on megatron's local layer spec supports causal "
                     "self-attention with vanilla softmax only"
                 )
-            packed = packed_seq_params is not None
+            context = getattr(packed_seq_params, "context", None)
+            if not isinstance(context, ContextAttention):
+                raise ConfigError(
+                    "context parallelism on megatron's local layer spec needs the "
+                    "micro-batch's layout in packed_seq_params (context_parallel.row_params); "
+                    "run the model through the megatron backend"
+                )
+            layout = context.layout
+            packed = layout.row.packed
             if packed:  # [t, heads, dim] -> [t, 1, heads, dim]
                 query, key, value = (x[:, None] for x in (query, key, value))
-                bounds = tuple(int(b) for b in packed_seq_params.cu_seqlens_q.tolist())
-            else:
-                bounds = (0, query.shape[0] * self.config.context_parallel_size)
-            layout = Layout.over(bounds, self.cp_group, query.device)
             key, value = layout.gather(key, 0), layout.gather(value, 0)
-            mask = layout.visible_keys(self.scale_mask_softmax.window_size)
+            mask = context.visible_keys(self.scale_mask_softmax.window_size)
             scale, dropout, random = self._softmax_settings()
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
             with random:
