@@ -25,7 +25,7 @@ import torch
 from strategies.model.packed_attention import positions_in_sequences, row_segments
 
 
-class Rows(Protocol):
+class MicroBatchRows(Protocol):
     """What a layout reads of a micro-batch (structural: the backends' ``MicroBatch`` fits):
     ``input_ids`` ``[b, s]`` right-padded, or ``[1, T]`` packed with each sequence's offset in
     ``cu_seqlens`` (``[b + 1]``, host)."""
@@ -65,13 +65,15 @@ class RowLayout:
     context_parallel_size: int = 1
 
     def __attrs_post_init__(self) -> None:
-        if self.context_parallel_size > 1 and self.width % (2 * self.context_parallel_size):
-            raise ValueError(
-                f"a row of {self.width} tokens cannot be cut into 2 x "
-                f"{self.context_parallel_size} chunks"
-            )
         if self.sequences is not None and self.sequences[-1] > self.width:
             raise ValueError(f"sequences end at {self.sequences[-1]}, past the row ({self.width})")
+        chunks = 2 * self.context_parallel_size
+        if self.context_parallel_size > 1 and any(
+            (end - start) % chunks for start, end in itertools.pairwise(self.bounds)
+        ):
+            raise ValueError(
+                f"the segments {self.bounds} of a row cannot each be cut into {chunks} chunks"
+            )
 
     @property
     def packed(self) -> bool:
@@ -130,7 +132,7 @@ class RowLayout:
 
 
 def row_layouts(
-    micro_batches: Sequence[Rows],
+    micro_batches: Sequence[MicroBatchRows],
     *,
     context_parallel_size: int = 1,
     multiple: int = 1,
@@ -161,7 +163,7 @@ def row_layouts(
 
 
 def _sequences(
-    micro_batch: Rows, context_parallel_size: int
+    micro_batch: MicroBatchRows, context_parallel_size: int
 ) -> tuple[int, int, tuple[int, ...] | None, tuple[int, ...]]:
     """``micro_batch``'s rows and row length, and packed: its sequences' offsets in the model's
     row (padded to ``2 x CP`` tokens each under context parallelism) and real lengths."""

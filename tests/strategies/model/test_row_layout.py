@@ -11,7 +11,7 @@ from strategies.model.row_layout import RowLayout, row_layouts
 CPU = torch.device("cpu")
 
 
-class Rows:
+class MicroBatch:
     """A micro-batch as a layout reads it: right-padded ``[rows, length]``, or packed."""
 
     def __init__(self, rows: int, length: int, lengths: list[int] | None = None) -> None:
@@ -25,7 +25,7 @@ def test_packed_rows_over_two_context_parallel_ranks_pad_each_sequence_to_four_t
     """Sequences of 3, 5, 1 tokens -> 4, 8, 4 (multiples of 2 x CP); a second micro-batch of
     one 2-token sequence runs as long (one shape for the schedule), its padding one segment."""
     first, second = row_layouts(
-        [Rows(1, 9, [3, 5, 1]), Rows(1, 2, [2])],
+        [MicroBatch(1, 9, [3, 5, 1]), MicroBatch(1, 2, [2])],
         context_parallel_size=2,
         multiple=4,
         same_width=True,
@@ -49,7 +49,7 @@ def test_packed_rows_over_two_context_parallel_ranks_pad_each_sequence_to_four_t
 
 
 def test_right_padded_rows_are_one_segment_rounded_up_to_the_multiple() -> None:
-    (padded,) = row_layouts([Rows(3, 5)], context_parallel_size=2, multiple=4)
+    (padded,) = row_layouts([MicroBatch(3, 5)], context_parallel_size=2, multiple=4)
     assert (padded.rows, padded.length, padded.width) == (3, 5, 8)
     assert padded.sequences is None and not padded.packed and padded.real_positions is None
     assert padded.bounds == (0, 8)
@@ -61,7 +61,7 @@ def test_right_padded_rows_are_one_segment_rounded_up_to_the_multiple() -> None:
 def test_without_context_parallelism_packed_tokens_stay_back_to_back() -> None:
     """Each micro-batch its own width (Ulysses' multiple of 2 here); the row's padding past the
     last sequence is one more segment."""
-    packed, padded = row_layouts([Rows(1, 7, [4, 3]), Rows(2, 3)], multiple=2)
+    packed, padded = row_layouts([MicroBatch(1, 7, [4, 3]), MicroBatch(2, 3)], multiple=2)
     assert (packed.width, packed.sequences, packed.bounds) == (8, (0, 4, 7), (0, 4, 7, 8))
     assert packed.real_positions is None and packed.real_lengths == (4, 3)
     assert packed.positions_on(CPU).tolist() == [[0, 1, 2, 3, 0, 1, 2, 0]]
@@ -69,5 +69,10 @@ def test_without_context_parallelism_packed_tokens_stay_back_to_back() -> None:
 
 
 def test_a_row_that_context_parallelism_cannot_cut_evenly_is_refused() -> None:
-    with pytest.raises(ValueError, match="2 x 2 chunks"):
+    with pytest.raises(ValueError, match="cut into 4 chunks"):
         RowLayout(rows=1, length=6, width=6, context_parallel_size=2)
+    with pytest.raises(ValueError, match=r"\(0, 4, 6, 8\)"):  # 2 tokens between 4 and 6
+        RowLayout(
+            rows=1, length=6, width=8, sequences=(0, 4, 6), real_lengths=(3, 2),
+            context_parallel_size=2,
+        )  # fmt: skip
