@@ -455,36 +455,40 @@ def model_config(
 def test_packed_rows_are_padded_at_the_end_as_megatron_requires(
     config: Any, expected: list[int]
 ) -> None:
-    from strategies.backends.megatron.backend import row_widths
+    from strategies.backends.megatron.schedule_step import step_layouts
 
     batch = random_batch([5, 1, 7, 6], VOCAB)
     micro_batches = split_into(batch, [[0, 1, 2], [3]], packed=True)
-    assert row_widths(micro_batches, config) == expected
+    assert [row.width for row in step_layouts(micro_batches, config)] == expected
 
 
 def test_row_padding_is_a_segment_of_its_own_and_positions_restart_per_sequence() -> None:
-    from strategies.backends.megatron.backend import packed_layout
+    from strategies.backends.megatron.context_parallel import row_params
+    from strategies.model.row_layout import RowLayout
 
-    params, positions = packed_layout(torch.tensor([0, 3, 4, 6]), 9, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    row = RowLayout(rows=1, length=6, width=9, sequences=(0, 3, 4, 6), real_lengths=(3, 1, 2))
+    params = row_params(row, cpu, host_offsets=False, context=None)
     assert params.qkv_format == "thd"
     assert params.cu_seqlens_q.tolist() == params.cu_seqlens_kv.tolist() == [0, 3, 4, 6, 9]
     assert params.cu_seqlens_q.dtype == torch.int32
     assert params.max_seqlen_q == params.max_seqlen_kv == 3
-    assert positions.tolist() == [[0, 1, 2, 0, 0, 1, 0, 1, 2]]
-    unpadded, _ = packed_layout(torch.tensor([0, 2, 7]), 7, torch.device("cpu"))
+    assert row.positions_on(cpu).tolist() == [[0, 1, 2, 0, 0, 1, 0, 1, 2]]
+    whole = RowLayout(rows=1, length=7, width=7, sequences=(0, 2, 7), real_lengths=(2, 5))
+    unpadded = row_params(whole, cpu, host_offsets=False, context=None)
     assert unpadded.cu_seqlens_q.tolist() == [0, 2, 7] and unpadded.max_seqlen_q == 5
 
 
 def test_packed_offsets_stay_on_the_host_for_the_local_spec_only() -> None:
     """(An accelerator stands in as the meta device.) Megatron's rotary embedding reads the
     offsets as host numbers; TransformerEngine's attention takes them on the device."""
-    from strategies.backends.megatron.backend import packed_layout
+    from strategies.backends.megatron.context_parallel import row_params
+    from strategies.model.row_layout import RowLayout
 
     device = torch.device("meta")
+    row = RowLayout(rows=1, length=4, width=6, sequences=(0, 3, 4), real_lengths=(3, 1))
     for host_offsets, where in ((True, "cpu"), (False, "meta")):
-        params, positions = packed_layout(
-            torch.tensor([0, 3, 4]), 6, device, host_offsets=host_offsets
-        )
+        params = row_params(row, device, host_offsets=host_offsets, context=None)
         assert params.cu_seqlens_q.device.type == params.cu_seqlens_kv.device.type == where
-        assert positions.device == device
+        assert row.positions_on(device).device == device
     assert params.cu_seqlens_q.shape == (4,)

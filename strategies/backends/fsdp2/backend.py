@@ -27,7 +27,7 @@ from typing_extensions import override
 from heads.base import Head, HeadContext
 from heads.errors import ConfigError, EngineStateError
 from heads.validation import bool_field, int_field, one_of
-from strategies.backends.base import MicroBatch, MicroBatchConsumer, Refuse, StagedSave, Step
+from strategies.backends.base import MicroBatchConsumer, Refuse, StagedSave, Step
 from strategies.backends.fsdp2 import sharding
 from strategies.backends.fsdp2.attention import PACKED_BOUNDS
 from strategies.backends.fsdp2.model import CausalModel, build_causal_model
@@ -45,7 +45,7 @@ from strategies.hf.architecture import hf_config_for
 from strategies.hf.classification import HeadLayer, head_layer
 from strategies.hf.shards import ParamShard
 from strategies.memory.model_size import DTYPE_BYTES, ParameterCount, RankMemory, training_state
-from strategies.model.packed_attention import positions_in_sequences, row_segments
+from strategies.model.row_layout import RowLayout, row_layouts
 
 #: Parallel settings this backend has no use for, and the value it runs them at.
 _MODEL_PARALLEL_FIELDS = {
@@ -294,23 +294,22 @@ class Fsdp2Backend(BackendState[torch.optim.AdamW]):
         last = len(micro_batches) - 1
         head_context = HeadContext()
         group = self._sequence_group
+        # Ulysses: rows of a multiple of its size
+        rows = row_layouts(micro_batches, multiple=self.ulysses_size)
         try:
-            for index, micro_batch in enumerate(micro_batches):
+            for index, (micro_batch, row) in enumerate(zip(micro_batches, rows, strict=True)):
                 input_ids = micro_batch.input_ids.to(
                     device=self._device, dtype=torch.long, non_blocking=True
                 )
-                length = input_ids.shape[1]
-                size = self.ulysses_size
-                width = -(-length // size) * size  # Ulysses: rows of a multiple of its size
-                inputs = self._layout(micro_batch, width)
+                inputs = self._layout(row)
                 if group is not None:  # this rank's part of the rows (fsdp2.ulysses)
                     inputs["sequence_group"] = group
                     input_ids = self._own_part(
-                        torch.nn.functional.pad(input_ids, (0, width - length))
+                        torch.nn.functional.pad(input_ids, (0, row.width - row.length))
                     )
                     for name in ("attention_mask", "position_ids"):
                         inputs[name] = self._own_part(inputs[name])
-                consume_whole = functools.partial(_consume_rows, consume, index, length)
+                consume_whole = functools.partial(_consume_rows, consume, index, row.length)
                 if not forward_only:
                     model.set_requires_gradient_sync(index == last)  # type: ignore[operator]
                 if self._fused:  # the head applies the output layer, inside the model's forward
@@ -329,29 +328,22 @@ class Fsdp2Backend(BackendState[torch.optim.AdamW]):
                 sharding.drop_unreduced_gradients(model)
             raise
 
-    def _layout(self, micro_batch: MicroBatch, width: int) -> dict[str, Any]:
-        """The model's attention mask, positions and attention keywords for ``micro_batch``:
-        right-padded rows (positions from 0, no padding read), or one packed row (positions
-        restarting at each sequence; an all-ones mask, so transformers builds no ``[T, T]``
-        one, and the sequences' offsets, host ints, for the attention of ``packed_sdpa``)."""
+    def _layout(self, row: RowLayout) -> dict[str, Any]:
+        """The model's attention mask, positions and attention keywords for a micro-batch laid
+        out as ``row``: right-padded rows (positions from 0, no padding read), or one packed row
+        (positions restarting at each sequence, and its segments, host ints, for the attention
+        of ``packed_sdpa``; Ulysses' padding of the row is one more segment). Rows are
+        right-padded and attention is causal, so no real token sees the padding after it: the
+        mask is all ones (with none, transformers would look for packing in the positions,
+        reading them on the host, and build a ``[T, T]`` mask), which ``packed_sdpa`` ignores."""
         device = self._device
-        rows = micro_batch.input_ids.shape[0]
-        if micro_batch.cu_seqlens is None:
-            # Rows are right-padded and attention is causal, so no real token sees the padding
-            # after it: an all-ones mask (with none, transformers would look for packing in the
-            # positions, reading them on the host), which the mask of ``packed_sdpa`` ignores.
-            return {
-                "attention_mask": torch.ones(rows, width, dtype=torch.bool, device=device),
-                "position_ids": torch.arange(width, device=device)[None],
-            }
-        bounds = row_segments(micro_batch.cu_seqlens.tolist(), width)  # Ulysses pads the row
-        return {
-            "attention_mask": torch.ones(1, width, dtype=torch.bool, device=device),
-            "position_ids": positions_in_sequences(torch.tensor(bounds)).to(
-                device, non_blocking=True
-            )[None],
-            PACKED_BOUNDS: bounds,
+        keywords: dict[str, Any] = {
+            "attention_mask": torch.ones(row.rows, row.width, dtype=torch.bool, device=device),
+            "position_ids": row.positions_on(device),
         }
+        if row.packed:
+            keywords[PACKED_BOUNDS] = row.bounds
+        return keywords
 
     def _own_part(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous part of ``rows`` ``[b, width]`` (Ulysses)."""

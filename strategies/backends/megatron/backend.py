@@ -19,11 +19,9 @@ from heads.errors import BatchError, ConfigError, EngineStateError
 from heads.validation import bool_field, of_type, one_of
 from strategies.backends.base import MicroBatch, MicroBatchConsumer, Refuse, StagedSave, Step
 from strategies.backends.megatron import mesh, state_tensors
-from strategies.backends.megatron.context_parallel import Layout, padded_bounds
 from strategies.backends.megatron.model import (
     build_gpt_model,
     check_transformer_overrides,
-    output_weight,
     transformer_config,
     uses_transformer_engine,
 )
@@ -37,6 +35,7 @@ from strategies.backends.megatron.optimizer import (
     optimizer_overrides_on,
     step_with_grad_norm,
 )
+from strategies.backends.megatron.schedule_step import ForwardStep, step_layouts
 from strategies.backends.shared import BackendState
 from strategies.checkpoint_files.publish import FileChecksums
 from strategies.config import ModelConfig, ParallelConfig, PartsConfig
@@ -44,7 +43,7 @@ from strategies.hf.classification import HeadLayer, head_layer
 from strategies.megatron_support.imports import import_megatron
 from strategies.megatron_support.version import check_megatron_version
 from strategies.memory.model_size import DTYPE_BYTES, ParameterCount, RankMemory, training_state
-from strategies.model.packed_attention import positions_in_sequences, row_segments
+from strategies.model.row_layout import RowLayout
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -90,8 +89,9 @@ class MegatronBackend(BackendState[Any]):
     _fused: bool = attrs.field(default=False, init=False)
     #: The head's output layer: its bias, where its weights come from, what save_hf writes.
     _head_layer: HeadLayer | None = attrs.field(default=None, init=False)
-    #: Packed rows' offsets stay on the host (the local layer spec: see ``packed_layout``).
-    _host_offsets: bool = attrs.field(default=False, init=False)
+    #: The core attention is this project's (the local layer spec): packed rows' offsets stay
+    #: on the host and it reads the context-parallel layout (``context_parallel.row_params``).
+    _local_attention: bool = attrs.field(default=False, init=False)
     #: The ranks each row is split over (context parallelism), or None.
     _context_group: Any = attrs.field(default=None, init=False)
     #: Host copies of the state an asynchronous save writes, reused by the next one.
@@ -233,7 +233,7 @@ class MegatronBackend(BackendState[Any]):
         spec = head.output_spec()
         self._fused = spec.fused
         self._head_layer = head_layer(config.model, head)
-        self._host_offsets = not uses_transformer_engine(self.layer_spec)
+        self._local_attention = not uses_transformer_engine(self.layer_spec)
         if config.parallel.context_parallel_size > 1:
             self._context_group = ps.get_context_parallel_group()
         virtual_stages = config.parallel.virtual_pipeline_parallel_size
@@ -346,82 +346,38 @@ class MegatronBackend(BackendState[Any]):
         config = self._chunks[0].config
         micro_batches = step.micro_batches
         check_micro_batch_count([int(mb.input_ids.shape[0]) for mb in micro_batches], config)
+        rows = step_layouts(micro_batches, config)  # once per micro-batch, read by every part
+        if self._routing.is_moe:
+            self._start_routing(step, rows, forward_only)
+        forward_step = ForwardStep(
+            rows=rows,
+            device=self._device,
+            consume=consume,
+            head_context=self._head_context,
+            fused=self._fused,
+            chunks=self._chunks,
+            wrapped=self._wrapped,
+            routing=self._routing,
+            context_group=self._context_group,
+            local_attention=self._local_attention,
+        )
         # Each model chunk (virtual pipeline stage) walks the micro-batches with its own iterator.
         data: list[Iterator[tuple[int, MicroBatch]]] = [
             iter(enumerate(micro_batches)) for _ in self._wrapped
         ]
-        device, head_context, fused = self._device, self._head_context, self._fused
-        host_offsets = self._host_offsets
-        # context parallelism: each rank runs its part of every row and the last stage gathers
-        # the output back (strategies/backends/megatron/context_parallel.py)
-        context_group = self._context_group
-        widths = row_widths(micro_batches, config)
-        routing, chunk_of = self._routing, {id(module): i for i, module in enumerate(self._wrapped)}
-        if routing.is_moe:
-            self._start_routing(step, forward_only)
-
-        def forward_step(iterator: Iterator[tuple[int, MicroBatch]], model: Any) -> Any:
-            index, micro_batch = next(iterator)
-            input_ids = micro_batch.input_ids.to(device=device, dtype=torch.long, non_blocking=True)
-            length, width = input_ids.shape[1], widths[index]
-            extra: dict[str, Any] = {}
-            # Padding goes at the end of each row (never inside a sequence); the head never
-            # sees it: the raw output is sliced back to ``length``.
-            if width > length:
-                input_ids = torch.nn.functional.pad(input_ids, (0, width - length))
-            real = None  # packed under context parallelism: where the tokens are in the row
-            if micro_batch.cu_seqlens is None:
-                positions = torch.arange(width, device=device).expand_as(input_ids)
-                bounds: tuple[int, ...] = (0, width)
-            else:
-                offsets = micro_batch.cu_seqlens
-                if context_group is not None:  # each sequence padded to 2 x CP chunks
-                    offsets, real = _padded_sequences(offsets, dist.get_world_size(context_group))
-                    input_ids = torch.zeros_like(input_ids).index_copy_(
-                        1, real.to(device), input_ids[:, :length]
-                    )
-                extra["packed_seq_params"], positions = packed_layout(
-                    offsets, width, device, host_offsets=host_offsets
-                )
-                bounds = row_segments(offsets.tolist(), width)
-            layout = None
-            if context_group is not None:
-                layout = Layout.over(bounds, context_group, device)
-                input_ids, positions = layout.split(input_ids, 1), layout.split(positions, 1)
-            if routing.is_moe:  # routers leave the padding out of their losses and counts
-                extra["padding_mask"] = routing.before_forward(
-                    chunk_of[id(model)], index, micro_batch, width, device, layout, real
-                )
-            output = model(input_ids, positions, attention_mask=None, **extra)
-
-            chunk = self._chunks[chunk_of[id(model)]]
-
-            def loss_func(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-                context = head_context  # on the last stage only
-                if fused:  # the raw output is the hidden states; the head applies the layer
-                    context = attrs.evolve(context, output_weight=output_weight(chunk))
-                if layout is not None:
-                    raw = layout.gather(raw, 1)
-                raw = raw[:, :length] if real is None else raw.index_select(1, real.to(raw.device))
-                loss, metrics = consume(index, raw, context)
-                if layout is not None:  # every rank's loss is the same: see context_parallel
-                    loss = loss / dist.get_world_size(context_group)
-                return loss, torch.ones((), dtype=torch.int), metrics
-
-            return output, loss_func
-
         get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=data if len(data) > 1 else data[0],
             model=self._wrapped,
             num_microbatches=len(micro_batches),
-            seq_length=max(widths),
-            micro_batch_size=max(int(mb.input_ids.shape[0]) for mb in micro_batches),
+            seq_length=max(row.width for row in rows),
+            micro_batch_size=max(row.rows for row in rows),
             forward_only=forward_only,
         )
 
-    def _start_routing(self, step: Step, forward_only: bool) -> None:
-        """Clear the routers' records, and scale the aux and z losses for this step.
+    def _start_routing(self, step: Step, rows: Sequence[RowLayout], forward_only: bool) -> None:
+        """Clear the routers' records (they keep the step's ``rows``), and scale the aux and z
+        losses for this step.
 
         With per-token losses megatron multiplies each micro-batch's aux / z loss by its real
         tokens (the routers are handed the padding mask) and leaves the division to a finalize
@@ -432,7 +388,7 @@ class MegatronBackend(BackendState[Any]):
         number of micro-batches, the padding or the DP size."""
         from megatron.core.transformer.moe import moe_utils
 
-        self._routing.reset()
+        self._routing.reset(rows)
         moe_utils.clear_aux_losses_tracker()
         model = self._model
         if (
@@ -461,9 +417,8 @@ class MegatronBackend(BackendState[Any]):
         """The routes recorded running ``step``, per micro-batch, ``[b, s, layers, k]``."""
         from megatron.core import parallel_state as ps
 
-        widths = row_widths(step.micro_batches, self._chunks[0].config)
         return self._routing.recorded_routes(
-            step.micro_batches, widths, ps.get_pipeline_model_parallel_group()
+            step.micro_batches, ps.get_pipeline_model_parallel_group()
         )
 
     def router_statistics(self, step: Step) -> dict[str, float]:
@@ -742,70 +697,6 @@ def check_micro_batch_count(sizes: list[int], model_config: Any) -> None:
             f"pipeline_parallel_size ({pp}) micro-batches; it makes {count}. Change the batch "
             "size, micro_batch_size or max_tokens_per_micro_batch"
         )
-
-
-def row_widths(micro_batches: Sequence[MicroBatch], model_config: Any) -> list[int]:
-    """How long the model's rows must be for each micro-batch: its own length, or the batch's
-    longest where megatron's schedule sends one fixed shape (virtual pipeline stages; and every
-    pipeline schedule for packed rows), rounded up to a multiple of the tensor-parallel size
-    under sequence parallelism (which splits the sequence dimension) and of 2 x CP under context
-    parallelism (where a packed row first pads each of its sequences to 2 x CP)."""
-    cp = model_config.context_parallel_size
-    lengths = [
-        int(mb.input_ids.shape[1])
-        if mb.cu_seqlens is None or cp == 1
-        else int(_padded_sequences(mb.cu_seqlens, cp)[0][-1])
-        for mb in micro_batches
-    ]
-    packed = micro_batches[0].cu_seqlens is not None
-    pipeline = model_config.pipeline_model_parallel_size > 1
-    if model_config.virtual_pipeline_model_parallel_size is not None or (packed and pipeline):
-        lengths = [max(lengths)] * len(lengths)
-    multiple = model_config.tensor_model_parallel_size if model_config.sequence_parallel else 1
-    if cp > 1:  # 2 x CP chunks, each split again under SP
-        multiple *= 2 * cp
-    return [-(-length // multiple) * multiple for length in lengths]
-
-
-def _padded_sequences(cu_seqlens: torch.Tensor, cp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A packed row's sequence offsets with every sequence padded to a multiple of ``2 x cp``
-    tokens (megatron's context-parallel layout), and where each real token goes in that row."""
-    bounds = padded_bounds(cu_seqlens.tolist(), cp)
-    lengths = cu_seqlens.diff()
-    real = torch.arange(int(lengths.sum())) + torch.repeat_interleave(
-        torch.tensor(bounds[:-1]) - cu_seqlens[:-1].cpu(), lengths.cpu()
-    )
-    return torch.tensor(bounds, dtype=cu_seqlens.dtype), real
-
-
-def packed_layout(
-    cu_seqlens: torch.Tensor, width: int, device: torch.device, *, host_offsets: bool = False
-) -> tuple[Any, torch.Tensor]:
-    """Megatron's ``PackedSeqParams`` (thd) and the position ids ``[1, width]`` of a packed row
-    of ``width`` tokens whose sequences start at ``cu_seqlens``; row padding past the last
-    sequence is one more segment, so no sequence attends to it.
-
-    ``host_offsets``: ``cu_seqlens_q`` / ``_kv`` stay on the host. On the local layer spec
-    nothing needs them on the device, and megatron's rotary embedding for thd reads them as
-    host numbers (``tolist()``, ``item()``, twice per layer and micro-batch): on the device
-    each read would wait for it; the local core attention splits the row by them too
-    (``attention.packed_dot_product_attention``). TransformerEngine's attention takes them on
-    the device."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    bounds = torch.tensor(row_segments(cu_seqlens.tolist(), width), dtype=torch.int32)
-    longest = int(bounds.diff().max())
-    positions = positions_in_sequences(bounds).to(device, non_blocking=True)[None]
-    if not host_offsets:
-        bounds = bounds.to(device, non_blocking=True)
-    packed = PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=bounds,
-        cu_seqlens_kv=bounds,
-        max_seqlen_q=longest,
-        max_seqlen_kv=longest,
-    )
-    return packed, positions
 
 
 def _finalize_without_token_scaling(

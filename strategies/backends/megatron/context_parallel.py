@@ -10,7 +10,9 @@ as any other. The model runs on each rank's ``width / CP`` tokens.
 Attention: every rank all-gathers the keys and values of the whole row (their gradient is
 reduce-scattered back) and attends with its own queries under the causal mask of their global
 positions inside their own segment (the document mask), as Llama 3's long-context training
-did. The activations outside attention, and the
+did. The micro-batch's :class:`Layout` (what each rank holds, the gather's order) and that mask
+are built once per micro-batch and read by every layer (:class:`ContextAttention`, handed down
+in megatron's ``packed_seq_params``). The activations outside attention, and the
 attention's queries and outputs, stay split; only K and V (``2 x groups x head_dim`` per token,
 a fraction of the hidden size with grouped-query attention) are held whole.
 
@@ -24,71 +26,50 @@ to one over the data x context parallel gradient reduction.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import itertools
-from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import torch
 import torch.distributed as dist
 
+from strategies.model.row_layout import RowLayout
 from strategies.parallel.sequence_split import gather_sequence
 
-
-def local_positions(width: int, rank: int, size: int, device: torch.device) -> torch.Tensor:
-    """The positions of a ``width``-token segment that context-parallel rank ``rank`` of ``size``
-    holds, in its order: chunks ``rank`` and ``2 * size - 1 - rank`` of ``2 * size``."""
-    chunk = width // (2 * size)
-    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
-    second = torch.arange((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk, device=device)
-    return torch.cat([first, second])
-
-
-def padded_bounds(cu_seqlens: Sequence[int], size: int) -> list[int]:
-    """Sequence offsets of a packed row with every sequence padded to a multiple of
-    ``2 * size`` tokens (its real tokens first)."""
-    multiple = 2 * size
-    bounds = [0]
-    for start, end in itertools.pairwise(cu_seqlens):
-        bounds.append(bounds[-1] + -(-(end - start) // multiple) * multiple)
-    return bounds
+#: Megatron's sliding window: each query sees keys ``i - left`` to ``i + right``.
+Window = tuple[int, int] | None
 
 
 @attrs.frozen
 class Layout:
-    """How one micro-batch's rows of ``bounds[-1]`` tokens, in segments ``bounds``, are split
-    over ``size`` context-parallel ranks (this one ``rank`` of ``group``)."""
+    """How one micro-batch's rows (``row``) are split over the context-parallel ``group``, as
+    this rank ``rank`` sees it."""
 
-    bounds: tuple[int, ...]
-    size: int
+    row: RowLayout
     rank: int
     device: torch.device
     group: Any = None
 
     @classmethod
-    def over(cls, bounds: tuple[int, ...], group: Any, device: torch.device) -> Layout:
-        """The layout of ``bounds`` over the context-parallel ``group``, for this rank."""
-        return cls(bounds, dist.get_world_size(group), dist.get_rank(group), device, group)
+    def over(cls, row: RowLayout, group: Any, device: torch.device) -> Layout:
+        """The layout of ``row`` over the context-parallel ``group``, for this rank."""
+        assert dist.get_world_size(group) == row.context_parallel_size
+        return cls(row, dist.get_rank(group), device, group)
 
-    def held_by(self, rank: int) -> torch.Tensor:
-        """The row positions rank ``rank`` holds, in its order."""
-        return torch.cat(
-            [
-                start + local_positions(end - start, rank, self.size, self.device)
-                for start, end in itertools.pairwise(self.bounds)
-            ]
-        )
+    @property
+    def size(self) -> int:
+        return self.row.context_parallel_size
 
     @functools.cached_property
     def local(self) -> torch.Tensor:
         """This rank's positions."""
-        return self.held_by(self.rank)
+        return self.row.held_by(self.rank, self.device)
 
     @functools.cached_property
     def order(self) -> torch.Tensor:
         """The positions of the ranks' parts one after another (what an all-gather joins)."""
-        return torch.cat([self.held_by(rank) for rank in range(self.size)])
+        return torch.cat([self.row.held_by(rank, self.device) for rank in range(self.size)])
 
     def split(self, whole: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's part of ``whole`` along ``dim`` (no gradient exchange)."""
@@ -99,17 +80,81 @@ class Layout:
         the gradient of each rank's part sums every rank's gradient."""
         return gather_sequence(part, self.group, dim, self.order)
 
-    def visible_keys(self, window: tuple[int, int] | None) -> torch.Tensor:
+    def visible_keys(self, window: Window) -> torch.Tensor:
         """``[local queries, row]`` True where this rank's query attends a key: causal in their
         row positions, inside the query's segment, within megatron's sliding ``window``
         (left, right) where given."""
-        width = self.bounds[-1]
-        keys = torch.arange(width, device=self.device)
-        bounds = torch.tensor(self.bounds[1:-1], device=self.device)
-        segment = torch.bucketize(keys, bounds, right=True)
+        bounds = self.row.bounds
+        keys = torch.arange(self.row.width, device=self.device)
+        segment = torch.bucketize(keys, torch.tensor(bounds[1:-1], device=self.device), right=True)
         queries = self.local
         relative = keys[None, :] - queries[:, None]  # key - query
         visible = (relative <= 0) & (segment[None, :] == segment[queries][:, None])
         if window is not None:
             visible &= relative >= -window[0]
         return visible
+
+
+@attrs.define
+class ContextAttention:
+    """What every layer's context-parallel attention reads of one micro-batch's forward: its
+    layout, and the keys each of this rank's queries sees, built once per sliding window and
+    shared by every layer (the forward's parameters carry it; nothing keeps it afterwards)."""
+
+    layout: Layout
+    _visible: dict[Window, torch.Tensor] = attrs.field(factory=dict, init=False)
+
+    def visible_keys(self, window: Window) -> torch.Tensor:
+        """:meth:`Layout.visible_keys`, built on the first layer that asks."""
+        if window not in self._visible:
+            self._visible[window] = self.layout.visible_keys(window)
+        return self._visible[window]
+
+
+def row_params(
+    row: RowLayout, device: torch.device, *, host_offsets: bool, context: Layout | None
+) -> Any:
+    """The ``packed_seq_params`` megatron hands every layer for ``row``: a packed row's
+    ``thd`` offsets (its segments; on the host with ``host_offsets``); with ``context``, the
+    :class:`ContextAttention` the local core attention reads (right-padded rows: megatron's
+    ``sbhd`` layout with the row's width, what its rotary embedding computes without them); None
+    for right-padded rows without it.
+
+    ``host_offsets``: on the local layer spec nothing needs the offsets on the device, and
+    megatron's rotary embedding for thd reads them as host numbers (``tolist()``, ``item()``,
+    twice per layer and micro-batch): on the device each read would wait for it; the local core
+    attention splits the row by them too. TransformerEngine's attention takes them on the
+    device."""
+    attention = None if context is None else ContextAttention(context)
+    if not row.packed:
+        if attention is None:
+            return None
+        width = row.width
+        return _params_class()(
+            qkv_format="sbhd", max_seqlen_q=width, max_seqlen_kv=width, context=attention
+        )
+    bounds = torch.tensor(row.bounds, dtype=torch.int32)
+    if not host_offsets:
+        bounds = bounds.to(device, non_blocking=True)
+    longest = row.longest
+    return _params_class()(
+        qkv_format="thd",
+        cu_seqlens_q=bounds,
+        cu_seqlens_kv=bounds,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+        context=attention,
+    )
+
+
+@functools.cache
+def _params_class() -> type:
+    """megatron's ``PackedSeqParams`` with the micro-batch's :class:`ContextAttention` (built
+    once, on first use, so megatron is imported lazily)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    @dataclasses.dataclass
+    class RowParams(PackedSeqParams):  # type: ignore[misc, unused-ignore]
+        context: ContextAttention | None = None
+
+    return RowParams

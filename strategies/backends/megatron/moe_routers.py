@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from strategies.backends.base import MicroBatch
 from strategies.backends.megatron.context_parallel import Layout
+from strategies.model.row_layout import RowLayout
 from strategies.parallel.collectives import all_reduce_values, collective_device
 
 #: Metric names per MoE layer (0-based global layer number).
@@ -118,8 +119,10 @@ class Routing:
         self.sequence_group = sequence_group
         #: Every rank that routes part of each sequence (sequence x context parallel), or None.
         self.split_group = split_group
-        #: Context parallelism: each micro-batch's layout and its real tokens' row positions.
-        self.layouts: dict[int, tuple[Layout, torch.Tensor | None]] = {}
+        #: The step's micro-batches' row layouts (given at ``reset``).
+        self.rows: Sequence[RowLayout] = ()
+        #: Context parallelism: each micro-batch's split over the ranks.
+        self.layouts: dict[int, Layout] = {}
 
     @classmethod
     def attach(
@@ -189,9 +192,11 @@ class Routing:
     def is_moe(self) -> bool:
         return bool(self.num_layers)
 
-    def reset(self) -> None:
+    def reset(self, rows: Sequence[RowLayout] = ()) -> None:
+        """Forget the last step's routes; ``rows``: the layouts of the step to come."""
         for slot in self.slots:
             slot.reset()
+        self.rows = rows
         self.layouts.clear()
 
     def before_forward(
@@ -199,28 +204,26 @@ class Routing:
         chunk: int,
         index: int,
         micro_batch: MicroBatch,
-        width: int,
+        row: RowLayout,
         device: torch.device,
         layout: Layout | None = None,
-        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Prepare chunk ``chunk``'s routers for micro-batch ``index`` on rows of ``width``
-        tokens (``layout``: split over context-parallel ranks; ``positions``: where a packed
-        row's real tokens are in it, back to back where None): the tokens to count, and the
-        routes to force where it carries them. Returns megatron's padding mask ``[rows, width
-        / CP]`` (True: padding)."""
-        padding = padding_mask(micro_batch, width, positions).to(device)
+        """Prepare chunk ``chunk``'s routers for micro-batch ``index`` laid out as ``row``
+        (``layout``: split over context-parallel ranks): the tokens to count, and the routes to
+        force where it carries them. Returns megatron's padding mask ``[rows, width / CP]``
+        (True: padding)."""
+        padding = padding_mask(micro_batch, row).to(device)
         if layout is not None:
             padding = layout.split(padding, 1)
-            self.layouts[index] = (layout, positions)
+            self.layouts[index] = layout
         real = self._own_part(~padding.transpose(0, 1).reshape(-1))
         routes = micro_batch.routed_experts
         tokens = None
         if routes is not None:
-            ordered = model_order(routes.to(device), micro_batch, width, positions)
+            ordered = model_order(routes.to(device), micro_batch, row)
             if layout is not None:  # [width * rows, ...] -> this rank's positions
                 rows = padding.shape[0]
-                ordered = ordered.view(width, rows, *ordered.shape[1:])
+                ordered = ordered.view(row.width, rows, *ordered.shape[1:])
                 ordered = layout.split(ordered, 0).flatten(0, 1)
             tokens = self._own_part(ordered)
         for slot in self.slots_per_chunk[chunk]:
@@ -232,11 +235,11 @@ class Routing:
     def recorded_routes(
         self,
         micro_batches: Sequence[MicroBatch],
-        widths: Sequence[int],
         pipeline_group: dist.ProcessGroup | None,
     ) -> list[torch.Tensor]:
-        """Each micro-batch's recorded routes, right-padded ``[b, s, layers, k]`` (int64);
-        every pipeline stage contributes its own layers (collective over ``pipeline_group``)."""
+        """Each micro-batch's recorded routes, right-padded ``[b, s, layers, k]`` (int64), laid
+        out as the step's rows were; every pipeline stage contributes its own layers
+        (collective over ``pipeline_group``)."""
         recorded = self._whole(
             [
                 slot.recorded[index].to("cpu", torch.long)
@@ -246,19 +249,17 @@ class Routing:
         )
         outputs = []
         count = len(self.slots)
-        for index, (micro_batch, width) in enumerate(zip(micro_batches, widths, strict=True)):
+        for index, (micro_batch, row) in enumerate(zip(micro_batches, self.rows, strict=True)):
             rows, length = micro_batch.attention_mask.shape
             chosen = recorded[index * count : (index + 1) * count]
-            positions = None
             if index in self.layouts and chosen:  # this rank's positions -> the whole rows
-                layout, positions = self.layouts[index]
-                model_rows = 1 if micro_batch.cu_seqlens is not None else rows
-                local = torch.stack(chosen, dim=1).view(-1, model_rows, count, self.top_k)
+                layout = self.layouts[index]
+                local = torch.stack(chosen, dim=1).view(-1, row.rows, count, self.top_k)
                 whole = layout.gather(local.to(layout.device), 0).cpu()
                 chosen = list(whole.flatten(0, 1).unbind(1))
             routes = torch.zeros(rows, length, self.num_layers, self.top_k, dtype=torch.long)
             for slot, taken in zip(self.slots, chosen, strict=True):
-                routes[:, :, slot.layer] = rows_order(taken, micro_batch, width, length, positions)
+                routes[:, :, slot.layer] = rows_order(taken, micro_batch, row, length)
             outputs.append(routes)
         if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
             flat = torch.cat([routes.flatten() for routes in outputs])
@@ -314,11 +315,10 @@ class Routing:
         }
 
 
-def padding_mask(
-    micro_batch: MicroBatch, width: int, positions: torch.Tensor | None = None
-) -> torch.Tensor:
+def padding_mask(micro_batch: MicroBatch, row: RowLayout) -> torch.Tensor:
     """``[rows, width]`` True where the model's rows hold padding (packed: one row, its real
-    tokens first, or at ``positions``)."""
+    tokens first, or where the layout puts them)."""
+    width, positions = row.width, row.real_positions
     if micro_batch.cu_seqlens is not None:
         if positions is not None:
             return torch.ones(width, dtype=torch.bool).index_fill_(0, positions.cpu(), False)[None]
@@ -327,13 +327,12 @@ def padding_mask(
     return ~torch.nn.functional.pad(real, (0, width - real.shape[1]))
 
 
-def model_order(
-    routes: torch.Tensor, micro_batch: MicroBatch, width: int, positions: torch.Tensor | None = None
-) -> torch.Tensor:
+def model_order(routes: torch.Tensor, micro_batch: MicroBatch, row: RowLayout) -> torch.Tensor:
     """Right-padded routes ``[b, s, layers, k]`` -> ``[width * b, layers, k]``, in the order the
-    router sees the micro-batch's tokens (packed: the real tokens back to back in one row, or at
-    ``positions``). Padding is routed to experts 0..k-1 (distinct, so every token has k
-    experts)."""
+    router sees the micro-batch's tokens laid out as ``row`` (packed: the real tokens back to
+    back in one row, or where the layout puts them). Padding is routed to experts 0..k-1
+    (distinct, so every token has k experts)."""
+    width, positions = row.width, row.real_positions
     real = micro_batch.attention_mask.to(routes.device)
     rows, length, layers, k = routes.shape
     filler = torch.arange(k, device=routes.device).expand(layers, k)
@@ -341,22 +340,19 @@ def model_order(
     if micro_batch.cu_seqlens is not None:
         tokens = routes[real]
         if positions is not None:
-            row = filler.expand(width, layers, k).clone()
-            row[positions.to(routes.device)] = tokens
-            return row
+            placed = filler.expand(width, layers, k).clone()
+            placed[positions.to(routes.device)] = tokens
+            return placed
         return torch.cat([tokens, filler.expand(width - len(tokens), layers, k)])
     padded = torch.cat([routes, filler.expand(rows, width - length, layers, k)], dim=1)
     return padded.transpose(0, 1).reshape(width * rows, layers, k)
 
 
 def rows_order(
-    chosen: torch.Tensor,
-    micro_batch: MicroBatch,
-    width: int,
-    length: int,
-    positions: torch.Tensor | None = None,
+    chosen: torch.Tensor, micro_batch: MicroBatch, row: RowLayout, length: int
 ) -> torch.Tensor:
     """Inverse of :func:`model_order` for one layer: ``[width * b, k]`` -> ``[b, s, k]``."""
+    width, positions = row.width, row.real_positions
     if micro_batch.cu_seqlens is not None:
         if positions is not None:
             chosen = chosen[positions.cpu()]

@@ -4,12 +4,21 @@ tests/engine/test_parallel.py)."""
 
 from __future__ import annotations
 
+import attrs
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from strategies.backends.megatron.backend import _padded_sequences
-from strategies.backends.megatron.context_parallel import Layout, local_positions, padded_bounds
+from strategies.backends.megatron.context_parallel import Layout
+from strategies.model.row_layout import RowLayout, padded_offsets, row_layouts
+
+
+class Packed:
+    """A packed micro-batch of ``lengths`` (what a row layout reads of it)."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        self.input_ids = torch.zeros(1, int(self.cu_seqlens[-1]), dtype=torch.long)
 
 
 @given(size=st.integers(1, 4), chunk=st.integers(1, 5))
@@ -19,7 +28,8 @@ def test_every_position_is_held_by_one_rank_and_each_holds_chunks_r_and_2cp_minu
     """Each rank holds the same number of tokens; their union is the row, once each; rank r
     holds chunks r and 2 x CP - 1 - r (megatron's rotary embedding assumes that order)."""
     width = 2 * size * chunk
-    parts = [local_positions(width, rank, size, torch.device("cpu")) for rank in range(size)]
+    row = RowLayout(rows=1, length=width, width=width, context_parallel_size=size)
+    parts = [row.held_by(rank, torch.device("cpu")) for rank in range(size)]
     assert all(len(part) == width // size for part in parts)
     assert torch.equal(torch.cat(parts).sort().values, torch.arange(width))
     for rank, part in enumerate(parts):
@@ -27,13 +37,14 @@ def test_every_position_is_held_by_one_rank_and_each_holds_chunks_r_and_2cp_minu
         assert chunks == sorted({rank, 2 * size - 1 - rank})
 
 
-@given(lengths=st.lists(st.integers(1, 13), min_size=1, max_size=5), size=st.integers(1, 4))
+@given(lengths=st.lists(st.integers(1, 13), min_size=1, max_size=5), size=st.integers(2, 4))
 def test_a_packed_row_pads_each_sequence_to_2cp_chunks_keeping_its_tokens_first(
     lengths: list[int], size: int
 ) -> None:
-    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    bounds, real = _padded_sequences(cu_seqlens, size)
-    assert bounds.tolist() == padded_bounds(cu_seqlens.tolist(), size)
+    (row,) = row_layouts([Packed(lengths)], context_parallel_size=size)
+    bounds, real = row.sequences, row.real_positions
+    assert bounds is not None and real is not None and row.width == bounds[-1]
+    assert bounds == padded_offsets(Packed(lengths).cu_seqlens.tolist(), size)
     for start, end, length in zip(bounds[:-1], bounds[1:], lengths, strict=True):
         assert (end - start) % (2 * size) == 0 and 0 <= end - start - length < 2 * size
     expected = [
@@ -44,7 +55,7 @@ def test_a_packed_row_pads_each_sequence_to_2cp_chunks_keeping_its_tokens_first(
 
 @given(
     lengths=st.lists(st.integers(1, 13), min_size=1, max_size=5),
-    size=st.integers(1, 4),
+    size=st.integers(2, 4),
     packed=st.booleans(),
     spare=st.integers(0, 2),
 )
@@ -55,18 +66,22 @@ def test_splitting_a_row_over_the_ranks_and_gathering_it_back_gives_the_row(
     returns every token where it was, packed (sequences padded in the row) or padded; each
     rank's queries see exactly the keys at or before them in their own sequence."""
     cpu = torch.device("cpu")
-    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    total = sum(lengths)
     multiple = 2 * size
     if packed:
-        offsets, real = _padded_sequences(cu_seqlens, size)
-        width = int(offsets[-1]) + spare * multiple
-        bounds = (*offsets.tolist(), width) if spare else tuple(offsets.tolist())
+        natural = row_layouts([Packed(lengths)], context_parallel_size=size)[0]
+        rows = attrs.evolve(natural, width=natural.width + spare * multiple)
+        real = rows.real_positions
+        assert real is not None
     else:
-        width = -(-int(cu_seqlens[-1]) // multiple) * multiple + spare * multiple
-        real, bounds = torch.arange(int(cu_seqlens[-1])), (0, width)
-    tokens = torch.arange(int(cu_seqlens[-1])) + 100
+        width = -(-total // multiple) * multiple + spare * multiple
+        rows = RowLayout(rows=1, length=total, width=width, context_parallel_size=size)
+        real = torch.arange(total)
+    width, bounds = rows.width, rows.bounds
+    assert bounds == ((*rows.sequences, width) if packed and spare else rows.sequences or bounds)
+    tokens = torch.arange(total) + 100
     row = torch.zeros(width, dtype=torch.long).index_copy_(0, real, tokens)
-    layouts = [Layout(bounds, size, rank, cpu) for rank in range(size)]
+    layouts = [Layout(rows, rank, cpu) for rank in range(size)]
     parts = [layout.split(row, 0) for layout in layouts]
     assert all(len(part) == width // size for part in parts)
     gathered = torch.empty_like(row)
