@@ -1,4 +1,4 @@
-"""Batches: jagged <-> padded conversion, validation, fixed-size micro-batches, output restore.
+"""Batches: jagged <-> padded conversion, validation, row selection, micro-batches, output restore.
 
 A batch is a ``tensordict.TensorDict`` with batch size ``[num_sequences]``. Per-token fields are
 jagged (``torch.nested`` jagged layout) or padded ``[B, L]`` with a boolean/0-1
@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import itertools
 import logging
 import numbers
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, TypeAlias
+import operator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from types import ModuleType
+from typing import Any, TypeAlias, TypeGuard
 
 import attrs
+import numpy
 import torch
-from tensordict import TensorDict
+from tensordict import NonTensorData, TensorDict
 
 from heads.errors import BatchError, ConfigError
 
@@ -100,17 +104,22 @@ def _token_ids(index: int, tokens: Sequence[int]) -> torch.Tensor:
     return row.to(torch.long)
 
 
-def _jagged_class() -> type | None:
-    """torch's jagged tensor class; it is private, so None (and the slower public checks) if a
-    torch version moves it."""
+def _nested_module() -> ModuleType | None:
+    """torch's module of its jagged tensor class; it is private, so None (and the slower public
+    calls) if a torch version moves it."""
     try:
-        module = importlib.import_module("torch.nested._internal.nested_tensor")
+        return importlib.import_module("torch.nested._internal.nested_tensor")
     except ImportError:  # pragma: no cover - depends on the torch version
         return None
-    found = getattr(module, "NestedTensor", None)
+
+
+def _jagged_class() -> type | None:
+    """torch's jagged tensor class (None: see :func:`_nested_module`)."""
+    found = getattr(_NESTED_MODULE, "NestedTensor", None)
     return found if isinstance(found, type) else None
 
 
+_NESTED_MODULE = _nested_module()
 _JaggedClass = _jagged_class()
 
 
@@ -552,97 +561,264 @@ def _show(values: torch.Tensor) -> str:
 
 #: Which sequences of a batch: a slice, indices, or a boolean mask ``[B]``.
 Rows: TypeAlias = "slice | Sequence[int] | torch.Tensor"
+#: Rows ``chosen`` of a nested tensor that :class:`RowSelector` does not gather itself.
+NestedRows: TypeAlias = "Callable[[torch.Tensor, list[int]], torch.Tensor]"
 
 
 def take_rows(batch: TensorDict, rows: Rows) -> TensorDict:
     """Sequences ``rows`` of ``batch`` (a slice, indices or a boolean mask), as ``batch[rows]``
     would give them on tensordict 0.15. tensordict 0.10 (verl 0.9.1's pin) indexes every field
     with ``tensor[rows]``, which torch refuses for jagged tensors along the batch dim. A slice
-    of step 1 gives views; jagged fields that shared offsets share the new ones."""
-    total = batch.batch_size[0]
-    index: slice | torch.Tensor
-    if isinstance(rows, slice) and rows.indices(total)[2] == 1:
-        start, stop, _ = rows.indices(total)
-        index = slice(start, max(start, stop))
-        count = index.stop - start
-    else:
-        index = _row_indices(rows, total)
-        count = len(index)
-    done: dict[int, _Selection] = {}
-    columns: dict[str, torch.Tensor] = {}
-    for name, value in fields(batch):
-        columns[name] = _jagged_rows(value, index, done) if is_jagged(value) else value[index]
-    return TensorDict(columns, batch_size=[count], device=batch.device)
+    of step 1 gives views; jagged fields that had equal offsets share the new ones; non-tensor
+    entries come along (:class:`RowSelector`)."""
+    return RowSelector(batch).take(rows)
 
 
-def _row_indices(rows: Rows, total: int) -> torch.Tensor:
-    """``rows`` as int64 indices into ``[0, total)``: negative ones count from the end, one out
-    of range raises IndexError (as indexing does)."""
+class RowSelector:
+    """Rows of one TensorDict, taken once (:func:`take_rows`) or for each micro-batch of a step
+    (the verl adapter hands verl's loss its micro-batch's rows of verl's TensorDict).
+
+    Every entry comes along: tensors, entries with the batch's dims indexed (a NonTensorStack:
+    one object per row), those without kept whole. A jagged field's rows are gathered from its
+    buffer by one index (a slice of step 1: a view): its offsets are read to the host once, and
+    where a selection's rows lie is worked out once per distinct offsets, so fields whose
+    offsets were equal share the new ones.
+
+    ``feature_bounds``: whether jagged rows with feature dims (``[n, ...]``) record their
+    length bounds, as tensordict's indexing does (verl's selection records them for rows of one
+    dim only; ``to_padded_tensor`` pads to them, else to the buffer's length).
+    ``other_nested``: the rows of nested tensors not gathered here (ragged in a later dim than
+    their rows' first, or strided); None refuses them.
+    """
+
+    def __init__(
+        self,
+        batch: TensorDict,
+        *,
+        feature_bounds: bool = True,
+        other_nested: NestedRows | None = None,
+    ) -> None:
+        self._batch = batch
+        self._feature_bounds = feature_bounds
+        self._other_nested = other_nested
+        self._layouts: list[_Layout] = []
+        #: Each layout's place in ``_layouts``, by its key.
+        self._places: dict[tuple[tuple[int, ...], tuple[int, ...] | None], int] = {}
+        #: By a jagged field's id: the field (kept, so that its id names it while this selector
+        #: lives), its layout's place, its buffer, and whether its rows record their bounds.
+        self._fields: dict[int, tuple[torch.Tensor, int, torch.Tensor, bool]] = {}
+
+    def take(self, rows: Rows) -> TensorDict:
+        """Rows ``rows`` (a slice, indices or a boolean mask) of every entry the batch holds
+        now."""
+        index, chosen = _row_index(rows, self._batch.batch_size[0])
+        gathers: dict[int, _Gather] = {}
+        columns: dict[str, Any] = {}
+        for name, value in self._batch.items():
+            field = self._fields.get(id(value))
+            if field is None and _gatherable(value):
+                field = self._read(value)
+            if field is not None:
+                _, place, buffer, bounded = field
+                if place not in gathers:
+                    gathers[place] = self._layouts[place].gather(index, chosen)
+                columns[name] = gathers[place].rows(buffer, bounded=bounded)
+            elif isinstance(value, torch.Tensor) and value.is_nested:
+                columns[name] = self._nested_rows(name, value, list(chosen))
+            elif isinstance(value, torch.Tensor):
+                columns[name] = value[index]
+            elif not value.shape:  # no batch dims: one entry for the whole batch, kept
+                columns[name] = value
+            elif isinstance(value, NonTensorData):
+                # one value for every row: any rows of it are its first (a slice is faster)
+                columns[name] = value[: len(chosen)]
+            else:
+                columns[name] = value[index]
+        return TensorDict(columns, batch_size=[len(chosen)], device=self._batch.device)
+
+    def _read(self, value: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor, bool]:
+        """A jagged field's entry in ``_fields``: its layout read to the host (kept once for
+        fields laid out alike)."""
+        offsets, holes = jagged_offsets(value), getattr(value, "_lengths", None)
+        starts = offsets.tolist()
+        lengths = None if holes is None else holes.tolist()
+        key = (tuple(starts), None if lengths is None else tuple(lengths))
+        place = self._places.setdefault(key, len(self._layouts))
+        if place == len(self._layouts):
+            self._layouts.append(_Layout.of(offsets, starts, lengths))
+        buffer = jagged_values(value)
+        bounded = self._feature_bounds or buffer.dim() == 1
+        self._fields[id(value)] = (value, place, buffer, bounded)
+        return self._fields[id(value)]
+
+    def _nested_rows(self, name: str, value: torch.Tensor, chosen: list[int]) -> torch.Tensor:
+        if self._other_nested is None:
+            raise BatchError(
+                f"field {name!r}: rows are taken of jagged fields ragged in their rows' first "
+                f"dim, and this one is {_nested_kind(value)}"
+            )
+        return self._other_nested(value, chosen)
+
+
+def _gatherable(value: object) -> TypeGuard[torch.Tensor]:
+    """A jagged tensor ragged in its rows' first dim: its rows lie in its buffer one after
+    another (with holes, where it has ``lengths()``)."""
+    return (
+        isinstance(value, torch.Tensor)
+        and is_jagged(value)
+        and getattr(value, "_ragged_idx", 1) == 1
+    )
+
+
+def _nested_kind(value: torch.Tensor) -> str:
+    if value.layout == torch.jagged:
+        return f"ragged in dim {getattr(value, '_ragged_idx', '?')}"
+    return f"a nested tensor of layout {value.layout}"
+
+
+def _row_index(rows: Rows, total: int) -> tuple[slice | torch.Tensor, Sequence[int]]:
+    """``rows`` as a slice of step 1 within ``[0, total)`` or as int64 indices into it, and
+    the rows it names: negative indices count from the end, one out of range raises IndexError
+    (as indexing does)."""
     if isinstance(rows, slice):
-        return torch.arange(total)[rows]
+        start, stop, step = rows.indices(total)
+        if step == 1:
+            return slice(start, max(start, stop)), range(start, max(start, stop))
+        index = torch.arange(total)[rows]
+        return index, index.tolist()
     index = torch.as_tensor(rows)
     if index.dtype == torch.bool:
         if index.shape != (total,):
             raise BatchError(f"a row mask needs {total} entries, got shape {list(index.shape)}")
-        return index.nonzero().flatten()
+        index = index.nonzero().flatten()
+        return index, index.tolist()
     if index.dim() != 1 or (index.numel() and (index.is_floating_point() or index.is_complex())):
         raise BatchError(f"rows must be a slice, 1-D integer indices or a row mask, got {rows}")
-    return torch.arange(total, device=index.device)[index.long()]
+    chosen: list[int] = index.tolist()
+    outside = [row for row in chosen if not -total <= row < total]
+    if outside:
+        raise IndexError(f"index {outside[0]} is out of bounds for dimension 0 with size {total}")
+    if any(row < 0 for row in chosen):
+        chosen = [row % total for row in chosen]
+        return torch.tensor(chosen, dtype=torch.long, device=index.device), chosen
+    return index.long(), chosen
 
 
-#: A jagged selection: new offsets, what to read of the buffer (a slice: a view; else the
-#: positions), and the shortest and longest row (None when no row is selected).
-_Selection: TypeAlias = "tuple[torch.Tensor, torch.Tensor | slice, int | None, int | None]"
+@attrs.frozen
+class _Layout:
+    """A jagged field's rows, read to the host: where each starts in the buffer and how long
+    it is (``holes``: the field has lengths of its own, its rows need not touch)."""
+
+    offsets: torch.Tensor
+    starts: list[int]
+    lengths: list[int]
+    holes: bool
+
+    @classmethod
+    def of(cls, offsets: torch.Tensor, starts: list[int], holes: list[int] | None) -> _Layout:
+        """The layout of ``offsets`` (``starts``: on the host) and ``holes``' row lengths."""
+        if holes is None:
+            lengths = list(map(operator.sub, starts[1:], starts[:-1]))
+            return cls(offsets=offsets, starts=starts, lengths=lengths, holes=False)
+        return cls(offsets=offsets, starts=starts, lengths=holes, holes=True)
+
+    def gather(self, index: slice | torch.Tensor, chosen: Sequence[int]) -> _Gather:
+        """Where rows ``chosen`` (``index``, as :func:`_row_index` gives them) lie in a buffer
+        laid out so, and their offsets."""
+        lengths = [self.lengths[row] for row in chosen]
+        bounds = (min(lengths), max(lengths)) if lengths else (None, None)
+        if isinstance(index, slice) and not self.holes:  # contiguous rows: a view
+            begin, end = self.starts[index.start], self.starts[index.stop]
+            offsets = self.offsets[index.start : index.stop + 1] - begin
+            return _Gather(offsets, slice(begin, end), *bounds)
+        device = self.offsets.device
+        ends = list(itertools.accumulate(lengths, initial=0))
+        offsets = torch.tensor(ends, dtype=self.offsets.dtype, device=device)
+        if not self.holes and _consecutive(chosen):  # one stretch of the buffer
+            begin, end = self.starts[chosen[0]], self.starts[chosen[-1] + 1]
+            return _Gather(offsets, torch.arange(begin, end, device=device), *bounds)
+        # each selected token's place in the buffer: its row's old start + its place in the
+        # row, worked out on the host (numpy: a few us, whatever the number of rows)
+        moved = [self.starts[row] - end for row, end in zip(chosen, ends[:-1], strict=True)]
+        where = numpy.repeat(numpy.array(moved, dtype=numpy.int64), lengths)
+        where += numpy.arange(ends[-1], dtype=numpy.int64)
+        return _Gather(offsets, torch.from_numpy(where).to(device), *bounds)
 
 
-def _jagged_rows(
-    value: torch.Tensor,
-    index: slice | torch.Tensor,
-    done: dict[int, _Selection],
+def _consecutive(chosen: Sequence[int]) -> bool:
+    """Whether rows ``chosen`` follow one another, in order."""
+    return bool(chosen) and list(chosen) == list(range(chosen[0], chosen[0] + len(chosen)))
+
+
+@attrs.frozen
+class _Gather:
+    """Some rows of a jagged layout: their offsets, what to read of a buffer (a slice: a view;
+    else the positions), and the shortest and longest row (None when no row is selected)."""
+
+    offsets: torch.Tensor
+    where: torch.Tensor | slice
+    shortest: int | None
+    longest: int | None
+
+    def rows(self, buffer: torch.Tensor, *, bounded: bool) -> torch.Tensor:
+        """The rows of a field with this layout (``buffer``: its values), their length bounds
+        recorded where ``bounded``."""
+        where = self.where
+        values = buffer[where] if isinstance(where, slice) else buffer.index_select(0, where)
+        if bounded and self.shortest is not None and self.longest is not None:
+            return _jagged_from(values, self.offsets, self.shortest, self.longest)
+        return torch.nested.nested_tensor_from_jagged(values, self.offsets)
+
+
+def _jagged_from(
+    values: torch.Tensor, offsets: torch.Tensor, shortest: int, longest: int
 ) -> torch.Tensor:
-    """Rows ``index`` of a jagged tensor. Where to read in its buffer is worked out once per
-    offsets tensor (``done``), so fields that shared offsets get the same new ones."""
-    offsets = jagged_offsets(value)
-    key = id(offsets)
-    if key not in done:
-        holes: torch.Tensor | None = value.lengths()  # type: ignore[attr-defined]
-        done[key] = _jagged_selection(offsets, holes, index)
-    new_offsets, where, shortest, longest = done[key]
-    buffer = jagged_values(value)
-    picked = buffer[where] if isinstance(where, slice) else buffer.index_select(0, where)
+    """``nested_tensor_from_jagged(values, offsets, min_seqlen=, max_seqlen=)``; for values
+    that need no gradient, made without the call's dispatch (:func:`_jagged_maker`)."""
+    if _MAKE_JAGGED is not None and not values.requires_grad:
+        return _MAKE_JAGGED(values, offsets, shortest, longest)
     return torch.nested.nested_tensor_from_jagged(
-        picked, new_offsets, min_seqlen=shortest, max_seqlen=longest
+        values, offsets, min_seqlen=shortest, max_seqlen=longest
     )
 
 
-def _jagged_selection(
-    offsets: torch.Tensor, lengths: torch.Tensor | None, index: slice | torch.Tensor
-) -> _Selection:
-    """Where rows ``index`` lie in a jagged buffer; every size is read in one sync."""
-    if isinstance(index, slice) and lengths is None:  # contiguous rows: a view
-        start, stop = index.start, index.stop
-        lens = offsets[start + 1 : stop + 1] - offsets[start:stop]
-        (begin, end), shortest, longest = _read([offsets[start], offsets[stop]], lens)
-        return offsets[start : stop + 1] - begin, slice(begin, end), shortest, longest
-    rows = torch.arange(index.start, index.stop) if isinstance(index, slice) else index
-    lens = (offsets.diff() if lengths is None else lengths)[rows]
-    new_offsets = torch.nn.functional.pad(lens.cumsum(0), (1, 0))
-    (total,), shortest, longest = _read([new_offsets[-1]], lens)
-    # each selected token's place in the buffer: its row's old start + its place in the row
-    positions = torch.repeat_interleave(
-        offsets[:-1][rows] - new_offsets[:-1], lens, output_size=total
-    ) + torch.arange(total, device=offsets.device)
-    return new_offsets, positions, shortest, longest
+def _jagged_maker() -> Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor] | None:
+    """``nested_tensor_from_jagged(values, offsets, min_seqlen=, max_seqlen=)`` for values that
+    need no gradient, made as that call's view op makes it (torch's jagged class given the
+    buffer, offsets and the row lengths' bounds) but without the op's dispatch: ~40 us a tensor
+    rather than ~140 us, and a selection makes one per jagged field. None (the public call)
+    where a torch version moved the private parts."""
+    store = getattr(_NESTED_MODULE, "_store_val_in_tensor", None)
+    jagged_class = _JaggedClass
+    if jagged_class is None or not callable(store):  # pragma: no cover - depends on torch
+        return None
+
+    def make(values: torch.Tensor, offsets: torch.Tensor, shortest: int, longest: int) -> Any:
+        cache = {"min_seqlen": store(shortest), "max_seqlen": store(longest)}
+        return jagged_class(values, offsets, _metadata_cache=cache)
+
+    # checked once against the public call: a torch whose private parts changed meaning gets
+    # the public call, not a wrong tensor
+    values, offsets = torch.arange(5.0), torch.tensor([0, 2, 5])
+    try:
+        made = make(values, offsets, 2, 3)
+        public: Any = torch.nested.nested_tensor_from_jagged(
+            values, offsets, min_seqlen=2, max_seqlen=3
+        )
+        same = (
+            type(made) is type(public)
+            and made.shape == public.shape
+            and torch.equal(made.values(), public.values())
+            and torch.equal(made.offsets(), public.offsets())
+            and (made._min_seqlen, made._max_seqlen) == (public._min_seqlen, public._max_seqlen)
+            and all(torch.equal(a, b) for a, b in zip(made.unbind(), public.unbind(), strict=True))
+        )
+    except Exception:  # pragma: no cover - depends on the torch version
+        same = False
+    return make if same else None
 
 
-def _read(
-    scalars: list[torch.Tensor], lens: torch.Tensor
-) -> tuple[list[int], int | None, int | None]:
-    """``scalars`` as ints, and the min and max of ``lens`` (None if empty), in one sync."""
-    if not lens.numel():
-        return [int(item) for item in torch.stack(scalars).tolist()], None, None
-    *read, shortest, longest = torch.stack([*scalars, lens.min(), lens.max()]).tolist()
-    return [int(item) for item in read], int(shortest), int(longest)
+_MAKE_JAGGED = _jagged_maker()
 
 
 def split_fixed(batch: TensorDict, micro_batch_size: int) -> list[MicroBatch]:

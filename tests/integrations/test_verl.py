@@ -218,8 +218,9 @@ def test_a_micro_batchs_rows_of_verls_batch_are_verls_own_selection(rows: list[i
     """What the adapter hands verl's loss per micro-batch equals verl's
     ``index_select_tensor_dict`` of the batch: every entry, value, dtype and layout, and the
     padded tensors tensordict makes of them (padded to the rows' longest where verl's selection
-    records it, to the buffer's length where it does not)."""
-    from engine.integrations.verl.adapter import _Rows
+    records it, to the buffer's length where it does not), for jagged fields with holes and
+    verl's 3-D position ids (ragged in their rows' second dim) too."""
+    from engine.integrations.verl.adapter import _verl_rows
 
     generator = torch.Generator().manual_seed(0)
     lengths = [5, 3, 7, 1, 4, 6]
@@ -229,12 +230,22 @@ def test_a_micro_batchs_rows_of_verls_batch_are_verls_own_selection(rows: list[i
             "old_log_probs": jagged([torch.randn(n, generator=generator) for n in lengths]),
             "features": jagged([torch.randn(n + 2, 3, generator=generator) for n in lengths]),
             "dense": torch.randn(len(lengths), 2, generator=generator),
+            "holes": torch.nested.narrow(
+                torch.randn(len(lengths), 8, generator=generator),
+                1,
+                torch.tensor([1, 0, 2, 0, 3, 1]),
+                torch.tensor(lengths),
+                layout=torch.jagged,
+            ),
+            "rope": tu.nested_tensor_from_tensor_list(
+                [torch.randint(0, 9, (3, n), generator=generator) for n in lengths], ragged_idx=2
+            ),
         },
         batch_size=[len(lengths)],
     )
     tu.assign_non_tensor(batch, dp_size=1, uids=[f"u{n}" for n in range(len(lengths))])
     index = torch.tensor(rows)
-    theirs, ours = tu.index_select_tensor_dict(batch, index), _Rows(batch).select(index)
+    theirs, ours = tu.index_select_tensor_dict(batch, index), _verl_rows(batch).take(index)
     assert list(ours.keys()) == list(theirs.keys())
     padded_theirs, padded_ours = theirs.to_padded_tensor(), ours.to_padded_tensor()
     for key in theirs.keys():

@@ -20,12 +20,10 @@ the adapter divides by ``dp_size`` before the backward pass and reports verl's v
 from __future__ import annotations
 
 import contextlib
-import importlib
-import itertools
 import os
 import shutil
 from collections.abc import Callable, Generator, Iterator
-from typing import Any, TypeGuard, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 import torch
@@ -38,7 +36,7 @@ from verl.workers.engine.base import BaseEngine
 
 from engine.checkpointing.retention import complete_checkpoints
 from engine.config import CallSettings, EngineConfig, head_options
-from engine.data.batching import ROUTED_EXPERTS, is_jagged, jagged_offsets, jagged_values
+from engine.data.batching import ROUTED_EXPERTS, RowSelector, jagged_offsets, jagged_values
 from engine.engine import Engine
 from engine.integrations.verl.cells import registered_cells
 from engine.integrations.verl.config import (
@@ -401,7 +399,7 @@ class ComposableEngine(BaseEngine):
         """The engine's loss contract around verl's loss function (see the module doc);
         ``declared``: the call's head's declaration of each output."""
 
-        rows = _Rows(data)
+        rows = _verl_rows(data)
         assigned: list[int] = []  # the batch_num_tokens last assigned (the same every micro-batch)
 
         def loss(
@@ -417,7 +415,7 @@ class ComposableEngine(BaseEngine):
                 key: to_verl_layout(value, lengths, declared(key), key)
                 for key, value in outputs.items()
             }
-            selected = rows.select(ctx.rows)
+            selected = rows.take(ctx.rows)
             device = lengths.device
             if device.type != "cpu":
                 selected = selected.to(device)
@@ -681,133 +679,21 @@ class ComposableEngine(BaseEngine):
             engine.load_checkpoint(complete[-1][1] if complete else local_path)
 
 
-class _Rows:
+def _verl_rows(data: TensorDict) -> RowSelector:
     """Rows of verl's TensorDict as ``tu.index_select_tensor_dict`` selects them (the same
-    entries, values, dtypes and layouts), for the micro-batches of one call: each jagged field's
-    rows are gathered from its buffer by one index (made once per micro-batch for the fields
-    that share a row layout), rather than the field unbound into per-row tensors and stacked
-    again, field by field and micro-batch by micro-batch."""
-
-    def __init__(self, data: TensorDict) -> None:
-        self.data = data
-        #: Per jagged field (ragged in its rows' first dim, no holes): its buffer and offsets.
-        self.jagged: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}
-        for key, value in data.items():
-            if _gatherable(value):
-                self.jagged[key] = (jagged_values(value), tuple(jagged_offsets(value).tolist()))
-
-    def select(self, rows: torch.Tensor) -> TensorDict:
-        chosen = rows.tolist()
-        if not chosen:
-            return tu.index_select_tensor_dict(self.data, rows)
-        layouts: dict[tuple[int, ...], _Gather] = {}
-        selected: dict[str, Any] = {}
-        for key, value in self.data.items():
-            if key in self.jagged:
-                buffer, offsets = self.jagged[key]
-                if offsets not in layouts:
-                    layouts[offsets] = _Gather.of(offsets, chosen, buffer.device)
-                selected[key] = layouts[offsets].rows(buffer)
-            elif isinstance(value, torch.Tensor) and value.is_nested:  # as verl selects them
-                selected[key] = tu.nested_tensor_from_tensor_list(
-                    [value.unbind()[index] for index in chosen],
-                    ragged_idx=getattr(value, "_ragged_idx", value.dim() - 1),
-                )
-            elif isinstance(value, torch.Tensor) or value.shape:  # with the batch's dims
-                selected[key] = value[rows]
-            else:
-                selected[key] = value
-        return TensorDict(source=selected, batch_size=[len(chosen)])
+    entries, values, dtypes and layouts), for the micro-batches of one call: length bounds
+    recorded for rows of one dim only, and the nested tensors the batching module does not
+    gather (verl's 3-D position ids: ragged in their rows' second dim) made by verl's own
+    function."""
+    return RowSelector(data, feature_bounds=False, other_nested=_verl_nested_rows)
 
 
-def _gatherable(value: object) -> TypeGuard[torch.Tensor]:
-    """A jagged tensor ragged in its rows' first dim, without holes: gathered by ``_Gather``."""
-    return (
-        isinstance(value, torch.Tensor)
-        and is_jagged(value)
-        and getattr(value, "_ragged_idx", None) == 1
-        and getattr(value, "_lengths", None) is None
+def _verl_nested_rows(value: torch.Tensor, chosen: list[int]) -> torch.Tensor:
+    rows = value.unbind()
+    return tu.nested_tensor_from_tensor_list(
+        [rows[index] for index in chosen],
+        ragged_idx=getattr(value, "_ragged_idx", value.dim() - 1),
     )
-
-
-@attrs.frozen
-class _Gather:
-    """Some rows of a jagged layout: their tokens' places in the buffer and their offsets."""
-
-    index: torch.Tensor
-    offsets: torch.Tensor
-    lengths: list[int]
-
-    @classmethod
-    def of(cls, offsets: tuple[int, ...], chosen: list[int], device: torch.device) -> _Gather:
-        lengths = [offsets[row + 1] - offsets[row] for row in chosen]
-        if chosen == list(range(chosen[0], chosen[-1] + 1)):
-            index = torch.arange(offsets[chosen[0]], offsets[chosen[-1] + 1], device=device)
-        else:
-            index = torch.cat(
-                [torch.arange(offsets[row], offsets[row + 1], device=device) for row in chosen]
-            )
-        starts = torch.tensor([0, *itertools.accumulate(lengths)], device=device)
-        return cls(index=index, offsets=starts, lengths=lengths)
-
-    def rows(self, buffer: torch.Tensor) -> torch.Tensor:
-        """The rows of a field with this layout (``buffer``: its values). Their length bounds
-        are recorded where verl's selection records them, for rows of one dim (which it
-        stacks with ``as_nested_tensor``), and not for rows with feature dims (which it
-        concatenates); tensordict's ``to_padded_tensor`` pads to them, else to the buffer's
-        length."""
-        values = buffer.index_select(0, self.index)
-        if values.dim() > 1:
-            return torch.nested.nested_tensor_from_jagged(values, self.offsets)
-        shortest, longest = min(self.lengths), max(self.lengths)
-        if _MAKE_JAGGED is not None and not values.requires_grad:
-            return _MAKE_JAGGED(values, self.offsets, shortest, longest)
-        return torch.nested.nested_tensor_from_jagged(
-            values, self.offsets, min_seqlen=shortest, max_seqlen=longest
-        )
-
-
-def _jagged_maker() -> Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor] | None:
-    """``nested_tensor_from_jagged(values, offsets, min_seqlen=, max_seqlen=)`` for values that
-    need no gradient, made as that call's view op makes it (torch's jagged class given the
-    buffer, offsets and the row lengths' bounds) but without the op's dispatch: ~40 us a tensor
-    rather than ~140 us, and a verl micro-batch has one per field. None (the public call) where
-    a torch version moved the private parts."""
-    try:
-        module = importlib.import_module("torch.nested._internal.nested_tensor")
-    except ImportError:  # pragma: no cover - depends on the torch version
-        return None
-    jagged_class = getattr(module, "NestedTensor", None)
-    store = getattr(module, "_store_val_in_tensor", None)
-    if not (isinstance(jagged_class, type) and callable(store)):  # pragma: no cover
-        return None
-
-    def make(values: torch.Tensor, offsets: torch.Tensor, shortest: int, longest: int) -> Any:
-        cache = {"min_seqlen": store(shortest), "max_seqlen": store(longest)}
-        return jagged_class(values, offsets, _metadata_cache=cache)
-
-    # checked once against the public call: a torch whose private parts changed meaning gets
-    # the public call, not a wrong tensor
-    values, offsets = torch.arange(5.0), torch.tensor([0, 2, 5])
-    try:
-        made = make(values, offsets, 2, 3)
-        public: Any = torch.nested.nested_tensor_from_jagged(
-            values, offsets, min_seqlen=2, max_seqlen=3
-        )
-        same = (
-            type(made) is type(public)
-            and made.shape == public.shape
-            and torch.equal(made.values(), public.values())
-            and torch.equal(made.offsets(), public.offsets())
-            and (made._min_seqlen, made._max_seqlen) == (public._min_seqlen, public._max_seqlen)
-            and all(torch.equal(a, b) for a, b in zip(made.unbind(), public.unbind(), strict=True))
-        )
-    except Exception:  # pragma: no cover - depends on the torch version
-        same = False
-    return make if same else None
-
-
-_MAKE_JAGGED = _jagged_maker()
 
 
 def _build(head: str, backend: str, device: str, config: EngineConfig) -> Engine:

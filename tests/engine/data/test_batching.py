@@ -9,10 +9,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tensordict import TensorDict
+from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from engine import Engine
 from engine.data.batching import (
+    RowSelector,
     from_token_lists,
     jagged,
     jagged_offsets,
@@ -254,3 +255,113 @@ def test_take_rows_refuses_rows_the_batch_does_not_have(
 ) -> None:
     with pytest.raises(error, match=match):
         take_rows(random_batch([1, 2, 3], 10), rows)
+
+
+def test_take_rows_brings_non_tensor_entries_along() -> None:
+    """A NonTensorStack (one object per row, e.g. verl's uids) gives the rows' objects; a
+    NonTensorData (one value for the batch, e.g. verl's dp_size) comes whole."""
+    batch = random_batch([2, 3, 4, 1], 10)
+    batch.set_non_tensor("dp_size", 2)
+    batch["uids"] = NonTensorStack(*(NonTensorData(f"u{row}") for row in range(4)))
+    for rows, chosen in (([3, 0], [3, 0]), (slice(1, 3), [1, 2]), (slice(None, None, 2), [0, 2])):
+        taken = take_rows(batch, rows)
+        assert list(taken.keys()) == list(batch.keys())
+        assert taken.get("uids").tolist() == [f"u{row}" for row in chosen]
+        assert taken["dp_size"] == 2
+        assert rows_of(taken, "input_ids", [0, 1]) == rows_of(batch, "input_ids", chosen)
+
+
+def test_a_selector_takes_the_entries_the_batch_holds_at_each_take() -> None:
+    """An entry set after the selector was made (verl's batch_num_tokens, assigned before each
+    micro-batch's loss) comes along; the jagged fields' layouts are still read once."""
+    batch = random_batch([2, 3, 4], 10)
+    selector = RowSelector(batch)
+    assert "batch_num_tokens" not in selector.take([0]).keys()
+    batch.set_non_tensor("batch_num_tokens", 7)
+    taken = selector.take([2, 1])
+    assert taken["batch_num_tokens"] == 7
+    assert rows_of(taken, "returns", [0, 1]) == rows_of(batch, "returns", [2, 1])
+
+
+def test_fields_with_equal_offsets_share_one_gather_and_the_new_offsets() -> None:
+    """Jagged fields laid out alike (equal offsets, not the same tensor) are selected by one
+    gather and share the new offsets, so torch combines them token by token; a field laid out
+    otherwise gets its own."""
+    lengths = [2, 3, 4, 1]
+    batch = TensorDict(
+        {
+            "input_ids": jagged([torch.arange(n) for n in lengths]),
+            "loss_mask": jagged([torch.ones(n) for n in lengths]),
+            "prompts": jagged([torch.arange(n + 1) for n in lengths]),
+        },
+        batch_size=[4],
+    )
+    assert jagged_offsets(batch["input_ids"]) is not jagged_offsets(batch["loss_mask"])
+    selector = RowSelector(batch)
+    for rows in ([3, 0, 2], torch.tensor([1, 2]), slice(1, 4), [0, 0]):
+        taken = selector.take(rows)
+        chosen = list(range(4))[rows] if isinstance(rows, slice) else list(map(int, rows))
+        ids, mask, prompts = taken["input_ids"], taken["loss_mask"], taken["prompts"]
+        assert jagged_offsets(ids) is jagged_offsets(mask)
+        assert jagged_offsets(prompts) is not jagged_offsets(ids)
+        assert (ids * mask).shape[0] == len(chosen)
+        for name in batch.keys():
+            assert rows_of(taken, name, list(range(len(chosen)))) == rows_of(batch, name, chosen)
+            assert taken[name].dtype == batch[name].dtype
+
+
+def test_a_selector_takes_the_rows_of_jagged_fields_with_holes() -> None:
+    """A jagged field with lengths of its own (rows that need not touch in the buffer) gives
+    its rows' tokens only, laid out without holes."""
+    starts, lengths = torch.tensor([1, 0, 2, 3]), torch.tensor([3, 2, 1, 2])
+    holed = torch.nested.narrow(
+        torch.arange(20).reshape(4, 5), 1, starts, lengths, layout=torch.jagged
+    )
+    assert holed.lengths() is not None  # type: ignore[attr-defined]
+    batch = TensorDict({"input_ids": holed}, batch_size=[4])
+    for rows in ([2, 0], slice(1, 3)):
+        taken = take_rows(batch, rows)["input_ids"]
+        chosen = [2, 0] if isinstance(rows, list) else [1, 2]
+        assert [row.tolist() for row in taken.unbind()] == [
+            holed.unbind()[row].tolist() for row in chosen
+        ]
+        assert taken.lengths() is None  # type: ignore[attr-defined]
+
+
+def test_feature_bounds_say_where_selected_rows_record_their_longest() -> None:
+    """By default every jagged field's rows record their length bounds (tensordict pads to the
+    longest selected row); without ``feature_bounds`` rows with feature dims do not (as verl's
+    selection: padded to the buffer's length), rows of one dim still do."""
+    lengths = [5, 1, 2]
+    batch = TensorDict(
+        {
+            "input_ids": jagged([torch.arange(n) for n in lengths]),
+            "features": jagged([torch.ones(n, 3) for n in lengths]),
+        },
+        batch_size=[3],
+    )
+    bounded = RowSelector(batch).take([1, 2]).to_padded_tensor()
+    unbounded = RowSelector(batch, feature_bounds=False).take([1, 2]).to_padded_tensor()
+    assert bounded["input_ids"].shape == unbounded["input_ids"].shape == (2, 2)
+    assert bounded["features"].shape == (2, 2, 3)
+    assert unbounded["features"].shape == (2, 3, 3)
+
+
+def test_nested_tensors_not_ragged_in_the_rows_first_dim_go_to_other_nested() -> None:
+    """A nested tensor ragged in a later dim (verl's 3-D position ids) is refused by name, or
+    selected by the caller's ``other_nested``."""
+    ids = jagged([torch.arange(n) for n in (2, 3, 1)])
+    later = jagged([torch.arange(3 * n).reshape(n, 3) for n in (2, 3, 1)]).transpose(1, 2)
+    batch = TensorDict({"input_ids": ids, "position_ids": later}, batch_size=[3])
+    with pytest.raises(BatchError, match=r"'position_ids'.*ragged in dim 2"):
+        take_rows(batch, [2, 0])
+    asked: list[list[int]] = []
+
+    def rows_by_hand(value: torch.Tensor, chosen: list[int]) -> torch.Tensor:
+        asked.append(chosen)
+        return torch.stack([value.unbind()[row].sum() for row in chosen])
+
+    taken = RowSelector(batch, other_nested=rows_by_hand).take([2, 0])
+    assert asked == [[2, 0]]
+    assert taken["position_ids"].tolist() == [later.unbind()[2].sum(), later.unbind()[0].sum()]
+    assert rows_of(taken, "input_ids", [0, 1]) == [[0], [0, 1]]
