@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.cli.demo.config import DemoConfig, algorithm_names
+from engine.cli.demo.settings import DemoConfig, algorithm_names
 
 #: Names that compute what another does (verl's vectorised implementations).
 ALIASES = {

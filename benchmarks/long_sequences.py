@@ -33,7 +33,7 @@ def measure(backend: str, model: str, size: int, length: int, steps: int) -> tup
 
     from engine import Engine
     from engine.losses import sft_loss
-    from strategies.config import MODEL_PRESETS
+    from strategies.part_configs import MODEL_PRESETS
     from tests.factories import random_batch
 
     settings = attrs.asdict(MODEL_PRESETS[model])

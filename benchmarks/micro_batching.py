@@ -57,7 +57,7 @@ from benchmarks.measure import peak_allocated
 from engine import Engine
 from engine.data.batching import from_token_lists
 from engine.losses import sft_loss
-from strategies.config import model_preset
+from strategies.part_configs import model_preset
 
 MAX_SEQUENCE_LENGTH = 1536
 PROMPT_RANGE = (32, 512)

@@ -23,7 +23,7 @@ from heads.validation import (
     seed_field,
 )
 from strategies.backends.base import OFFLOAD_PARTS
-from strategies.config import (
+from strategies.part_configs import (
     MODEL_PRESETS,
     LoraConfig,
     ModelConfig,
@@ -41,7 +41,7 @@ def _named_model(name: str) -> ModelConfig:
     say) is in the way; a Hugging Face checkpoint of that name is ambiguous and refused, naming
     both (``./NAME`` is the directory)."""
     if os.path.isdir(name):
-        from strategies.hf.config import model_config_from_hf
+        from strategies.hf.config_json import model_config_from_hf
 
         if name not in MODEL_PRESETS:
             return model_config_from_hf(name)

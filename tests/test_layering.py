@@ -67,7 +67,7 @@ def test_the_scan_sees_type_checking_function_level_and_relative_imports() -> No
         "if TYPE_CHECKING:\n"
         "    from engine.data.batching import MicroBatch\n"
         "def f():\n"
-        "    import strategies.config as c\n"
+        "    import strategies.part_configs as c\n"
         "from strategies import backends\n"
         "from . import sibling\n"
         "from ..backends.base import Backend\n"
@@ -75,8 +75,33 @@ def test_the_scan_sees_type_checking_function_level_and_relative_imports() -> No
     assert imported_modules(source, package="strategies.devices") == [
         (1, "typing.TYPE_CHECKING"),
         (3, "engine.data.batching.MicroBatch"),
-        (5, "strategies.config"),
+        (5, "strategies.part_configs"),
         (6, "strategies.backends"),
         (7, "strategies.devices.sibling"),
         (8, "strategies.backends.base.Backend"),
     ]
+
+
+#: Names several parts' modules share because they do the same job for each part: a part's
+#: protocol, and the exceptions (defined in heads/, made public in engine/).
+SHARED_BY_THE_PARTS = {"__init__.py", "base.py", "errors.py"}
+
+
+def test_two_modules_share_a_name_only_where_they_do_one_job_for_two_backends() -> None:
+    by_name: dict[str, list[Path]] = {}
+    for layer in ("engine", "strategies", "heads"):
+        for path in (ROOT / layer).rglob("*.py"):
+            by_name.setdefault(path.name, []).append(path.relative_to(ROOT))
+    backends = ROOT / "strategies" / "backends"
+    shared = {
+        name: sorted(str(path) for path in paths)
+        for name, paths in by_name.items()
+        if len(paths) > 1
+        and name not in SHARED_BY_THE_PARTS
+        # one per backend: strategies/backends/<backend>/.../name, each backend at most once
+        and not (
+            all(backends in (ROOT / path).parents for path in paths)
+            and len({(ROOT / path).relative_to(backends).parts[0] for path in paths}) == len(paths)
+        )
+    }
+    assert shared == {}

@@ -17,7 +17,7 @@ from strategies.checkpoint_files.publish import (
     file_checksum,
     fsync_path,
 )
-from strategies.config import ModelConfig
+from strategies.part_configs import ModelConfig
 
 #: 2: files are checksummed with xxh3-128 (version 1 manifests, with sha256, still load).
 FORMAT_VERSION = 2

@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from engine.cli.demo.config import ALGORITHMS, algorithm_names
+from engine.cli.demo.settings import ALGORITHMS, algorithm_names
 from engine.cli.loggers import DEFAULT_LOGGERS, logger_flag, resolve_loggers
 from engine.cli.options import non_negative_int, parallel_flags, parallel_overrides, positive_int
 from engine.cli.train import DEFAULT_LR, train

@@ -7,7 +7,7 @@ from tensordict import TensorDict
 
 from engine.data.batching import ROUTED_EXPERTS, jagged_values
 from heads.errors import BatchError
-from strategies.config import ModelConfig
+from strategies.part_configs import ModelConfig
 
 
 def check_routed_experts(batch: TensorDict, model: ModelConfig, *, replay: bool) -> None:

@@ -2,10 +2,10 @@
 
 A loss function is ``loss_fn(outputs, batch, ctx) -> (loss, metrics)`` (the contract in
 :mod:`engine.losses.contract`); building blocks in :mod:`~engine.losses.aggregation` and
-:mod:`~engine.losses.kl`; PPO-style losses in :mod:`~engine.losses.ppo`, whose policy term is a
-registered policy loss (:mod:`~engine.losses.policy`); supervised ones in
-:mod:`~engine.losses.supervised`; reward-model ones in :mod:`~engine.losses.reward`; advantage
-estimators in :mod:`~engine.losses.advantages` (single rows),
+:mod:`~engine.losses.kl`; PPO-style losses in :mod:`~engine.losses.actor_critic`, whose
+policy term is a registered policy loss (:mod:`~engine.losses.policy`); supervised ones in
+:mod:`~engine.losses.supervised`; reward-model ones in :mod:`~engine.losses.reward_model`;
+advantage estimators in :mod:`~engine.losses.advantages` (single rows),
 :mod:`~engine.losses.group_advantages` (groups of responses) and
 :mod:`~engine.losses.token_baselines` (per-timestep baselines); KL coefficient controllers in
 :mod:`~engine.losses.kl_control`; rollout correction (importance weights
@@ -14,6 +14,7 @@ estimators and policy losses in :mod:`~engine.losses.registries`. Configure the 
 ``functools.partial``; any callable with the same signature works.
 """
 
+from engine.losses.actor_critic import ActorLoss, CriticLoss, entropy_bonus, kl_loss
 from engine.losses.advantages import (
     GAE,
     AdvantageEstimator,
@@ -71,14 +72,13 @@ from engine.losses.policy import (
     gspo,
     vanilla,
 )
-from engine.losses.ppo import ActorLoss, CriticLoss, entropy_bonus, kl_loss
 from engine.losses.registries import (
     ADVANTAGE_ESTIMATORS,
     POLICY_LOSSES,
     register_advantage_estimator,
     register_policy_loss,
 )
-from engine.losses.reward import bradley_terry_loss, score_regression_loss
+from engine.losses.reward_model import bradley_terry_loss, score_regression_loss
 from engine.losses.rollout_correction import (
     ROLLOUT_IS_WEIGHTS,
     ROLLOUT_LOG_PROBS,

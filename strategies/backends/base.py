@@ -27,9 +27,9 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
     from strategies.checkpoint_files.publish import FileChecksums
-    from strategies.config import ParallelConfig, PartsConfig
     from strategies.hf.shards import ParamShard
     from strategies.memory.model_size import ParameterCount, RankMemory
+    from strategies.part_configs import ParallelConfig, PartsConfig
 
 
 class MicroBatch(Protocol):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from heads.errors import DeviceUnavailableError
 
 if TYPE_CHECKING:
-    from strategies.config import PartsConfig
+    from strategies.part_configs import PartsConfig
 
 
 class DeviceRuntime(Protocol):

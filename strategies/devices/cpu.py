@@ -12,7 +12,7 @@ from typing_extensions import override
 from strategies.devices.base import DevicePlatform, DeviceRuntime, MeshInitStep
 
 if TYPE_CHECKING:
-    from strategies.config import PartsConfig
+    from strategies.part_configs import PartsConfig
 
 
 def _enable_megatron_on_cpu(backend: object, config: PartsConfig) -> None:

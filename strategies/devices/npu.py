@@ -21,7 +21,7 @@ from heads.validation import bool_field
 from strategies.devices.base import DevicePlatform, DeviceRuntime, MeshInitStep
 
 if TYPE_CHECKING:
-    from strategies.config import PartsConfig
+    from strategies.part_configs import PartsConfig
 
 INSTALL_HINT = (
     "install the Ascend CANN toolkit, then `pip install torch-npu==<your torch version>` and "

@@ -9,11 +9,11 @@ import inspect
 from typing import Any
 
 from heads.errors import ConfigError
-from strategies.config import ModelConfig
-from strategies.hf.config import load_hf_config
+from strategies.hf.config_json import load_hf_config
 from strategies.hf.experts import moe_family
+from strategies.part_configs import ModelConfig
 
-#: The llama3 RoPE scaling megatron implements (``strategies.hf.config`` accepts only these).
+#: The llama3 RoPE scaling megatron implements (``strategies.hf.config_json`` accepts only these).
 _LLAMA3_SCALING = {
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,

@@ -17,8 +17,8 @@ import torch
 
 from heads.base import PER_SEQUENCE, PER_TOKEN, Head, declared_results
 from heads.errors import CheckpointError, ConfigError
-from strategies.config import ModelConfig
 from strategies.hf.files import SafetensorsCheckpoint
+from strategies.part_configs import ModelConfig
 
 #: A classifier's output layer, and the names its tensors have in checkpoints and exports.
 SCORE = "score"

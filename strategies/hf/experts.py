@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from strategies.config import ModelConfig
+from strategies.part_configs import ModelConfig
 
 _LAYER = "model.layers.{}.{}"
 #: transformers 5.x's in-memory router and fused experts of layer N.

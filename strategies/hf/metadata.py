@@ -7,10 +7,10 @@ import json
 import os
 import shutil
 
-from strategies.config import ModelConfig
 from strategies.hf.architecture import hf_config_for
 from strategies.hf.classification import HeadLayer, exported_config
 from strategies.hf.files import INDEX_FILE
+from strategies.part_configs import ModelConfig
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 

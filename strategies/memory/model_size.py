@@ -10,7 +10,7 @@ import attrs
 
 from heads.base import OutputSpec
 from heads.errors import ConfigError
-from strategies.config import ModelConfig, PartsConfig
+from strategies.part_configs import ModelConfig, PartsConfig
 
 #: Bytes of a weight of each ``EngineConfig.dtype``.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}

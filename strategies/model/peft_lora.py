@@ -28,11 +28,11 @@ import attrs
 import torch
 
 from strategies.checkpoint_files.publish import publish_directory
-from strategies.config import LoraConfig, ModelConfig
 from strategies.hf.classification import SCORE, SCORE_BIAS, SCORE_WEIGHT, with_score_bias
 from strategies.hf.shards import ParamShard
 from strategies.model.weight_draws import name_seed
 from strategies.parallel.collectives import barrier, merged_dicts, rank
+from strategies.part_configs import LoraConfig, ModelConfig
 
 #: The key prefix of peft's saved adapters (``PeftModel`` -> ``base_model`` -> ``model``).
 PEFT_PREFIX = "base_model.model."

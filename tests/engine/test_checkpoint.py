@@ -440,7 +440,7 @@ class _WritesOneFile:
 
 
 def _description() -> dict[str, Any]:
-    from strategies.config import ModelConfig
+    from strategies.part_configs import ModelConfig
 
     return {"head": "lm", "backend": "fake", "model": ModelConfig(**tiny_model()),
             "parallel": {}, "config": {}}  # fmt: skip

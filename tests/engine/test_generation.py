@@ -40,8 +40,8 @@ def test_a_left_padded_batch_generates_what_each_prompt_generates_alone() -> Non
     """Greedy tokens of prompts of different lengths in one left-padded batch equal each
     prompt's alone; a row stops after its stop token, the others go on."""
     from engine.generation.weights import build_model
-    from strategies.config import model_preset
     from strategies.hf.architecture import hf_config_for
+    from strategies.part_configs import model_preset
 
     torch.manual_seed(0)
     model = build_model(hf_config_for(model_preset("tiny")))  # the demo's generator

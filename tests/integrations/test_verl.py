@@ -42,7 +42,7 @@ from engine.integrations.verl.adapter import (  # noqa: E402
 from engine.losses import ActorLoss, CriticLoss  # noqa: E402
 from heads.base import per_sequence, per_token  # noqa: E402
 from heads.errors import ConfigError  # noqa: E402
-from strategies.config import LORA_TARGETS  # noqa: E402
+from strategies.part_configs import LORA_TARGETS  # noqa: E402
 
 VOCAB = 96
 TOLERANCE = 1e-5
@@ -972,7 +972,7 @@ def test_override_config_keys_that_change_the_model_are_applied_and_others_refus
     """verl's ``model.override_config``: the context length and the rotary base reach the
     engine's model (read as config.json fields are), ``attn_implementation`` (verl's kernel
     choice) is accepted and ignored, and a key the engine does not read is refused by name."""
-    from engine.integrations.verl.config import engine_config_from_verl
+    from engine.integrations.verl.translation import engine_config_from_verl
 
     settings = dict(
         engine_config=FSDPEngineConfig(strategy="fsdp2"),
@@ -1004,7 +1004,7 @@ def test_memory_settings_of_real_configs_reach_the_backends(qwen3: str, distribu
     from verl.workers.config import McoreOptimizerConfig
     from verl.workers.config.engine import McoreEngineConfig
 
-    from engine.integrations.verl.config import engine_config_from_verl
+    from engine.integrations.verl.translation import engine_config_from_verl
 
     model = HFModelConfig(path=qwen3, load_tokenizer=False)
 

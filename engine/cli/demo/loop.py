@@ -41,14 +41,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from engine.cli.demo.config import (
-    CHECKPOINTS,
-    HEADS,
-    RUN_FILE,
-    DemoConfig,
-    PPOConfig,
-)
-from engine.cli.demo.rollout import (
+from engine.cli.demo.parity_task import (
     build_generator,
     in_groups,
     make_prompts,
@@ -56,6 +49,13 @@ from engine.cli.demo.rollout import (
     push_weights,
     rollout_batch,
     sample,
+)
+from engine.cli.demo.settings import (
+    CHECKPOINTS,
+    HEADS,
+    RUN_FILE,
+    DemoConfig,
+    PPOConfig,
 )
 from engine.cli.hf_export import HF_DIR, export_final_model
 from engine.cli.loggers import DEFAULT_LOGGERS

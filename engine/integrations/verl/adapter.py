@@ -39,7 +39,7 @@ from engine.config import CallSettings, EngineConfig, head_options
 from engine.data.batching import ROUTED_EXPERTS, RowSelector, jagged_offsets, jagged_values
 from engine.engine import Engine
 from engine.integrations.verl.cells import registered_cells
-from engine.integrations.verl.config import (
+from engine.integrations.verl.translation import (
     engine_config_from_verl,
     lora_base_name,
     lora_merged,

@@ -143,7 +143,7 @@ def check(config: Any) -> None:
     from verl.trainer.ppo.reward import get_custom_reward_fn
     from verl.trainer.ppo.utils import need_critic
 
-    from strategies.hf.config import model_config_from_hf
+    from strategies.hf.config_json import model_config_from_hf
 
     rollout = config.actor_rollout_ref.rollout
     if rollout.name == ROLLOUT:

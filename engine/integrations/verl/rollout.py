@@ -60,9 +60,9 @@ from engine.generation.routes import RouteRecorder, is_moe
 from engine.generation.sampling import GumbelMax, MostLikely, Warp, generate, left_padded
 from engine.generation.weights import GeneratorWeights, build_model
 from engine.integrations.verl.cells import ROLLOUT
-from engine.integrations.verl.config import Refusals, lora_unwrapped_name, model_overrides
+from engine.integrations.verl.translation import Refusals, lora_unwrapped_name, model_overrides
 from heads.errors import ConfigError
-from strategies.hf.config import apply_overrides
+from strategies.hf.config_json import apply_overrides
 from strategies.hf.experts import CheckpointLayout
 from strategies.model.peft_lora import PEFT_PREFIX
 

@@ -40,12 +40,12 @@ from strategies.backends.fsdp2.optimizer import (
 )
 from strategies.backends.fsdp2.ulysses import check_heads, sequence_groups
 from strategies.backends.shared import BackendState
-from strategies.config import DTYPE_NAMES, ParallelConfig, PartsConfig
 from strategies.hf.architecture import hf_config_for
 from strategies.hf.classification import HeadLayer, head_layer
 from strategies.hf.shards import ParamShard
 from strategies.memory.model_size import DTYPE_BYTES, ParameterCount, RankMemory, training_state
 from strategies.model.row_layout import RowLayout, row_layouts
+from strategies.part_configs import DTYPE_NAMES, ParallelConfig, PartsConfig
 
 #: Parallel settings this backend has no use for, and the value it runs them at.
 _MODEL_PARALLEL_FIELDS = {

@@ -27,7 +27,6 @@ import torch
 from strategies.backends.fsdp2.lora import is_adapter_parameter, is_head_layer_parameter
 from strategies.backends.fsdp2.sharding import on_mesh_device
 from strategies.checkpoint_files.publish import publish_directory
-from strategies.config import LoraConfig, ModelConfig
 from strategies.hf.classification import (
     TOKEN_CLASSIFICATION,
     HeadLayer,
@@ -40,6 +39,7 @@ from strategies.hf.metadata import write_hf_metadata
 from strategies.hf.shards import ParamShard
 from strategies.model.peft_lora import adapter_delta
 from strategies.parallel.collectives import barrier, rank
+from strategies.part_configs import LoraConfig, ModelConfig
 
 
 def export_hf(

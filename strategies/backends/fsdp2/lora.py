@@ -18,7 +18,6 @@ import torch
 
 from heads.errors import ConfigError
 from strategies.backends.fsdp2.model import VALUE_HEAD
-from strategies.config import LoraConfig, PartsConfig
 from strategies.model.peft_lora import (
     AdapterSwitch,
     LoraPair,
@@ -28,6 +27,7 @@ from strategies.model.peft_lora import (
     hf_module,
     low_rank_update,
 )
+from strategies.part_configs import LoraConfig, PartsConfig
 
 
 def check_lora(config: PartsConfig) -> None:

@@ -29,13 +29,13 @@ import torch
 
 from heads.base import OutputSpec
 from strategies.backends.fsdp2.attention import packed_sdpa
-from strategies.config import PartsConfig
 from strategies.hf.architecture import hf_config_for
 from strategies.hf.classification import HeadLayer, score_name
 from strategies.hf.experts import CheckpointLayout
 from strategies.hf.files import SafetensorsCheckpoint
 from strategies.model.weight_draws import normal_from_name
 from strategies.parallel.sequence_split import gather_sequence
+from strategies.part_configs import PartsConfig
 
 LM_HEAD = "lm_head"
 VALUE_HEAD = "value_head"

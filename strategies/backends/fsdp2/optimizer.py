@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from strategies.backends.fsdp2.sharding import on_mesh_device
-from strategies.config import PartsConfig
+from strategies.part_configs import PartsConfig
 
 
 def build_optimizer(config: PartsConfig, model: torch.nn.Module) -> torch.optim.AdamW:

@@ -38,12 +38,12 @@ from strategies.backends.megatron.optimizer import (
 from strategies.backends.megatron.schedule_step import ForwardStep, step_layouts
 from strategies.backends.shared import BackendState
 from strategies.checkpoint_files.publish import FileChecksums
-from strategies.config import ModelConfig, ParallelConfig, PartsConfig
 from strategies.hf.classification import HeadLayer, head_layer
 from strategies.megatron_support.imports import import_megatron
 from strategies.megatron_support.version import check_megatron_version
 from strategies.memory.model_size import DTYPE_BYTES, ParameterCount, RankMemory, training_state
 from strategies.model.row_layout import RowLayout
+from strategies.part_configs import ModelConfig, ParallelConfig, PartsConfig
 
 if TYPE_CHECKING:
     import torch.distributed as dist

@@ -34,7 +34,6 @@ import torch
 from heads.errors import ConfigError
 from strategies.backends.megatron.hf.adapters import fuse_qkv
 from strategies.backends.megatron.model import ReplicatedOutputLayer
-from strategies.config import PartsConfig
 from strategies.model.peft_lora import (
     AdapterSwitch,
     LoraPair,
@@ -44,6 +43,7 @@ from strategies.model.peft_lora import (
     draw_a,
     low_rank_update,
 )
+from strategies.part_configs import PartsConfig
 
 #: megatron linear (inside a layer) -> (its Hugging Face targets, column-parallel?).
 LINEARS: dict[str, tuple[tuple[str, ...], bool]] = {

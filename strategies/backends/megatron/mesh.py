@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from heads.errors import ConfigError
-from strategies.config import ParallelConfig
+from strategies.part_configs import ParallelConfig
 
 _LAYOUT_FIELDS = (
     "tensor_parallel_size",

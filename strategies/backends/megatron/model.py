@@ -15,8 +15,8 @@ from heads.base import OutputSpec
 from heads.errors import ConfigError
 from strategies.backends.megatron.attention import packed_dot_product_attention
 from strategies.backends.megatron.weight_init import initialize_parameters
-from strategies.config import ParallelConfig, PartsConfig
 from strategies.hf.classification import HeadLayer
+from strategies.part_configs import ParallelConfig, PartsConfig
 
 
 def transformer_config(

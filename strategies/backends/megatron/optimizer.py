@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from heads.errors import ConfigError
-from strategies.config import PartsConfig
+from strategies.part_configs import PartsConfig
 
 #: megatron ``OptimizerConfig`` fields a backend's ``optimizer_overrides`` may set, each with
 #: the values it takes: CPU optimizer offload (the optimizer state and step, or a fraction of

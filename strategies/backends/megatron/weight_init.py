@@ -20,8 +20,8 @@ from collections.abc import Iterator
 import attrs
 import torch
 
-from strategies.config import PartsConfig
 from strategies.model.weight_draws import normal_from_name
+from strategies.part_configs import PartsConfig
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 #: A routed expert's number: sequential experts (local spec) ``experts.local_experts.E.*``, or

@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from engine.cli import main
-from engine.cli.demo.config import ROLES, DemoConfig, resolve_config
-from engine.cli.demo.rollout import (
+from engine.cli.demo.parity_task import (
     build_generator,
     in_groups,
     make_prompts,
@@ -28,6 +27,7 @@ from engine.cli.demo.rollout import (
     rollout_batch,
     sample,
 )
+from engine.cli.demo.settings import ROLES, DemoConfig, resolve_config
 from engine.generation.weights import GeneratorWeights
 from engine.losses import GRPO
 from heads.errors import ConfigError
@@ -582,7 +582,7 @@ def test_lora_alpha_without_rank_and_a_reference_section_with_a_lora_actor_are_r
 
 
 def critic_free_algorithms() -> list[str]:
-    from engine.cli.demo.config import algorithm_names
+    from engine.cli.demo.settings import algorithm_names
 
     return [
         name

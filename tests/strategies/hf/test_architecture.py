@@ -10,9 +10,9 @@ import attrs
 import pytest
 
 from heads.errors import CheckpointError, ConfigError
-from strategies.config import MODEL_PRESETS, ModelConfig
 from strategies.hf.architecture import hf_config_for
-from strategies.hf.config import model_config_from_hf
+from strategies.hf.config_json import model_config_from_hf
+from strategies.part_configs import MODEL_PRESETS, ModelConfig
 
 TINY = attrs.asdict(MODEL_PRESETS["tiny"])
 CASES: dict[str, dict[str, Any]] = {

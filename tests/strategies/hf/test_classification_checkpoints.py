@@ -87,7 +87,7 @@ def forward_tolerance(path: Path) -> float:
     positions (2 x the longest sequence), the norms, the output projection and the MLP's input
     (4 x hidden), the MLP's output (its intermediate size, and the chosen experts' sum); then
     the final norm and the score layer (2 x hidden)."""
-    from strategies.hf.config import load_hf_config
+    from strategies.hf.config_json import load_hf_config
 
     hf = load_hf_config(path)
     hidden = int(hf.hidden_size)
@@ -380,7 +380,7 @@ def test_a_score_layer_that_does_not_fit_its_config_is_refused_naming_it(
     config: dict[str, Any],
     message: str,
 ) -> None:
-    from strategies.hf.config import model_config_from_hf
+    from strategies.hf.config_json import model_config_from_hf
 
     path = _edited(sources["qwen2", TOKEN], tmp_path / "edited", tensors, **config)
     with pytest.raises(CheckpointError, match=message) as error:

@@ -191,8 +191,8 @@ def test_a_training_step_agrees_across_backends(checkpoints: dict[str, Path], ba
 def test_a_model_from_scratch_saves_a_checkpoint_that_reads_back_alike(tmp_path: Path) -> None:
     """fsdp2 writes the config ``hf_config_for`` maps the ModelConfig to; reading that
     checkpoint back gives the same ModelConfig and, on megatron, the same log-probs."""
-    from strategies.config import model_preset
-    from strategies.hf.config import model_config_from_hf
+    from strategies.hf.config_json import model_config_from_hf
+    from strategies.part_configs import model_preset
 
     model = attrs.evolve(model_preset("moe"), qk_layernorm=True, normalize_expert_weights=False)
     scratch = build_engine("", "fsdp2", model=model)
@@ -232,7 +232,7 @@ def _edited(checkpoints: dict[str, Path], family: str, tmp_path: Path, **changes
 def test_what_the_engine_computes_differently_is_refused_naming_the_field(
     checkpoints: dict[str, Path], tmp_path: Path, family: str, changes: Any, field: str
 ) -> None:
-    from strategies.hf.config import model_config_from_hf
+    from strategies.hf.config_json import model_config_from_hf
 
     with pytest.raises(ConfigError, match=f"config.json {field}"):
         model_config_from_hf(_edited(checkpoints, family, tmp_path, **changes))
@@ -242,7 +242,7 @@ def test_what_the_engine_computes_differently_is_refused_naming_the_field(
 def test_the_aux_loss_coefficient_is_taken_only_with_output_router_logits(
     checkpoints: dict[str, Path], tmp_path: Path, family: str
 ) -> None:
-    from strategies.hf.config import model_config_from_hf
+    from strategies.hf.config_json import model_config_from_hf
 
     model = model_config_from_hf(checkpoints[family])
     assert model.router_aux_loss_coeff == 0.0  # output_router_logits is false
@@ -257,7 +257,7 @@ def test_the_aux_loss_coefficient_is_taken_only_with_output_router_logits(
 def test_a_missing_expert_tensor_is_named(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
-    from strategies.hf.config import model_config_from_hf
+    from strategies.hf.config_json import model_config_from_hf
 
     path = Path(shutil.copytree(checkpoints["mixtral"], tmp_path / "mixtral"))
     tensors = source_state_dict(path)
@@ -279,8 +279,8 @@ def test_a_missing_expert_tensor_is_named(checkpoints: dict[str, Path], tmp_path
 def test_a_model_no_family_computes_is_refused_naming_the_field(
     changes: dict[str, Any], field: str
 ) -> None:
-    from strategies.config import model_preset
     from strategies.hf.architecture import hf_config_for
+    from strategies.part_configs import model_preset
 
     with pytest.raises(ConfigError, match=f"ModelConfig.{field}"):
         hf_config_for(attrs.evolve(model_preset("moe"), **changes))
@@ -302,7 +302,7 @@ def test_fsdp2_refuses_what_it_cannot_run_naming_the_field(
     config: dict[str, Any], field: str
 ) -> None:
     from engine import Engine
-    from strategies.config import model_preset
+    from strategies.part_configs import model_preset
 
     model = attrs.evolve(model_preset("moe"), **config.pop("model", {}))
     with pytest.raises(ConfigError, match=field):

@@ -14,8 +14,8 @@ from heads.lm import LMHead
 from heads.value import ValueHead
 from strategies.backends.fsdp2.backend import Fsdp2Backend
 from strategies.backends.megatron.backend import MegatronBackend
-from strategies.config import ModelConfig
 from strategies.memory.model_size import ParameterCount, RankMemory, check_fits, count_parameters
+from strategies.part_configs import ModelConfig
 from tests.factories import tiny_model
 
 #: (model, head): each shape option the count reads, under an LM head and a value head.

@@ -16,8 +16,8 @@ from typing import ClassVar
 
 import torch
 
-from strategies.config import ModelConfig
 from strategies.hf.experts import CheckpointLayout
+from strategies.part_configs import ModelConfig
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")

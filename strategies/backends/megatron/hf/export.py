@@ -44,9 +44,9 @@ from strategies.backends.megatron.weight_init import (
     renumber_expert,
     unshard,
 )
-from strategies.config import ModelConfig, PartsConfig
 from strategies.hf.classification import score_name
 from strategies.hf.shards import ParamShard
+from strategies.part_configs import ModelConfig, PartsConfig
 
 _LAYER_WEIGHT = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.weight$")
 

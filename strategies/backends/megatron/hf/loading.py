@@ -16,9 +16,9 @@ import torch
 from strategies.backends.megatron.hf.adapters import adapter_for
 from strategies.backends.megatron.model import ReplicatedOutputLayer
 from strategies.backends.megatron.weight_init import TensorParallelLayout, global_parameters
-from strategies.config import ModelConfig
 from strategies.hf.classification import HeadLayer, score_name
 from strategies.hf.files import SafetensorsCheckpoint
+from strategies.part_configs import ModelConfig
 
 
 def load_hf_weights(chunk: torch.nn.Module, config: ModelConfig, head_layer: HeadLayer) -> None:

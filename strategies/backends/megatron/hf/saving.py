@@ -19,11 +19,11 @@ import torch
 
 from strategies.backends.megatron.hf.export import export_hf
 from strategies.checkpoint_files.publish import publish_directory
-from strategies.config import ModelConfig, PartsConfig
 from strategies.hf.classification import TOKEN_CLASSIFICATION, HeadLayer, with_score_bias
 from strategies.hf.files import SINGLE_FILE
 from strategies.hf.metadata import write_hf_metadata
 from strategies.parallel.collectives import barrier, merged_dicts, rank
+from strategies.part_configs import ModelConfig, PartsConfig
 
 
 def save_hf(

@@ -191,7 +191,7 @@ def test_the_lr_schedule_is_megatrons(warmup: int, decay: int, style: str, min_l
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from strategies.backends.fsdp2.optimizer import LRSchedule
-    from strategies.config import OptimizerConfig, SchedulerConfig
+    from strategies.part_configs import OptimizerConfig, SchedulerConfig
 
     config: Any = type("Config", (), {})()
     config.optimizer = OptimizerConfig(lr=1e-3, min_lr=min_lr, weight_decay=0.1)

@@ -192,7 +192,7 @@ def test_cpu_optimizer_offload_reaches_megatrons_optimizer_config_on_an_accelera
     import megatron.core.optimizer as megatron_optimizer
 
     from strategies.backends.megatron.optimizer import build_optimizer, optimizer_overrides_on
-    from strategies.config import PartsConfig
+    from strategies.part_configs import PartsConfig
 
     assert optimizer_overrides_on(True, CPU_OPTIMIZER_OFFLOAD) == {}
     offload = {k: v for k, v in CPU_OPTIMIZER_OFFLOAD.items() if k.startswith(("opt", "over"))}

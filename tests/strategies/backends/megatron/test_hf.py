@@ -208,7 +208,7 @@ def test_a_value_head_from_an_lm_checkpoint_keeps_its_own_init(
         torch.equal(loaded[name], source[name]) for name in source if name != "lm_head.weight"
     )
     destroy_mesh()
-    from strategies.hf.config import model_config_from_hf
+    from strategies.hf.config_json import model_config_from_hf
 
     fresh = attrs.evolve(model_config_from_hf(checkpoints[family]), hf_path=None)
     scratch = dict(build_engine("", head="value", model=fresh).get_per_tensor_param())
@@ -295,7 +295,7 @@ def test_a_missing_or_misshapen_tensor_is_named_with_both_shapes(
 def test_an_unsupported_config_is_refused_naming_the_field(
     checkpoints: dict[str, Path], tmp_path: Path, family: str, changes: Any, field: str
 ) -> None:
-    from strategies.hf.config import model_config_from_hf
+    from strategies.hf.config_json import model_config_from_hf
 
     path = _copy(checkpoints, family, tmp_path)
     _edit_config(path, **changes)
@@ -355,7 +355,7 @@ def test_two_process_layouts_load_with_parity(
     [("head_dim", 0), ("rope_scaling_factor", -1.0), ("add_qkv_bias", 1), ("hf_path", 3)],
 )
 def test_new_model_fields_are_validated_naming_the_field(field: str, value: Any) -> None:
-    from strategies.config import ModelConfig
+    from strategies.part_configs import ModelConfig
 
     with pytest.raises(ConfigError, match=f"ModelConfig.{field}"):
         ModelConfig(**{field: value})
@@ -371,7 +371,7 @@ def _rewrite(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 def test_a_tensor_no_parameter_takes_is_refused_naming_it(
     checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
-    from strategies.hf.config import model_config_from_hf
+    from strategies.hf.config_json import model_config_from_hf
 
     path = _copy(checkpoints, "llama", tmp_path)
     tensors = source_state_dict(path)
@@ -388,7 +388,7 @@ def test_a_tensor_no_parameter_takes_is_refused_naming_it(
 def test_the_family_follows_model_type_as_transformers_does(
     fresh_mesh: None, checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
-    from strategies.hf.config import model_config_from_hf
+    from strategies.hf.config_json import model_config_from_hf
 
     mislabelled = _copy(checkpoints, "qwen2", tmp_path)
     _edit_config(mislabelled, architectures=["LlamaForCausalLM"])  # model_type stays qwen2
@@ -410,7 +410,7 @@ def test_the_family_follows_model_type_as_transformers_does(
 def test_a_tied_config_with_a_different_lm_head_is_refused(
     checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
-    from strategies.hf.config import model_config_from_hf
+    from strategies.hf.config_json import model_config_from_hf
 
     path = _copy(checkpoints, "qwen2", tmp_path)  # tie_word_embeddings=True
     tensors = source_state_dict(path)
@@ -429,7 +429,7 @@ def test_an_index_that_maps_a_tensor_to_the_wrong_shard_is_refused_naming_both(
 ) -> None:
     from safetensors.torch import save_file
 
-    from strategies.hf.config import model_config_from_hf
+    from strategies.hf.config_json import model_config_from_hf
 
     path = _copy(checkpoints, "llama", tmp_path)
     tensors = source_state_dict(path)

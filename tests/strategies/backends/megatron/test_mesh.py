@@ -45,7 +45,7 @@ def test_a_second_engine_asking_for_another_mesh_gets_a_clear_error() -> None:
 
 
 def test_model_parallel_sizes_must_divide_the_world_size() -> None:
-    from strategies.config import ParallelConfig
+    from strategies.part_configs import ParallelConfig
 
     with pytest.raises(Exception, match=r"= 4 must divide the world size 2"):
         mesh.check_world_size(

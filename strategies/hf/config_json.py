@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 
 from heads.errors import CheckpointError, ConfigError
-from strategies.config import ModelConfig
+from strategies.part_configs import ModelConfig
 
 #: What megatron's llama3 RoPE scaling hard-codes (``RotaryEmbedding._apply_scaling``).
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}

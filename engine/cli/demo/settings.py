@@ -19,8 +19,8 @@ from engine.losses import (
     RolloutCorrection,
     estimator_inputs,
 )
+from engine.losses.actor_critic import build_policy_loss
 from engine.losses.kl_control import AdaptiveKLController
-from engine.losses.ppo import build_policy_loss
 from engine.losses.registries import policy_loss_field
 from heads.errors import ConfigError
 from heads.validation import float_field, int_field, of_type, one_of, positive, seed_field

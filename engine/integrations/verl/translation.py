@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.integrations.verl.cells import BACKENDS, HEADS
 from heads.errors import ConfigError
 from strategies.backends.base import Refuse
-from strategies.config import DTYPE_NAMES, LORA_TARGETS, LoraConfig
+from strategies.part_configs import DTYPE_NAMES, LORA_TARGETS, LoraConfig
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:
@@ -517,7 +517,7 @@ def engine_config_from_verl(
     parallel = _parallel(engine_config)
     model: Any = str(path)
     if overrides:
-        from strategies.hf.config import model_config_from_hf
+        from strategies.hf.config_json import model_config_from_hf
 
         model = model_config_from_hf(str(path), overrides)
     config = EngineConfig.from_dict(
