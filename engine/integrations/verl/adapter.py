@@ -160,10 +160,11 @@ class ComposableEngine(BaseEngine):
         )
         device = os.getenv("VERL_ENGINE_DEVICE") or get_device_name()
         self.engine = _build(head, backend, device, config)
-        #: Whether verl's ``to("cpu")`` offloads to host memory. Not on a CPU platform: there
-        #: the host is the device, and verl's calls that load (``to(get_device_name())``) and
-        #: those that offload (``to("cpu")``) name the same device, so every call loads.
-        self.offload_to_host = self.engine.platform.device_type != "cpu"
+        #: Whether verl's ``to("cpu")`` offloads to host memory. Not where the device's memory
+        #: is the host's (the CPU platform): there verl's calls that load
+        #: (``to(get_device_name())``) and those that offload (``to("cpu")``) name the same
+        #: device, so every call loads.
+        self.offload_to_host = not self.engine.platform.memory_is_host
         #: The ``local_path`` of each checkpoint this process saved, oldest first (retention).
         self._saved: list[str] = []
         #: The delta weight sync's base (``prime_delta_snapshots``).
@@ -559,7 +560,7 @@ class ComposableEngine(BaseEngine):
         the seed sent the base model and no adapter, so the adapters' base is zeros: the first
         delta carries them."""
         engine = self._initialized()
-        pin = self.delta_pin_snapshots and engine.platform.device_type != "cpu"
+        pin = self.delta_pin_snapshots and not engine.platform.memory_is_host
         self._deltas = DeltaExport(pin_memory=pin)
         adapter = self._adapters_apart()
         with self._resident(("model",)) as resident:
