@@ -4,6 +4,7 @@ token per row per forward, each with the log-probability it was drawn with."""
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -20,6 +21,12 @@ def cache_argument(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def keeps_last_logits(model: torch.nn.Module) -> bool:
+    """Whether ``model`` can compute the logits of the last position only
+    (``logits_to_keep``): a prompt's other positions would cost the output layer once each."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
 @attrs.frozen
 class Warp:
     """The logits a token is drawn from, as vLLM shapes them: divided by the temperature (0: as
@@ -31,7 +38,7 @@ class Warp:
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         logits = logits.float()
-        if self.temperature > 0:
+        if self.temperature > 0 and self.temperature != 1:
             logits = logits / self.temperature
         if self.top_k > 0 and self.top_k < logits.shape[-1]:
             kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
@@ -70,11 +77,17 @@ class GumbelMax:
     streams: Sequence[torch.Generator]
 
     def __call__(self, logits: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
-        noise = torch.stack(
-            [torch.rand(logits.shape[-1], generator=stream) for stream in self.streams]
-        )
-        gumbel = -torch.log(-torch.log(noise.clamp(min=1e-20)))
-        return (logits + gumbel).argmax(-1)
+        noise = torch.empty(logits.shape, dtype=torch.float32)
+        start = 0
+        # consecutive rows of one stream in one call: the same numbers as a call per row
+        for _, run in itertools.groupby(self.streams, key=id):
+            rows = list(run)
+            block = noise[start : start + len(rows)]
+            torch.rand(block.shape, generator=rows[0], out=block)
+            start += len(rows)
+        # -log(-log(u)), in place (a vocabulary-wide temporary less per operation)
+        gumbel = noise.clamp_(min=1e-20).log_().neg_().log_().neg_()
+        return gumbel.add_(logits).argmax(-1)
 
 
 @attrs.frozen
@@ -128,6 +141,7 @@ def generate(
     ``attention_mask`` is given; without one, rows of one length and no mask or positions
     passed). A row stops after one of ``stop_ids``; the loop, once every row has stopped."""
     cache = cache_argument(model)
+    last_logits = {"logits_to_keep": 1} if keeps_last_logits(model) else {}
     rows, device = input_ids.shape[0], input_ids.device
     stop = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -138,16 +152,16 @@ def generate(
     if routes is not None:
         prompts = [input_ids.shape[1]] * rows if mask is None else mask.sum(-1).tolist()
         routes.start(prompts)
+    # each row's positions: from 0 at its first prompt token, then one more per step
+    positions = None if mask is None else (mask.cumsum(-1) - 1).clamp(min=0)
     for step in range(max_tokens):
-        positions = None
-        if mask is not None:
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
         output = model(
             input_ids=step_ids,
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
             **{cache: past},
+            **last_logits,
         )
         past = output[cache]
         if routes is not None:
@@ -165,8 +179,9 @@ def generate(
         if step + 1 == max_tokens:
             break
         step_ids = token[:, None]
-        if mask is not None:
+        if mask is not None and positions is not None:
             mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=device)], dim=1)
+            positions = positions[:, -1:] + 1
     return Generation(
         tokens=torch.stack(tokens, dim=1),
         log_probs=torch.stack(log_probs, dim=1),

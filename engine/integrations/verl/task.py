@@ -71,12 +71,10 @@ def write_tokenizer(directory: Path) -> Any:
     return tokenizer
 
 
-def write_model(directory: Path, *, moe: bool = False, seed: int = 0) -> None:
-    """A tiny Qwen3 (or Qwen3-MoE) with this task's tokenizer, random weights from ``seed``."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+def model_config(*, moe: bool = False) -> Any:
+    """The tiny Qwen3 (or Qwen3-MoE) config of this task's model (its tokenizer's ids)."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
 
-    tokenizer = write_tokenizer(directory)
     shape: dict[str, Any] = dict(
         vocab_size=16,  # a multiple of the tensor-parallel sizes the engine may use
         hidden_size=64,
@@ -86,13 +84,12 @@ def write_model(directory: Path, *, moe: bool = False, seed: int = 0) -> None:
         head_dim=16,
         max_position_embeddings=256,
         tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=VOCABULARY.index("[PAD]"),
+        eos_token_id=VOCABULARY.index("<|im_end|>"),
         bos_token_id=None,
     )
-    torch.manual_seed(seed)
     if moe:
-        config = Qwen3MoeConfig(
+        return Qwen3MoeConfig(
             **shape,
             intermediate_size=128,
             moe_intermediate_size=32,
@@ -101,9 +98,17 @@ def write_model(directory: Path, *, moe: bool = False, seed: int = 0) -> None:
             decoder_sparse_step=1,
             norm_topk_prob=True,
         )
-        model: Any = Qwen3MoeForCausalLM(config)
-    else:
-        model = Qwen3ForCausalLM(Qwen3Config(**shape, intermediate_size=128))
+    return Qwen3Config(**shape, intermediate_size=128)
+
+
+def write_model(directory: Path, *, moe: bool = False, seed: int = 0) -> None:
+    """A tiny Qwen3 (or Qwen3-MoE) with this task's tokenizer, random weights from ``seed``."""
+    import torch
+    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+
+    write_tokenizer(directory)
+    torch.manual_seed(seed)
+    model = (Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM)(model_config(moe=moe))
     model.save_pretrained(directory)
 
 
