@@ -23,7 +23,7 @@ from typing import Any, TypeAlias, TypeGuard
 import attrs
 import numpy
 import torch
-from tensordict import NonTensorData, TensorDict
+from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from heads.errors import BatchError, ConfigError
 
@@ -607,6 +607,9 @@ class RowSelector:
         #: By a jagged field's id: the field (kept, so that its id names it while this selector
         #: lives), its layout's place, its buffer, and whether its rows record their bounds.
         self._fields: dict[int, tuple[torch.Tensor, int, torch.Tensor, bool]] = {}
+        #: By a NonTensorData's id and a number of rows: the entry (kept, so that its id names
+        #: it) and its rows, made once.
+        self._whole: dict[tuple[int, int], tuple[NonTensorData, NonTensorData]] = {}
 
     def take(self, rows: Rows) -> TensorDict:
         """Rows ``rows`` (a slice, indices or a boolean mask) of every entry the batch holds
@@ -630,11 +633,28 @@ class RowSelector:
             elif not value.shape:  # no batch dims: one entry for the whole batch, kept
                 columns[name] = value
             elif isinstance(value, NonTensorData):
-                # one value for every row: any rows of it are its first (a slice is faster)
-                columns[name] = value[: len(chosen)]
+                columns[name] = self._whole_rows(value, len(chosen))
+            elif isinstance(value, NonTensorStack) and value.stack_dim == 0 and chosen:
+                # one object per row: the chosen ones stacked (indexing works out the same
+                # stack ~4x slower)
+                columns[name] = NonTensorStack(
+                    *(value.tensordicts[row] for row in chosen), stack_dim=0
+                )
             else:
                 columns[name] = value[index]
-        return TensorDict(columns, batch_size=[len(chosen)], device=self._batch.device)
+        # entries of the batch's own, checked when it was made: made without the constructor's
+        # check of every entry (~140 us a selection of 18 entries)
+        return TensorDict._new_unsafe(
+            columns, batch_size=torch.Size([len(chosen)]), device=self._batch.device
+        )
+
+    def _whole_rows(self, value: NonTensorData, count: int) -> NonTensorData:
+        """``count`` rows of ``value``, one value for every row: its first (a slice is faster),
+        made once per count and shared by the selections of as many rows."""
+        key = (id(value), count)
+        if key not in self._whole:
+            self._whole[key] = (value, value[:count])
+        return self._whole[key][1]
 
     def _read(self, value: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor, bool]:
         """A jagged field's entry in ``_fields``: its layout read to the host (kept once for
