@@ -23,7 +23,7 @@ from typing import Any, TypeAlias, TypeGuard
 import attrs
 import numpy
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDict
+from tensordict import NestedKey, NonTensorData, NonTensorStack, TensorDict
 
 from heads.errors import BatchError, ConfigError
 
@@ -616,7 +616,7 @@ class RowSelector:
         now."""
         index, chosen = _row_index(rows, self._batch.batch_size[0])
         gathers: dict[int, _Gather] = {}
-        columns: dict[str, Any] = {}
+        columns: dict[NestedKey, Any] = {}
         for name, value in self._batch.items():
             field = self._fields.get(id(value))
             if field is None and _gatherable(value):
