@@ -33,6 +33,16 @@ the adapter ~8-9 ms (+7%; 16-20 ms, +13-17%, before), the engine the same in bot
 the noise (+-5%); ratio excluding verl's own 1.05-1.10 (1 thread) and 1.01-1.08 (2 threads),
 1.14-1.23 before. Losses equal within 6e-9, log-probabilities exactly.
 
+Measured again after the adapter's row selection and jagged tensors got cheaper (1 thread, the
+machine shared with a CI run and another job, load average 3-18; three runs alternated with the
+version before, medians): the adapter +4.2% of the direct step (4.0-4.3%; 5.9-8.0 ms) against
++6.3% before (6.0-6.7%; 8.9-22.3 ms); ratio excluding verl's own 1.055 (1.04-1.20, the engine's
+time differing between the paths by up to 15% under the heaviest load) against 1.067
+(1.05-1.08). Its CPU time measured apart on a captured step (thread time, best of 7): the four
+micro-batch selections 4.6 -> 2.0 ms, the outputs in verl's layout 1.3 -> 0.5 ms, the loss-mask
+count 0.3 -> 0.2 ms. What is left is mostly the selections' 32 jagged tensors (~27 us each to
+make, torch's own class) and their non-tensor entries. Losses and log-probabilities unchanged.
+
 Needs verl (``pip install -e '.[verl]'``).
 """
 

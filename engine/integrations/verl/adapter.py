@@ -36,7 +36,13 @@ from verl.workers.engine.base import BaseEngine
 
 from engine.checkpointing.retention import complete_checkpoints
 from engine.config import CallSettings, EngineConfig, head_options
-from engine.data.batching import ROUTED_EXPERTS, RowSelector, jagged_offsets, jagged_values
+from engine.data.batching import (
+    ROUTED_EXPERTS,
+    RowSelector,
+    jagged_offsets,
+    jagged_values,
+    jagged_view,
+)
 from engine.engine import Engine
 from engine.integrations.verl.cells import registered_cells
 from engine.integrations.verl.translation import (
@@ -90,7 +96,7 @@ def to_verl_layout(
     keep = (positions < (lengths[:, None] - 1)).reshape(rows, -1, *[1] * len(spec.features))
     shifted = torch.roll(values, shifts=-1, dims=1) * keep
     offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
-    return torch.nested.nested_tensor_from_jagged(shifted[positions < lengths[:, None]], offsets)
+    return jagged_view(shifted[positions < lengths[:, None]], offsets)
 
 
 def jagged_to_verl_layout(values: torch.Tensor, spec: ResultSpec, key: str) -> torch.Tensor:
@@ -111,7 +117,7 @@ def jagged_to_verl_layout(values: torch.Tensor, spec: ResultSpec, key: str) -> t
     last = torch.zeros(flat.shape[0], dtype=torch.bool, device=flat.device)
     last[offsets[1:] - 1] = True
     shifted = shifted.masked_fill(last.reshape(-1, *[1] * len(spec.features)), 0.0)
-    return torch.nested.nested_tensor_from_jagged(shifted, offsets)
+    return jagged_view(shifted, offsets)
 
 
 def _check_shape(
@@ -425,7 +431,8 @@ class ComposableEngine(BaseEngine):
             )
             losses[ctx.micro_batch_index] = float(value.detach())
             metrics[ctx.micro_batch_index] = loss_metrics
-            return value / dp_size, {}
+            # verl's scale for gradients averaged over ranks (x / 1 is x: no division)
+            return (value / dp_size if dp_size != 1 else value), {}
 
         return loss
 
@@ -727,7 +734,8 @@ def _loss_mask_count(mask: torch.Tensor | None, ids: torch.Tensor) -> torch.Tens
     counts = torch.zeros_like(lengths)
     if mask is not None and mask.is_nested:
         summed = torch.nn.functional.pad(jagged_values(mask).long().cumsum(0), (1, 0))
-        counts = summed[jagged_offsets(mask)[1:]] - summed[jagged_offsets(mask)[:-1]]
+        bounds = jagged_offsets(mask)
+        counts = summed[bounds[1:]] - summed[bounds[:-1]]
     elif mask is not None:
         counts = mask.long().sum(-1)
     total = int(offsets[-1])
@@ -736,7 +744,7 @@ def _loss_mask_count(mask: torch.Tensor | None, ids: torch.Tensor) -> torch.Tens
         total
     )
     ones = from_end <= torch.repeat_interleave(counts, lengths, output_size=total)
-    return torch.nested.nested_tensor_from_jagged(ones.float(), offsets)
+    return jagged_view(ones.float(), offsets)
 
 
 def _aligned_routes(routes: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

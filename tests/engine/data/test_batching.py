@@ -18,6 +18,7 @@ from engine.data.batching import (
     jagged,
     jagged_offsets,
     jagged_values,
+    jagged_view,
     restore_outputs,
     sequence_lengths,
     split_fixed,
@@ -365,3 +366,27 @@ def test_nested_tensors_not_ragged_in_the_rows_first_dim_go_to_other_nested() ->
     assert asked == [[2, 0]]
     assert taken["position_ids"].tolist() == [later.unbind()[2].sum(), later.unbind()[0].sum()]
     assert rows_of(taken, "input_ids", [0, 1]) == [[0], [0, 1]]
+
+
+@pytest.mark.parametrize("features", [(), (3,)])
+def test_a_jagged_view_is_torchs_jagged_tensor_of_the_buffer_with_its_gradient(
+    features: tuple[int, ...],
+) -> None:
+    """``jagged_view`` makes what ``nested_tensor_from_jagged`` makes, and the gradient flows
+    back to the buffer the same, bit for bit."""
+    offsets = torch.tensor([0, 2, 7, 8])
+    buffer = torch.randn(8, *features, generator=torch.Generator().manual_seed(0))
+    weights = torch.randn(8, *features, generator=torch.Generator().manual_seed(1))
+    made = {}
+    for name, make in (("ours", jagged_view), ("torch's", torch.nested.nested_tensor_from_jagged)):
+        values = buffer.clone().requires_grad_()
+        view = make(values, offsets)
+        (view.values() * weights).sum().backward()
+        made[name] = (view, values.grad)
+    (ours, our_grad), (theirs, their_grad) = made["ours"], made["torch's"]
+    assert ours.shape == theirs.shape and ours.requires_grad
+    assert torch.equal(ours.offsets(), theirs.offsets())
+    assert all(map(torch.equal, ours.detach().unbind(), theirs.detach().unbind()))
+    assert torch.equal(our_grad, their_grad)
+    with torch.no_grad():
+        assert not jagged_view(buffer.requires_grad_(), offsets).requires_grad
