@@ -447,7 +447,7 @@ class Engine:
             fields,
             granularity=layouts,
             vocab_size=model.vocab_size,
-            max_length=model.max_sequence_length,
+            length_limits=[(model.max_sequence_length, "ModelConfig.max_sequence_length")],
             pad_token_id=self._pad_token_id,
         )
         rows = labels_as_loss_mask(to_jagged(checked))

@@ -270,7 +270,11 @@ def register_device(name: str, *, override: bool = False) -> Any:
 
 
 def resolve_device(device: str | DevicePlatform, options: Mapping[str, Any]) -> DevicePlatform:
-    """A platform object from a name (``auto``: the first available of cuda, npu, cpu)."""
+    """A platform object from a name (``auto``: the first available of cuda, npu, cpu).
+
+    Under ``auto`` each candidate is built with the ``options`` it takes; options the chosen
+    platform does not take are refused, naming the platforms that do take them (dropped
+    silently, an NPU-only option would change nothing on the GPU a run landed on)."""
     if not isinstance(device, str):
         return device
     if device != "auto":
@@ -278,12 +282,33 @@ def resolve_device(device: str | DevicePlatform, options: Mapping[str, Any]) -> 
         return platform
     reasons = []
     for name in AUTO_DEVICE_ORDER:
-        candidate: DevicePlatform = DEVICES.create(name, options if name == "cpu" else {})
+        taken = _options_taken(DEVICES.get(name), options)
+        candidate: DevicePlatform = DEVICES.create(name, {key: options[key] for key in taken})
         state = candidate.availability()
-        if state.ok:
-            return candidate
-        reasons.append(state.reason)
+        if not state.ok:
+            reasons.append(state.reason)
+            continue
+        if foreign := [key for key in options if key not in taken]:
+            takers = [
+                other
+                for other in AUTO_DEVICE_ORDER
+                if set(foreign) & _options_taken(DEVICES.get(other), options)
+            ]
+            raise ConfigError(
+                f"device='auto' chose {name}, which takes no option {', '.join(foreign)} "
+                f"({' or '.join(takers) or 'no platform'} does); name the device or drop them"
+            )
+        return candidate
     raise DeviceUnavailableError("device='auto' found no usable platform: " + "; ".join(reasons))
+
+
+def _options_taken(factory: Callable[..., Any], options: Mapping[str, Any]) -> set[str]:
+    """Which of ``options`` a part factory takes: an attrs class's init fields; any other
+    factory is given them all (it refuses what it does not take)."""
+    if isinstance(factory, type) and hasattr(factory, "__attrs_attrs__"):
+        fields = {field.name for field in attrs.fields(factory) if field.init}
+        return {key for key in options if key in fields}
+    return set(options)
 
 
 def check_part(part: Any, protocol: type, role: str, known: list[str]) -> Any:

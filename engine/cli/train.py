@@ -101,13 +101,16 @@ def read_sequences(path: str, head: str, config: Any) -> list[dict[str, list[Any
     ``input_ids``), or, for the LM head, text, prompt/response or chat records tokenized by the
     model directory's tokenizer (:mod:`engine.data.text`).
 
-    Each record is checked against ``config`` (an ``EngineConfig``) here, naming its line:
-    token ids are ints in the vocabulary, the other values numbers (``loss_mask`` 0 or 1), and
-    no sequence is longer than :func:`length_limits` allows. Checked only when drawn into a
-    batch, a bad record would stop a run at whichever step first drew it."""
+    Each record is checked here, naming its line: token ids are ints and the other values
+    numbers (what JSON holds, before tensors blur ``true`` into 1), then all records at once as
+    the engine checks a batch (:func:`~engine.data.batching.validated`, against ``config``, an
+    ``EngineConfig``): ids in the vocabulary, ``loss_mask`` 0 or 1, no sequence longer than
+    :func:`length_limits` allows. Checked only when drawn into a batch, a bad record would stop
+    a run at whichever step first drew it."""
+    from engine.data.batching import validated
     from engine.data.text import TOKENS, OneKind, load_tokenizer, tokenize_record
 
-    kinds, tokenizer, records = OneKind(), None, []
+    kinds, tokenizer, records, lines = OneKind(), None, [], []
     for number, record in _json_objects(path):
         with _located(f"{path}:{number}"):
             kind = kinds.check(record, f"line {number}")
@@ -122,10 +125,17 @@ def read_sequences(path: str, head: str, config: Any) -> list[dict[str, list[Any
                 if tokenizer is None:
                     tokenizer = load_tokenizer(config.model.hf_path)
                 kept = tokenize_record(record, tokenizer)
-            _check_record(kept, config)
+            _check_json_values(kept)
         records.append(kept)
+        lines.append(f"{path}:{number}")
     if not records:
         raise BatchError(f"--data {path} holds no records")
+    validated(
+        _batch_of(records),
+        vocab_size=config.model.vocab_size,
+        length_limits=length_limits(config),
+        row_names=lines,
+    )
     return records
 
 
@@ -169,46 +179,37 @@ def _tokenized_record(record: dict[str, Any], head: str) -> dict[str, list[Any]]
     return kept
 
 
-def _check_record(record: dict[str, list[Any]], config: Any) -> None:
-    vocab_size = config.model.vocab_size
+def _check_json_values(record: dict[str, list[Any]]) -> None:
+    """What a tensor would no longer show: token ids that are JSON ints (not bools, not
+    floats), other values numbers; and a sequence with a token to train."""
     if len(record["input_ids"]) < 2:
         raise BatchError("a sequence needs at least 2 tokens")
-    for token in record["input_ids"]:
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
-            raise BatchError(
-                f"'input_ids' holds {token!r}; token ids are ints in [0, {vocab_size}) "
-                "(the model's vocab_size)"
-            )
     for name, values in record.items():
-        allowed = (0, 1) if name == "loss_mask" else None
-        for value in values if name != "input_ids" else ():
-            number = not isinstance(value, bool) and isinstance(value, int | float)
-            if not number or (allowed is not None and value not in allowed):
-                kind = "0 or 1" if allowed is not None else "a number"
-                raise BatchError(f"{name!r} holds {value!r}; each value must be {kind}")
-    length = len(record["input_ids"])
-    for limit, limit_name in length_limits(config):
-        if length > limit:
-            raise BatchError(
-                f"{length} tokens, more than {limit_name} ({limit}); shorten or drop the "
-                "record, or raise the limit"
-            )
+        ids = name == "input_ids"
+        for value in values:
+            if isinstance(value, bool) or not isinstance(value, int if ids else int | float):
+                kind = "token ids are ints" if ids else "each value must be a number"
+                raise BatchError(f"{name!r} holds {value!r}; {kind}")
 
 
 def data_batches(
     records: list[dict[str, list[Any]]], batch_size: int, generator: torch.Generator
 ) -> Iterator[TensorDict]:
     """Endless batches of ``batch_size`` records, reshuffled every pass over the file."""
-    from engine.data.batching import from_token_lists
-
     while True:
         order = torch.randperm(len(records), generator=generator).tolist()
         for start in range(0, len(order) - batch_size + 1, batch_size):
-            chosen = [records[index] for index in order[start : start + batch_size]]
-            per_token = {"loss_mask": [r.get("loss_mask") or _default_mask(r) for r in chosen]}
-            if "returns" in chosen[0]:
-                per_token["returns"] = [record["returns"] for record in chosen]
-            yield from_token_lists([record["input_ids"] for record in chosen], **per_token)
+            yield _batch_of([records[index] for index in order[start : start + batch_size]])
+
+
+def _batch_of(records: list[dict[str, list[Any]]]) -> TensorDict:
+    """One jagged batch of ``records`` (a missing ``loss_mask`` trains all but the first)."""
+    from engine.data.batching import from_token_lists
+
+    per_token = {"loss_mask": [r.get("loss_mask") or _default_mask(r) for r in records]}
+    if "returns" in records[0]:
+        per_token["returns"] = [record["returns"] for record in records]
+    return from_token_lists([record["input_ids"] for record in records], **per_token)
 
 
 def _default_mask(record: dict[str, list[Any]]) -> list[float]:

@@ -258,7 +258,9 @@ def validated(
     granularity: Mapping[str, str] | None = None,
     vocab_size: int | None = None,
     max_length: int | None = None,
+    length_limits: Iterable[tuple[int, str]] = (),
     pad_token_id: int | None = None,
+    row_names: Sequence[str] | None = None,
 ) -> tuple[TensorDict, torch.Tensor]:
     """The batch and its sequence lengths; a malformed batch refused before any compute (a
     BatchError names the field, row and value).
@@ -271,12 +273,17 @@ def validated(
     field 0 or 1 at each real token; the ``required`` fields present, each named in
     ``granularity`` per token (``"token"``) or per sequence (``"sequence"``) as it says; no
     empty sequence; token
-    ids in ``[0, vocab_size)``; no sequence longer than ``max_length``; a padded batch without
+    ids in ``[0, vocab_size)``; no sequence longer than ``max_length`` or than any of
+    ``length_limits`` (``(limit, who sets it)`` pairs, named in the message); a padded batch without
     ``attention_mask`` whose row starts with ``pad_token_id`` (left padding the engine would
     take for tokens) refused, saying to give the mask. Non-finite values are
     not refused here: a loss masks out the tokens it does not score, and a non-finite loss or
     gradient never reaches the weights (the engine's non-finite guard).
+
+    ``row_names`` (one per row, e.g. ``"data.jsonl:12"``) replace "row r" / "sequence r" in
+    the messages of the per-row value checks (vocabulary, masks, lengths).
     """
+    name_row = _row_namer(row_names)
     batch, ids = _checked_input_ids(batch)
     _check_required(batch, required)
     real = _real_tokens(batch, ids)
@@ -294,15 +301,25 @@ def validated(
         if name != INPUT_IDS:
             _check_layout(name, value, ids)
         if name.endswith("mask"):
-            _check_binary(name, value, real if name != ATTENTION_MASK else None)
+            _check_binary(name, value, real if name != ATTENTION_MASK else None, name_row)
     for name, wanted in (granularity or {}).items():
         if name in batch.keys():
             _check_granularity(name, _field(batch, name), wanted, ids)
     lengths = sequence_lengths(batch)
-    _check_lengths(lengths, max_length)
+    limits = [(max_length, "max_length")] if max_length is not None else []
+    _check_lengths(lengths, [*limits, *length_limits], name_row)
     if vocab_size is not None:
-        _check_vocabulary(ids, real, vocab_size)
+        _check_vocabulary(ids, real, vocab_size, name_row)
     return batch, lengths
+
+
+def _row_namer(names: Sequence[str] | None) -> Callable[[int], str]:
+    """How a message names row ``r`` of a batch: ``names[r]``, else ``"row r"``."""
+    return _row_number if names is None else names.__getitem__
+
+
+def _row_number(row: int) -> str:
+    return f"row {row}"
 
 
 def _checked_input_ids(batch: object) -> tuple[TensorDict, torch.Tensor]:
@@ -353,20 +370,26 @@ def _check_required(batch: TensorDict, required: Iterable[str]) -> None:
         )
 
 
-def _check_lengths(lengths: torch.Tensor, max_length: int | None) -> None:
-    """No empty sequence, and none longer than ``max_length``."""
+def _check_lengths(
+    lengths: torch.Tensor, limits: Sequence[tuple[int, str]], name_row: Callable[[int], str]
+) -> None:
+    """No empty sequence, and none longer than any of ``limits`` (``(limit, who sets it)``)."""
     shortest, longest = (int(bound) for bound in torch.aminmax(lengths))
     if shortest < 1:
-        raise BatchError(f"sequence(s) {lengths.eq(0).nonzero().flatten().tolist()} are empty")
-    if max_length is not None and longest > max_length:
-        row = int(lengths.argmax())
-        raise BatchError(
-            f"sequence {row} has {int(lengths[row])} tokens, more than "
-            f"ModelConfig.max_sequence_length ({max_length})"
-        )
+        empty = lengths.eq(0).nonzero().flatten().tolist()
+        raise BatchError(f"{', '.join(name_row(row) for row in empty[:5])}: empty sequence")
+    for limit, who in limits:
+        if longest > limit:
+            row = int(lengths.argmax())
+            raise BatchError(
+                f"{name_row(row)} has {longest} tokens, more than {who} ({limit}); shorten or "
+                "drop the sequence, or raise the limit"
+            )
 
 
-def _check_vocabulary(ids: torch.Tensor, real: torch.Tensor | None, vocab_size: int) -> None:
+def _check_vocabulary(
+    ids: torch.Tensor, real: torch.Tensor | None, vocab_size: int, name_row: Callable[[int], str]
+) -> None:
     """Every real token's id in ``[0, vocab_size)`` (padding may hold any id)."""
     if _ids_within(_buffer(ids) if real is None else ids[real], vocab_size):
         return
@@ -376,7 +399,7 @@ def _check_vocabulary(ids: torch.Tensor, real: torch.Tensor | None, vocab_size: 
     if bool(outside.any()):
         raise BatchError(
             f"'input_ids' must lie in [0, {vocab_size}) (the model's vocab_size); "
-            f"{_locate(ids, outside)}"
+            f"{_locate(ids, outside, name_row)}"
         )
 
 
@@ -513,7 +536,12 @@ def _check_granularity(name: str, value: torch.Tensor, wanted: str, ids: torch.T
     )
 
 
-def _check_binary(name: str, value: torch.Tensor, real: torch.Tensor | None) -> None:
+def _check_binary(
+    name: str,
+    value: torch.Tensor,
+    real: torch.Tensor | None,
+    name_row: Callable[[int], str] = _row_number,
+) -> None:
     """A mask holds only 0 and 1 (at real tokens: padding positions are dropped anyway)."""
     flat = _buffer(value)
     if flat.dtype == torch.bool:
@@ -531,7 +559,8 @@ def _check_binary(name: str, value: torch.Tensor, real: torch.Tensor | None) -> 
                 "; Hugging Face-style labels mark ignored tokens with -100: pass "
                 "loss_mask = (labels != -100) and the token ids as input_ids"
             )
-        raise BatchError(f"mask {name!r} must hold only 0 and 1; {_locate(value, bad)}{hint}")
+        where = _locate(value, bad, name_row)
+        raise BatchError(f"mask {name!r} must hold only 0 and 1; {where}{hint}")
 
 
 def _buffer(value: torch.Tensor) -> torch.Tensor:
@@ -539,16 +568,21 @@ def _buffer(value: torch.Tensor) -> torch.Tensor:
     return jagged_values(value) if is_jagged(value) else value
 
 
-def _locate(value: torch.Tensor, bad: torch.Tensor) -> str:
+def _locate(
+    value: torch.Tensor,
+    bad: torch.Tensor,
+    name_row: Callable[[int], str] = _row_number,
+) -> str:
     """Where the first True of ``bad`` is and what ``value`` holds there ("row r, token t holds
-    v"); ``bad`` runs over a jagged tensor's buffer ``[N]``, a padded ``[B, L]`` or rows ``[B]``."""
+    v", the row as ``name_row`` names it); ``bad`` runs over a jagged tensor's buffer ``[N]``, a
+    padded ``[B, L]`` or rows ``[B]``."""
     first = bad.nonzero()[0].tolist()
     if is_jagged(value):
         offsets = jagged_offsets(value)
         row = int(torch.searchsorted(offsets, torch.tensor(first[0]), right=True)) - 1
         held = jagged_values(value)[first[0]]
-        return f"row {row}, token {first[0] - int(offsets[row])} holds {_show(held)}"
-    place = f"row {first[0]}" + (f", position {first[1]}" if len(first) > 1 else "")
+        return f"{name_row(row)}, token {first[0] - int(offsets[row])} holds {_show(held)}"
+    place = name_row(first[0]) + (f", position {first[1]}" if len(first) > 1 else "")
     return f"{place} holds {_show(value[tuple(first)])}"
 
 

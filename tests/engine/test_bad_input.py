@@ -410,14 +410,14 @@ BATCHES = {
     "sequence longer than the model's": Case(
         train(from_token_lists([[1] * 3, [1] * 65], returns=[[0] * 3, [0] * 65])),
         BatchError,
-        r"sequence 1 has 65 tokens, more than ModelConfig\.max_sequence_length \(64\)",
+        r"row 1 has 65 tokens, more than ModelConfig\.max_sequence_length \(64\)",
     ),
     "empty sequence": Case(
         train(
             with_field("attention_mask", torch.tensor([[1, 1, 1, 0, 0]] * 2 + [[0] * 5]), PADDED)
         ),
         BatchError,
-        r"sequence\(s\) \[2\] are empty",
+        r"row 2: empty sequence",
     ),
     "attention mask of another shape": Case(
         train(with_field("attention_mask", PADDED["attention_mask"][:, :2], PADDED)),

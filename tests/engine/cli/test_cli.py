@@ -203,13 +203,24 @@ def test_train_reads_jsonl_data_and_writes_metrics_and_a_plot(tmp_path: Path) ->
         ("", "holds no records"),
         # checked when read, not when a step first draws the record
         ('{"input_ids": [1, 2.7], "returns": [0, 1]}\n', ":1: 'input_ids' holds 2.7"),
-        ('{"input_ids": [1, 128], "returns": [0, 1]}\n', "holds 128; token ids are ints in [0, "),
+        ('{"input_ids": [1, 128], "returns": [0, 1]}\n', "bad.jsonl:1, token 1 holds 128"),
         ('{"input_ids": [1, 2], "returns": [0, "x"]}\n', "'returns' holds 'x'"),
-        ('{"input_ids": [1, 2], "returns": [0, 1], "loss_mask": [0, 2]}\n', "must be 0 or 1"),
+        (
+            '{"input_ids": [1, 2], "returns": [0, 1], "loss_mask": [0, 2]}\n',
+            "bad.jsonl:1, token 1 holds 2",
+        ),
+        ('{"input_ids": [1, 2], "returns": [0, 1], "loss_mask": [1, true]}\n', ":1: 'loss_mask' "),
+        ('{"input_ids": [true, 2], "returns": [0, 1]}\n', "holds True; token ids are ints"),
+        ('{"input_ids": [1], "returns": [0]}\n', ":1: a sequence needs at least 2 tokens"),
+        (
+            '{"input_ids": [1, 2], "returns": [0, 1]}\n'
+            '{"input_ids": [3, 999], "returns": [0, 1]}\n',
+            "bad.jsonl:2, token 1 holds 999",
+        ),
         (
             '{"input_ids": [1, 2], "returns": [0, 1]}\n'
             + json.dumps({"input_ids": [1] * 300, "returns": [0] * 300}),
-            ":2: 300 tokens, more than the model's max_sequence_length",
+            "bad.jsonl:2 has 300 tokens, more than the model's max_sequence_length",
         ),
     ],
 )
@@ -235,7 +246,10 @@ def test_train_refuses_sequences_over_the_token_budget_before_training(
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     args = ["train", "--head", "value", "--data", str(data), "--batch-size", "2", *budget]
     assert main(args) == 2
-    assert ":2: 9 tokens, more than max_tokens_per_micro_batch (8)" in capsys.readouterr().err
+    assert (
+        "data.jsonl:2 has 9 tokens, more than max_tokens_per_micro_batch (8)"
+        in capsys.readouterr().err
+    )
     assert main(["train", "--max-length", "9", *budget]) == 2
     assert "--max-length 9 exceeds max_tokens_per_micro_batch (8)" in capsys.readouterr().err
 
@@ -342,8 +356,8 @@ def test_train_says_where_the_model_could_not_be_exported_and_still_succeeds(
         (['{"text": "hello"}', '{"text": ""}'], "chat", ":2: 'text' is empty"),
         (['{"text": "hello"}', '{"input_ids": [1, 2]}'], "chat", ":2: a record of kind input_ids"),
         (['{"prompt": "a", "text": "b"}'], "chat", ":1: the record mixes kinds"),
-        ([json.dumps({"text": "hello world " * 40})], "chat", ":1: 121 tokens, more than the "
-         "model's max_sequence_length (64); shorten or drop the record"),
+        ([json.dumps({"text": "hello world " * 40})], "chat", "jsonl:1 has 121 tokens, more than "
+         "the model's max_sequence_length (64); shorten or drop the sequence"),
     ],
 )  # fmt: skip
 def test_train_refuses_bad_text_records_naming_the_line_and_what_to_do(

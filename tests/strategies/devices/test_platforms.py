@@ -91,6 +91,27 @@ def test_auto_prefers_cuda_then_npu_then_cpu(
     assert type(resolve_device("auto", {})) is expected
 
 
+@pytest.mark.parametrize("usable", [{"cuda", "npu"}, {"npu"}, set()])
+def test_auto_gives_the_chosen_platform_the_options_it_takes_and_refuses_the_rest(
+    monkeypatch: pytest.MonkeyPatch, usable: set[str]
+) -> None:
+    for platform in (CudaPlatform, NpuPlatform):
+        state = Availability(platform.name in usable, f"{platform.name} absent")
+        monkeypatch.setattr(platform, "availability", lambda self, state=state: state)
+    shared = {"process_group_backend": "gloo", "tensor_device": "meta"}
+    chosen = resolve_device("auto", shared)
+    assert (chosen.process_group_backend, chosen.tensor_device) == ("gloo", "meta")
+    npu_only = {**shared, "use_flash_attn": False}
+    if "cuda" not in usable and "npu" in usable:
+        npu = resolve_device("auto", npu_only)
+        assert isinstance(npu, NpuPlatform) and npu.use_flash_attn is False
+        return
+    with pytest.raises(ConfigError, match=r"chose c[a-z]+, which takes no option use_flash_att"):
+        resolve_device("auto", npu_only)
+    with pytest.raises(ConfigError, match=r"no option use_flash_atn \(no platform does\)"):
+        resolve_device("auto", {"use_flash_atn": False})
+
+
 class MeasuredRuntime(RecordingRuntime):
     """A device runtime with 3 GiB of its 80 free."""
 
