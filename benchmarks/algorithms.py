@@ -40,15 +40,28 @@ def critic_free() -> list[str]:
     return names
 
 
-def run(name: str, steps: int, seed: int, out: Path) -> tuple[list[float], float]:
-    """One demo run: its rewards per iteration and its wall time."""
+def run(
+    name: str,
+    steps: int,
+    seed: int,
+    out: Path,
+    *,
+    extra: tuple[str, ...] = (),
+    threads: int | None = None,
+) -> tuple[list[float], float]:
+    """One demo run of algorithm ``name`` (``extra``: more demo flags; ``threads``: its
+    ``OMP_NUM_THREADS``, else this process's): its rewards per iteration and its wall time."""
     command = [
         sys.executable, "-m", "engine", "demo", "--algorithm", name, "--steps", str(steps),
         "--seed", str(seed), "--device", "cpu", "--output-dir", str(out), "--logger", "jsonl",
+        *extra,
     ]  # fmt: skip
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     start = time.perf_counter()
-    subprocess.run(command, check=True, capture_output=True, text=True)
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
     lines = (out / "metrics.jsonl").read_text().splitlines()
     return [float(json.loads(line)["reward"]) for line in lines], wall
 

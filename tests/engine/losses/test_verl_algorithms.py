@@ -38,13 +38,15 @@ from tests.tolerances import reordered  # noqa: E402
 DTYPES = [torch.float32, torch.float64]
 
 
-def close(got: torch.Tensor, expected: torch.Tensor, terms: int) -> None:
+def close(got: torch.Tensor, expected: torch.Tensor, terms: int, atol: float = 0.0) -> None:
     """Equal up to the rounding of sums of ``terms`` terms in another order (float64: 1e-7
-    relative, which also covers verl's ``+1e-8`` in some denominators)."""
+    relative, which also covers verl's ``+1e-8`` in some denominators), or to ``atol`` where
+    the caller knows a larger bound."""
     dtype = expected.dtype
     rtol = reordered(terms) if dtype == torch.float32 else 1e-7
     scale = max(1.0, float(expected.abs().max())) if expected.numel() else 1.0
-    torch.testing.assert_close(got.to(dtype), expected, rtol=rtol, atol=rtol * scale)
+    atol = max(atol, rtol * scale)
+    torch.testing.assert_close(got.to(dtype), expected, rtol=rtol, atol=atol)
 
 
 # -- random cases ----------------------------------------------------------------------------------
@@ -161,7 +163,28 @@ def test_gdpo_with_reward_components_equals_verls(
         },
         batch={"prompts": prompts, "attention_mask": attention},
     )
-    close(advantages, expected.to(advantages.dtype), case["mask"].numel())
+    close(advantages, expected.to(advantages.dtype), case["mask"].numel(), gdpo_atol(case, weights))
+
+
+def gdpo_atol(case: dict[str, Any], weights: list[float] | None) -> float:
+    """verl builds GDPO's components as float32 whatever the batch's dtype, so the weighted sum
+    of their group z-scores that it whitens carries float32 rounding, and the whitening
+    multiplies that by ``1 / sqrt(var + 1e-8)``: by up to 1e4 where the components cancel (0/1
+    columns that complement each other in a group give a sum of 0 and a result that is verl's
+    rounding, amplified). The bound: the rounding of a sum of the z-scores and the whitening's
+    mean (``reordered`` of their terms) times the sum's magnitude, times that factor."""
+    components, mask = case["components"].double(), case["mask"].double()
+    labels = torch.as_tensor(case["labels"])
+    total = torch.zeros(len(labels), dtype=torch.float64)
+    for column, weight in zip(components.unbind(-1), weights or [1.0, 1.0], strict=True):
+        for label in labels.unique():
+            group = labels == label
+            values = column[group]
+            total[group] += weight * (values - values.mean()) / (values.std() + 1e-6)
+    tokens = total[:, None].expand_as(mask)[mask.bool()]
+    amplification = float(torch.rsqrt(tokens.var() + 1e-8)) if tokens.numel() > 1 else 1.0
+    terms = int(mask.sum()) + 4 * components.shape[1]
+    return reordered(terms) * max(1.0, float(tokens.abs().max())) * amplification
 
 
 @estimator_cases
