@@ -57,6 +57,7 @@ def main() -> None:
     ]
     extra = ("--config", args.config) if args.config else ()
     results: dict[tuple[str, str, int, int], tuple[float, float]] = {}
+    curves: dict[tuple[str, str, int, int], list[float]] = {}
     print(f"{len(cases)} runs, {args.jobs} at a time, {args.steps} iterations each", flush=True)
     with tempfile.TemporaryDirectory() as scratch, ThreadPoolExecutor(args.jobs) as pool:
         futures = {
@@ -75,6 +76,7 @@ def main() -> None:
             case = futures[future]
             rewards, wall = future.result()
             results[case] = (sum(rewards[-WINDOW:]) / WINDOW, wall)
+            curves[case] = rewards
             print(
                 f"[{done}/{len(cases)}] {case[0]} {case[1]} seed {case[2]} threads {case[3]}: "
                 f"last {WINDOW} {results[case][0]:.3f}  wall {wall:.0f} s",
@@ -95,6 +97,7 @@ def main() -> None:
     if args.json:
         rows = [
             {"algorithm": n, "backend": b, "seed": s, "threads": t, "last": f, "wall_s": w}
+            | {"rewards": curves[(n, b, s, t)]}
             for (n, b, s, t), (f, w) in sorted(results.items())
         ]
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")

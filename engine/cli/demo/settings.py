@@ -109,8 +109,12 @@ class PPOConfig:
     ``kl_target`` over ``kl_horizon`` samples (``adaptive``).
     """
 
-    epochs: int = int_field(2)
-    mini_batches: int = int_field(2)
+    #: Four passes over the whole batch: as many optimizer steps as 2 epochs x 2 mini-batches,
+    #: each on twice the sequences. Measured (benchmarks.demo_seeds, PPO, seeds 0-9): every
+    #: seed learns the parity task (last 10 iterations >= 0.99); with 2 x 2, 7 of 10 reached 0.95
+    #: and the others fell back after nearing 1 (the noisier half-batch steps).
+    epochs: int = int_field(4)
+    mini_batches: int = int_field(1)
     gamma: float = float_field(1.0)
     lam: float = float_field(0.95)
     clip_ratio: float = float_field(0.2, positive)
