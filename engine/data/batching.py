@@ -283,8 +283,10 @@ def validated(
     ``row_names`` (one per row, e.g. ``"data.jsonl:12"``) replace "row r" / "sequence r" in
     the messages of the per-row value checks (vocabulary, masks, lengths).
     """
-    name_row = _row_namer(row_names)
     batch, ids = _checked_input_ids(batch)
+    if row_names is not None and len(row_names) != ids.size(0):
+        raise ConfigError(f"{len(row_names)} row_names for a batch of {ids.size(0)} rows")
+    name_row = _row_namer(row_names)
     _check_required(batch, required)
     real = _real_tokens(batch, ids)
     unmasked = not is_jagged(ids) and ATTENTION_MASK not in batch.keys()

@@ -138,6 +138,30 @@ def test_validation_accepts_every_well_formed_batch(lengths: list[int], side: st
     assert validate_batch(batch, ["returns"], vocab_size=50, max_length=12) is batch
 
 
+@pytest.mark.parametrize("side", ["left", "right", "jagged"])
+def test_refusals_name_rows_as_the_caller_names_them_and_each_length_limit_by_who_sets_it(
+    side: str,
+) -> None:
+    batch = random_batch([3, 7, 5], 50)
+    batch = batch if side == "jagged" else to_padded(batch, side=side)
+    names = ["a.jsonl:1", "a.jsonl:4", "a.jsonl:9"]
+    limits = [(10, "the model's max_sequence_length"), (6, "max_tokens_per_micro_batch")]
+    with pytest.raises(BatchError, match=r"^a\.jsonl:4 has 7 tokens, more than max_tokens_per_"):
+        validate_batch(batch, length_limits=limits, row_names=names)
+    with pytest.raises(BatchError, match=r"^row 1 has 7 tokens, more than max_length \(6\)"):
+        validate_batch(batch, max_length=6)
+    with pytest.raises(BatchError, match=r"a\.jsonl:9, (token|position) \d holds 99"):
+        bad = batch.clone()
+        ids = bad["input_ids"]
+        if ids.is_nested:
+            ids.values()[-1] = 99  # the last row's last token
+        else:
+            ids[2, 0 if side == "right" else -1] = 99  # a real token of the last row
+        validate_batch(bad, vocab_size=50, row_names=names)
+    with pytest.raises(ConfigError, match="2 row_names for a batch of 3 rows"):
+        validate_batch(batch, row_names=names[:2])
+
+
 @settings(max_examples=30, deadline=None)
 @given(lengths=lengths_strategy, side=st.sampled_from(["left", "right", "jagged"]))
 def test_a_field_in_the_wrong_granularity_is_refused_by_name_and_the_right_one_accepted(
