@@ -243,7 +243,7 @@ def test_a_batch_refused_on_one_rank_is_refused_on_every_rank_and_both_train_on(
     first, second = run_ranks(refuse_a_batch_on_rank_one, 2, timeout=180)
     for name in ("fixed", "budget"):
         assert "another data-parallel rank's batch was refused" in first[name]
-        assert "sequence 1 has 70 tokens" in second[name]
+        assert "row 1 has 70 tokens" in second[name]
         for report in (first, second):
             assert "batches have different per-token *mask fields" in report[f"{name}.fields"]
         assert first[f"{name}.loss"] == second[f"{name}.loss"]
