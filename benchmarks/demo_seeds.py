@@ -28,6 +28,12 @@ from benchmarks.algorithms import WINDOW, critic_free, run
 LEARNED = 0.95
 
 
+def last_mean(rewards: list[float]) -> float:
+    """The mean reward of a run's last ``WINDOW`` iterations (all of them in a shorter run)."""
+    window = rewards[-WINDOW:]
+    return sum(window) / len(window)
+
+
 def numbers(text: str) -> list[int]:
     """``0-9`` or ``0,3,5`` as a list of ints."""
     if "-" in text:
@@ -56,8 +62,8 @@ def main() -> None:
         for threads in numbers(args.threads)
     ]
     extra = ("--config", args.config) if args.config else ()
-    results: dict[tuple[str, str, int, int], tuple[float, float]] = {}
-    curves: dict[tuple[str, str, int, int], list[float]] = {}
+    #: each case's rewards per iteration and wall time
+    results: dict[tuple[str, str, int, int], tuple[list[float], float]] = {}
     print(f"{len(cases)} runs, {args.jobs} at a time, {args.steps} iterations each", flush=True)
     with tempfile.TemporaryDirectory() as scratch, ThreadPoolExecutor(args.jobs) as pool:
         futures = {
@@ -74,20 +80,22 @@ def main() -> None:
         }
         for done, future in enumerate(as_completed(futures), 1):
             case = futures[future]
-            rewards, wall = future.result()
-            results[case] = (sum(rewards[-WINDOW:]) / WINDOW, wall)
-            curves[case] = rewards
+            rewards, wall = results[case] = future.result()
             print(
                 f"[{done}/{len(cases)}] {case[0]} {case[1]} seed {case[2]} threads {case[3]}: "
-                f"last {WINDOW} {results[case][0]:.3f}  wall {wall:.0f} s",
+                f"last {WINDOW} {last_mean(rewards):.3f}  wall {wall:.0f} s",
                 flush=True,
             )
     print(f"\nlast-{WINDOW} mean reward over seeds {args.seeds} x threads {args.threads}:")
     for name in names:
         for backend in args.backends.split(","):
-            runs = {case: result for case, result in results.items() if case[:2] == (name, backend)}
-            finals = [final for final, _ in runs.values()]
-            worst = min(runs, key=lambda case: runs[case][0])
+            runs = {
+                case: last_mean(rewards)
+                for case, (rewards, _) in results.items()
+                if case[:2] == (name, backend)
+            }
+            finals = list(runs.values())
+            worst = min(runs, key=runs.__getitem__)
             print(
                 f"{name:28s} {backend:9s} min {min(finals):.3f}  median "
                 f"{statistics.median(finals):.3f}  max {max(finals):.3f}  "
@@ -96,9 +104,9 @@ def main() -> None:
             )
     if args.json:
         rows = [
-            {"algorithm": n, "backend": b, "seed": s, "threads": t, "last": f, "wall_s": w}
-            | {"rewards": curves[(n, b, s, t)]}
-            for (n, b, s, t), (f, w) in sorted(results.items())
+            {"algorithm": n, "backend": b, "seed": s, "threads": t, "last": last_mean(r)}
+            | {"wall_s": w, "rewards": r}
+            for (n, b, s, t), (r, w) in sorted(results.items())
         ]
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
 
