@@ -134,7 +134,10 @@ def test_grpo_on_two_trainer_processes_saves_and_resumes_where_it_left_off(
     restored actor's weights by the sync, samples for each prompt exactly what the
     uninterrupted run sampled (``full_determinism``: each sample's stream depends on the seed,
     the step, its request and its prompt; a generator given other weights samples others), and
-    the iteration's numbers are the uninterrupted run's: equal, but for rounding where verl's
+    the iteration's numbers are the uninterrupted run's. The batch repeats a prompt (4 words
+    for 4 prompts a batch), whose rows each sample their own (the agent loop names each request
+    by its dataset row and sample; with verl's ``det-0`` such rows swapped samples between runs,
+    and the gradient norm differed by 40%). Equal, but for rounding where verl's
     batch holds the samples in another order (the order they finished). Such a sum of ``n``
     positive terms in another order differs by at most ``n`` float32 epsilons relative, with
     ``n`` at most the 128 response tokens a rank holds (128 * 2^-23 = 1.5e-5); a metric near
@@ -172,6 +175,8 @@ def test_grpo_on_two_trainer_processes_saves_and_resumes_where_it_left_off(
     assert sorted(resumed) == [3]
     assert_iterations({1: whole[1], 2: whole[2], 3: resumed[3]}, 3)
     assert samples("resumed") == samples("whole")
+    prompts = [prompt for prompt, _ in samples("whole")]
+    assert len(set(prompts)) < len(prompts) // 2, "the case is a batch that repeats a prompt"
     measured = ("timing", "perf/", "actor/perf/")  # wall time and memory
     compared = {k: v for k, v in whole[3].items() if not k.startswith(measured)}
     assert compared.keys() <= resumed[3].keys()

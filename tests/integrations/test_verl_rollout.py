@@ -183,6 +183,77 @@ def test_under_full_determinism_a_request_samples_alike_whatever_shares_its_batc
     assert by_prompt([0, 1, 2, 3, 4, 5]) == by_prompt([5, 3, 1, 0, 4, 2])
 
 
+def test_the_plug_ins_agent_loops_name_each_request_by_its_sample(model: str) -> None:
+    """verl's v1 trainer names every request ``det-0``: rows that repeat a prompt took their
+    streams in arrival order, so the samples of two such rows (two groups) swapped between
+    runs. Through the plug-in's agent loop each request carries its sample's identity (dataset
+    row, sample of the row, step), and each sample draws the same tokens whatever the order."""
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+    from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+
+    from engine.integrations.verl import agent_loop
+    from engine.integrations.verl.cells import AGENT_LOOPS
+
+    for name, target in AGENT_LOOPS.items():
+        assert _agent_loop_registry[name] == {"_target_": target}
+    assert issubclass(agent_loop.SingleTurnAgentLoop, SingleTurnAgentLoop)
+
+    class VerlLoop:  # verl's loop, as far as the request goes: ``det-{priority}``
+        def __init__(self, client: Any, config: Any) -> None:
+            self.server_manager, self.rollout_config = client, config
+
+        async def run(self, sampling_params: dict[str, Any], **entries: Any) -> Any:
+            return await self.server_manager.generate(
+                request_id=f"det-{entries.get('priority', 0)}",
+                prompt_ids=entries["prompt_ids"],
+                sampling_params=sampling_params,
+            )
+
+    class Keyed(agent_loop._SampleKeyed, VerlLoop):
+        pass
+
+    # dataset rows 0..5 repeat 3 prompts; 2 samples each, as verl's v1 trainer passes them
+    rows = [(index, PROMPTS[index % 3]) for index in range(6)]
+    samples = [(index, prompt, session) for index, prompt in rows for session in range(2)]
+
+    def sampled(order: list[int], loop: type = Keyed) -> dict[tuple[int, int], tuple[int, ...]]:
+        generator, _ = _synced(model, full_determinism=True)
+        generator.set_global_steps(2)
+
+        async def run() -> list[Any]:
+            return await asyncio.gather(
+                *[
+                    loop(generator, generator.config).run(
+                        {"temperature": 1.0},
+                        prompt_ids=samples[i][1],
+                        index=torch.tensor(samples[i][0]),  # verl's batch holds tensors
+                        session_id=samples[i][2],
+                        global_steps=2,
+                    )
+                    for i in order
+                ]
+            )
+
+        outputs = asyncio.run(run())
+        return {
+            (samples[i][0], samples[i][2]): tuple(output.token_ids)
+            for i, output in zip(order, outputs, strict=True)
+        }
+
+    forward, backward = list(range(12)), list(reversed(range(12)))
+    first = sampled(forward)
+    assert first == sampled(backward)
+    assert len(set(first.values())) > 1
+    # verl's own loop: the same rows, in another order, give some row another row's samples
+    assert sampled(forward, VerlLoop) != sampled(backward, VerlLoop)
+    assert (
+        agent_loop.sample_key(
+            {"index": torch.tensor(3), "session_id": 1, "global_steps": 7, "uid": "a1"}
+        )
+        == "global_steps=7,index=3,session_id=1"
+    )
+
+
 def test_generation_stops_at_end_of_sequence_unless_told_to_ignore_it(model: str) -> None:
     """A model whose every next token is its end-of-sequence token: one token, or
     ``max_tokens`` with ``ignore_eos``."""

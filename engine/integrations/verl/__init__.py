@@ -7,7 +7,9 @@
 - :class:`~engine.integrations.verl.adapter.ComposableEngine`, one ``BaseEngine`` subclass, for
   every cell :func:`registered_cells` lists, and
 - the ``composable_hf`` rollout (:mod:`engine.integrations.verl.rollout`), a Hugging Face
-  generator for verl's RL trainer where vLLM and SGLang cannot run.
+  generator for verl's RL trainer where vLLM and SGLang cannot run, and
+- verl's agent loops with requests named by their sample
+  (:mod:`engine.integrations.verl.agent_loop`, :data:`~engine.integrations.verl.cells.AGENT_LOOPS`).
 
 verl is imported only inside this package, and only when verl loads the plug-in (or
 :func:`register` is called).
@@ -18,7 +20,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from engine.integrations.verl.cells import ROLLOUT, Cell, registered_cells
+from engine.integrations.verl.cells import AGENT_LOOPS, ROLLOUT, Cell, registered_cells
 
 __all__ = ["Cell", "register", "registered_cells"]
 
@@ -36,6 +38,7 @@ def register() -> None:
     # else verl loads the plug-in while the adapter module, imported before verl, imports
     # it: the adapter registers its cells itself once its class exists
     _register_rollout()
+    _register_agent_loops()
 
 
 def _register_rollout() -> None:
@@ -48,3 +51,12 @@ def _register_rollout() -> None:
     module = "engine.integrations.verl.rollout"
     RolloutReplicaRegistry.register(ROLLOUT, lambda: importlib.import_module(module).HFReplica)
     base._ROLLOUT_REGISTRY[(ROLLOUT, "async")] = f"{module}.HFServerAdapter"
+
+
+def _register_agent_loops() -> None:
+    """:data:`AGENT_LOOPS` in verl's agent-loop registry, by class path (hydra imports the
+    class when a loop is built)."""
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+
+    for name, target in AGENT_LOOPS.items():
+        _agent_loop_registry.setdefault(name, {"_target_": target})

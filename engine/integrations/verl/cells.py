@@ -38,6 +38,15 @@ VENDOR = "composable"
 #: The rollout name of :mod:`engine.integrations.verl.rollout`
 #: (``actor_rollout_ref.rollout.name=composable_hf``).
 ROLLOUT = "composable_hf"
+#: The agent loop the launcher makes the default on a CPU host (one of :data:`AGENT_LOOPS`).
+AGENT_LOOP = "composable_single_turn_agent"
+#: verl's agent loops whose requests are named by their sample (reproducible sampling under
+#: ``full_determinism``, :mod:`engine.integrations.verl.agent_loop`): the name each is
+#: registered under (``rollout.agent.default_agent_loop``, a dataset's ``agent_name``) -> class.
+AGENT_LOOPS = {
+    AGENT_LOOP: "engine.integrations.verl.agent_loop.SingleTurnAgentLoop",
+    "composable_tool_agent": "engine.integrations.verl.agent_loop.ToolAgentLoop",
+}
 
 
 @attrs.frozen

@@ -34,7 +34,7 @@ from typing import Any
 
 import hydra
 
-from engine.integrations.verl.cells import ROLLOUT
+from engine.integrations.verl.cells import AGENT_LOOP, ROLLOUT
 from heads.errors import ConfigError
 
 #: Ray's logical CPUs when the overrides do not say (scheduling slots, not cores).
@@ -66,11 +66,14 @@ def setup_worker() -> None:
 
 
 #: verl's settings the launcher sets on a CPU host when the command line leaves them unset:
-#: the rollout (vLLM cannot run) and one process per helper role (verl's defaults start 8
-#: agent-loop, 8 reward and 8 storage processes, each importing torch: minutes of a small
-#: host's CPU before the first step).
+#: the rollout (vLLM cannot run), verl's single-turn agent loop with requests named by their
+#: sample (reproducible under ``full_determinism`` whatever the batch,
+#: :mod:`engine.integrations.verl.agent_loop`) and one process per helper role (verl's defaults
+#: start 8 agent-loop, 8 reward and 8 storage processes, each importing torch: minutes of a
+#: small host's CPU before the first step).
 CPU_DEFAULTS: dict[str, Any] = {
     "actor_rollout_ref.rollout.name": ROLLOUT,
+    "actor_rollout_ref.rollout.agent.default_agent_loop": AGENT_LOOP,
     "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,
     "actor_rollout_ref.rollout.agent.num_workers": 1,
     "reward.num_workers": 1,

@@ -274,10 +274,12 @@ class HFGenerator:
 
     def _stream_key(self, request_id: str, prompt_ids: list[int]) -> str:
         """A request's stream key: its id, its prompt, and how many requests with both came
-        before in this step. verl sends the ``n`` samples of a prompt under one id (its
-        transfer-queue trainer every request under ``det-0``), in an order that differs from
-        run to run: keyed by the prompt too, each prompt draws the same streams whatever the
-        order (its samples may swap streams among themselves, being alike)."""
+        before in this step. The agent loops of :mod:`engine.integrations.verl.agent_loop`
+        name each request by its sample, so every sample draws its own stream whatever the
+        order requests arrive in. verl's own loops send the ``n`` samples of a prompt under
+        one id (its v1 trainer every request under ``det-0``), in an order that differs from
+        run to run: keyed by the prompt and the count, each prompt draws the same streams, but
+        rows with the same prompt may swap samples, and with them verl's groups."""
         if self.seen_step != self.global_steps:
             self.seen_step, self.seen = self.global_steps, {}
         prompt = hashlib.sha256(str(prompt_ids).encode()).hexdigest()[:16]
