@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import attrs
@@ -111,6 +111,8 @@ class Generation:
     lengths: torch.Tensor
     #: Each row's routes (:meth:`RouteRecorder.rows`), when they were recorded.
     routes: list[torch.Tensor] | None = None
+    #: Stopped by the caller (``stop_early``) before every row had finished.
+    aborted: bool = False
 
 
 def left_padded(prompts: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,10 +138,13 @@ def generate(
     attention_mask: torch.Tensor | None = None,
     stop_ids: Sequence[int] = (),
     routes: RouteRecorder | None = None,
+    stop_early: Callable[[], bool] | None = None,
 ) -> Generation:
     """Up to ``max_tokens`` tokens for each row of ``input_ids`` (left-padded where
     ``attention_mask`` is given; without one, rows of one length and no mask or positions
-    passed). A row stops after one of ``stop_ids``; the loop, once every row has stopped."""
+    passed). A row stops after one of ``stop_ids``; the loop, once every row has stopped, or
+    before a step where ``stop_early()`` is true (an abort: what was generated is returned,
+    possibly nothing, with ``aborted`` set)."""
     cache = cache_argument(model)
     last_logits = {"logits_to_keep": 1} if keeps_last_logits(model) else {}
     rows, device = input_ids.shape[0], input_ids.device
@@ -154,7 +159,11 @@ def generate(
         routes.start(prompts)
     # each row's positions: from 0 at its first prompt token, then one more per step
     positions = None if mask is None else (mask.cumsum(-1) - 1).clamp(min=0)
+    aborted = False
     for step in range(max_tokens):
+        if stop_early is not None and stop_early():
+            aborted = True
+            break
         output = model(
             input_ids=step_ids,
             attention_mask=mask,
@@ -182,9 +191,13 @@ def generate(
         if mask is not None and positions is not None:
             mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=device)], dim=1)
             positions = positions[:, -1:] + 1
+    if not tokens:  # aborted before the first step
+        nothing = torch.zeros((rows, 0), dtype=torch.long, device=device)
+        return Generation(nothing, nothing.float(), lengths, None, aborted)
     return Generation(
         tokens=torch.stack(tokens, dim=1),
         log_probs=torch.stack(log_probs, dim=1),
         lengths=lengths,
         routes=None if routes is None else routes.rows(lengths.tolist()),
+        aborted=aborted,
     )

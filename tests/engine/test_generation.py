@@ -59,3 +59,29 @@ def test_a_left_padded_batch_generates_what_each_prompt_generates_alone() -> Non
     first = batch.tokens[0].tolist().index(stop) + 1
     assert stopped.lengths[0] == first
     assert stopped.tokens[0, :first].tolist() == batch.tokens[0, :first].tolist()
+
+
+def test_a_generation_stopped_early_returns_what_it_generated() -> None:
+    """``stop_early`` (an abort) is asked before each step: the tokens before it are those of
+    an uninterrupted run, marked ``aborted``; stopped before the first step, nothing."""
+    from engine.generation.weights import build_model
+    from strategies.hf.architecture import hf_config_for
+    from strategies.part_configs import model_preset
+
+    torch.manual_seed(0)
+    model = build_model(hf_config_for(model_preset("tiny")))
+    prompts = torch.tensor([[3, 9, 4, 1, 7], [5, 2, 8, 8, 1]])
+    whole = generate(model, prompts, max_tokens=6, pick=MostLikely())
+    asked: list[int] = []
+
+    def after_three() -> bool:
+        asked.append(1)
+        return len(asked) > 3
+
+    part = generate(model, prompts, max_tokens=6, pick=MostLikely(), stop_early=after_three)
+    assert part.aborted and not whole.aborted
+    assert part.tokens.tolist() == whole.tokens[:, :3].tolist()
+    assert part.lengths.tolist() == [3, 3]
+    torch.testing.assert_close(part.log_probs, whole.log_probs[:, :3], rtol=0, atol=0)
+    nothing = generate(model, prompts, max_tokens=6, pick=MostLikely(), stop_early=lambda: True)
+    assert nothing.aborted and nothing.tokens.shape == (2, 0) and nothing.lengths.tolist() == [0, 0]

@@ -254,6 +254,73 @@ def test_the_plug_ins_agent_loops_name_each_request_by_its_sample(model: str) ->
     )
 
 
+def test_an_aborted_request_keeps_its_part_and_continues_from_the_new_weights(
+    model: str,
+) -> None:
+    """verl's partial rollout as its ``colocate_async`` trainer drives it: abort (the batch in
+    flight returns what it generated, ``stop_reason="aborted"``), sleep, a weight sync, resume;
+    verl's ``FullyAsyncLLMServerClient`` then sends prompt + part to continue. The part's tokens
+    and log-probs are the old weights' (the tokens an uninterrupted request draws first), the
+    rest the new weights'; a request arriving while paused waits for the resume."""
+    import time
+
+    settings = dict(full_determinism=True, response_length=40)
+    sampling = {"temperature": 1.0, "ignore_eos": True, "max_tokens": 40}
+    prompt = PROMPTS[0]
+    whole, _ = _synced(model, **settings)
+    [uninterrupted] = _generate(whole, [prompt], ["det-1"], **sampling)
+    generator, source = _synced(model, **settings)
+    forwards: list[int] = []
+
+    def slowly(module: Any, args: Any) -> None:  # room to abort mid-request
+        forwards.append(1)
+        time.sleep(0.01)
+
+    generator.model.register_forward_pre_hook(slowly)
+    noise = torch.Generator().manual_seed(0)
+    changed = {
+        k: v + 0.05 * torch.randn(v.shape, generator=noise) for k, v in source.state_dict().items()
+    }
+    newer = type(source)(source.config).eval()
+    newer.load_state_dict(changed)
+
+    async def partial_rollout() -> tuple[Any, Any, Any, Any, bool]:
+        request = asyncio.ensure_future(
+            generator.generate("det-1", prompt_ids=prompt, sampling_params=dict(sampling))
+        )
+        while len(forwards) < 5:
+            await asyncio.sleep(0.005)
+        report = await generator.abort_all_requests()
+        part = await request
+        late = asyncio.ensure_future(
+            generator.generate("det-2", prompt_ids=prompt, sampling_params={"max_tokens": 2})
+        )
+        generator.sleep()  # verl sleeps the replica, then syncs the new weights
+        for bucket, last in _buckets(iter(changed.items()), 1 << 12):
+            generator.update_weights(bucket, last)
+        await asyncio.sleep(0.05)
+        held = not late.done()
+        generator.resume_generation()
+        budget = {**sampling, "max_tokens": 40 - len(part.token_ids)}
+        rest = await generator.generate(
+            "det-1", prompt_ids=prompt + part.token_ids, sampling_params=budget
+        )
+        return report, part, rest, await late, held
+
+    report, part, rest, late, held = asyncio.run(partial_rollout())
+    assert held and len(late.token_ids) == 2
+    assert part.stop_reason == "aborted" and 0 < len(part.token_ids) < 40
+    assert report == {"aborted_count": 1, "request_ids": [report["request_ids"][0]]}
+    assert part.token_ids == uninterrupted.token_ids[: len(part.token_ids)]
+    assert part.log_probs == uninterrupted.log_probs[: len(part.log_probs)]
+    assert rest.stop_reason == "completed" and len(part.token_ids) + len(rest.token_ids) == 40
+    warp = Sampling(temperature=1.0)
+    for weights, start, output in ((source, prompt, part), (newer, prompt + part.token_ids, rest)):
+        direct = _direct_log_probs(weights, start, output.token_ids, warp)
+        # float32 logits, the cached decode against one forward: as the batching test above
+        torch.testing.assert_close(torch.tensor(output.log_probs), direct, atol=1e-5, rtol=1e-5)
+
+
 def test_generation_stops_at_end_of_sequence_unless_told_to_ignore_it(model: str) -> None:
     """A model whose every next token is its end-of-sequence token: one token, or
     ``max_tokens`` with ``ignore_eos``."""

@@ -30,6 +30,12 @@ verl's rollout classes.
   under its LoRA wrapper's name, ``...q_proj.base_layer.weight``) and every sync the adapters
   alone, under peft's names, with their PEFT config; the generator keeps each adapted linear's
   base weight and sets the linear to ``W + (B @ A) * alpha / r``, as the engine merges it.
+- **Partial rollouts** (verl's ``colocate_async`` / ``separate_async`` trainers):
+  ``abort_all_requests`` pauses generation and stops the batch in flight at its next token;
+  its requests return what they generated (tokens, log-probs, routes) with
+  ``stop_reason="aborted"``, and verl's ``FullyAsyncLLMServerClient`` continues each (prompt +
+  part) after ``resume_generation``, from the weights synced meanwhile. Requests that arrive
+  while paused wait for the resume (or are refused with ``reject_request=True``).
 - **Sleep** (``free_cache_engine``, verl's default) frees the generator's weights; the sync
   allocates them again (``resume(["weights"])``) and fills them. With adapters synced alone
   the base model is sent once, so sleep keeps the weights (verl's level-1 sleep). Generating
@@ -47,6 +53,7 @@ import hashlib
 import logging
 import math
 import os
+import threading
 from collections.abc import Generator, Iterator
 from typing import Any
 
@@ -189,7 +196,15 @@ class HFGenerator:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.server: asyncio.Task[None] | None = None
         self.batches = 0
+        #: Partial rollouts (:meth:`abort_all_requests`): generation paused until
+        #: :meth:`resume_generation`, arrivals held meanwhile (or refused: ``rejecting``); the
+        #: batch in flight stops at its next token when ``stopping`` is set.
         self.paused = False
+        self.rejecting = False
+        self.stopping = threading.Event()
+        self.resumed: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        self.in_flight: asyncio.Future[list[TokenOutput]] | None = None
+        self.in_flight_ids: list[str] = []
         self.routes = RouteRecorder(self.model) if is_moe(hf_config) else None
         self.global_steps: int | None = None
         self.seen_step: int | None = None
@@ -212,6 +227,13 @@ class HFGenerator:
         """verl's token-in, token-out call; concurrent calls are batched."""
         if image_data is not None or video_data is not None or kwargs.get("audio_data"):
             raise ConfigError(f"{NAME} rollout generates from text token ids only")
+        if self.paused:  # a partial rollout's pause: wait for the resume (new weights)
+            if self.rejecting:
+                raise RuntimeError(
+                    f"{NAME} rollout: request {request_id} arrived while generation is paused "
+                    "with abort_all_requests(reject_request=True)"
+                )
+            await self._resume_event().wait()
         if not self.synced:
             raise RuntimeError(
                 f"{NAME} rollout: generate called before the trainer's weights reached the "
@@ -256,18 +278,27 @@ class HFGenerator:
                 for request in taken:
                     groups.setdefault(request.sampling, []).append(request)
                 for sampling, requests in groups.items():
-                    try:
-                        outputs = await asyncio.to_thread(
+                    if self.paused:  # not started before an abort: served after the resume
+                        self.pending.extend(requests)
+                        continue
+                    self.in_flight_ids = [r.request_id for r in requests]
+                    self.in_flight = asyncio.ensure_future(
+                        asyncio.to_thread(
                             self._generate,
                             [r.prompt_ids for r in requests],
                             sampling,
                             [r.request_id for r in requests],
                         )
+                    )
+                    try:
+                        outputs = await self.in_flight
                     except Exception as error:  # handed to each caller
                         for request in requests:
                             if not request.done.done():
                                 request.done.set_exception(error)
                         continue
+                    finally:
+                        self.in_flight = None
                     for request, output in zip(requests, outputs, strict=True):
                         if not request.done.done():
                             request.done.set_result(output)
@@ -318,18 +349,25 @@ class HFGenerator:
             pick=GumbelMax(streams) if sampling.temperature > 0 else MostLikely(),
             stop_ids=() if sampling.ignore_eos else self.stop_ids,
             routes=self.routes,
+            stop_early=self.stopping.is_set,
         )
         lengths = generation.lengths.tolist()
-        return [
-            TokenOutput(
-                token_ids=generation.tokens[row, :length].tolist(),
-                log_probs=generation.log_probs[row, :length].tolist(),
-                routed_experts=None if generation.routes is None else generation.routes[row],
-                stop_reason="completed",
-                extra_fields={"global_steps": self.global_steps},
+        stops = set(() if sampling.ignore_eos else self.stop_ids)
+        outputs = []
+        for row, length in enumerate(lengths):
+            tokens = generation.tokens[row, :length].tolist()
+            # a row the abort cut short: it neither stopped nor reached its limit
+            cut = generation.aborted and not (tokens and tokens[-1] in stops)
+            outputs.append(
+                TokenOutput(
+                    token_ids=tokens,
+                    log_probs=generation.log_probs[row, :length].tolist(),
+                    routed_experts=None if generation.routes is None else generation.routes[row],
+                    stop_reason="aborted" if cut else "completed",
+                    extra_fields={"global_steps": self.global_steps},
+                )
             )
-            for row, length in enumerate(lengths)
-        ]
+        return outputs
 
     def wake_up(self) -> None:
         """verl's replica wake-up: the weights come back with the next sync, if released."""
@@ -431,13 +469,48 @@ class HFGenerator:
     def statistics(self) -> dict[str, int]:
         return {"batches": self.batches}
 
-    def abort_all_requests(self, reject_request: bool = False) -> None:
-        self.paused = True
+    async def abort_all_requests(self, reject_request: bool = False) -> dict[str, Any]:
+        """verl's partial rollout: pause generation and stop the batch in flight at its next
+        token; each of its requests returns what it generated so far (tokens, log-probs,
+        routes) with ``stop_reason="aborted"``, which verl's ``FullyAsyncLLMServerClient``
+        continues (prompt + those tokens) once generation resumes, from the weights synced
+        meanwhile. Requests queued or arriving while paused wait for the resume
+        (``reject_request``: arrivals are refused). Returns once nothing is generating, so
+        verl may then sleep the replica and release its weights."""
+        self.paused, self.rejecting = True, reject_request
+        self._resume_event().clear()
+        running = self.in_flight
+        aborted: list[str] = []
+        if running is not None:
+            self.stopping.set()
+            try:
+                ids = self.in_flight_ids
+                outputs = await asyncio.shield(running)
+                aborted = [
+                    i for i, o in zip(ids, outputs, strict=True) if o.stop_reason == "aborted"
+                ]
+            except Exception:  # the batch's own error, handed to its callers by _serve
+                pass
+            finally:
+                self.stopping.clear()
+        return {"aborted_count": len(aborted), "request_ids": aborted}
 
     def resume_generation(self) -> None:
-        self.paused = False
+        """Generate again: held requests and those queued before the abort are served."""
+        self.paused = self.rejecting = False
+        if self.resumed is not None:
+            self.resumed[1].set()
         if self.wakeup is not None:
             self.wakeup.set()
+
+    def _resume_event(self) -> asyncio.Event:
+        """Set while generation runs (not paused by an abort); one per event loop."""
+        loop = asyncio.get_running_loop()
+        if self.resumed is None or self.resumed[0] is not loop:
+            self.resumed = (loop, asyncio.Event())
+            if not self.paused:
+                self.resumed[1].set()
+        return self.resumed[1]
 
     def clear_kv_cache(self) -> None:
         return None  # the cache lives for one batch
