@@ -186,6 +186,37 @@ def test_grpo_on_two_trainer_processes_saves_and_resumes_where_it_left_off(
 
 
 @pytest.mark.multiprocess
+def test_grpo_with_colocate_async_generates_across_weight_updates(
+    files: dict[str, str], tmp_path: Path
+) -> None:
+    """verl's ``colocate_async`` trainer: generation of the next batch overlaps training (a
+    warm-up batch ahead), and at each weight update verl aborts what is in flight, sleeps the
+    generator, syncs the new weights and resumes, continuing the aborted requests (partial
+    rollouts). Before the generator could pause, samples failed inside the agent loop
+    ("generate called before the trainer's weights reached the generator"). Every iteration
+    reports verl's metrics, finite; no sample fails; no sample is staler than the threshold
+    (the rollout's log-probs are then an older policy's, so their distance to the actor's is
+    not checked here)."""
+    threshold = 2
+    steps = main_ppo(
+        files,
+        tmp_path,
+        *FP32,
+        "trainer.v1.trainer_mode=colocate_async",
+        f"trainer.v1.sampler.max_off_policy_threshold={threshold}",
+        "trainer.total_training_steps=3",
+    )
+    assert sorted(steps) == [1, 2, 3]
+    for step, metrics in steps.items():
+        for key in (*METRICS, "training/off_policy/trajectory_staleness/max"):
+            assert key in metrics, (step, key)
+        assert all(math.isfinite(value) for value in metrics.values()), (step, metrics)
+        assert metrics["training/off_policy/trajectory_spans/max"] <= threshold
+    log = (tmp_path / "main_ppo.log").read_text()
+    assert "Error in _run_prompt" not in log and "generate called before" not in log
+
+
+@pytest.mark.multiprocess
 def test_ppo_with_a_critic_on_megatron_with_experts_and_the_rollouts_routes(
     files: dict[str, str], tmp_path: Path
 ) -> None:

@@ -223,3 +223,32 @@ def test_a_checkpoint_engine_the_host_cannot_run_is_refused_by_name(
         return
     with pytest.raises(ConfigError, match=f"checkpoint_engine.backend={backend}: {expected}"):
         check_checkpoint_engine(settings)
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("sync", None),
+        ("colocate_async", None),
+        ("separate_async", "checkpoint engine other than 'naive'"),
+        ("overlapped", "verl's modes are sync, colocate_async, separate_async"),
+    ],
+)
+def test_a_trainer_mode_the_host_cannot_run_is_refused_by_name(
+    mode: str, expected: str | None
+) -> None:
+    from omegaconf import OmegaConf
+
+    from engine.integrations.verl.ppo import check_trainer_mode
+
+    config = OmegaConf.create(
+        {
+            "trainer": {"use_v1": True, "v1": {"trainer_mode": mode}},
+            "actor_rollout_ref": {"rollout": {"checkpoint_engine": {"backend": "naive"}}},
+        }
+    )
+    if expected is None:
+        check_trainer_mode(config)
+        return
+    with pytest.raises(ConfigError, match=f"trainer.v1.trainer_mode={mode}: .*{expected}"):
+        check_trainer_mode(config)

@@ -121,7 +121,7 @@ def prepare(config: Any, overrides: list[str] | None = None) -> None:
 
 def console_metrics(output: str) -> dict[int, dict[str, float]]:
     """The numeric metrics of each iteration in the output of verl's console logger
-    (``step:N - key:value - ...``), by iteration."""
+    (``step:N - key:value - ...``, numpy scalars as ``np.int64(1)`` too), by iteration."""
     import re
 
     steps: dict[int, dict[str, float]] = {}
@@ -129,6 +129,8 @@ def console_metrics(output: str) -> dict[int, dict[str, float]]:
         metrics = {}
         for item in line.split(" - "):
             key, _, value = item.partition(":")
+            # numpy scalars print as their repr under numpy 2 (np.float64(1.0))
+            value = re.sub(r"^\s*np\.\w+\((.*)\)\s*$", r"\1", value)
             with contextlib.suppress(ValueError):
                 metrics[key.strip()] = float(value)
         steps[int(step)] = metrics
@@ -138,7 +140,8 @@ def console_metrics(output: str) -> dict[int, dict[str, float]]:
 def check(config: Any) -> None:
     """Refuse before Ray starts what a worker would refuse minutes later: rollout settings the
     ``composable_hf`` generator cannot honour, local models of a family the engine does not
-    read (actor, critic), each by name, a checkpoint engine this host cannot run, and a
+    read (actor, critic), each by name, a checkpoint engine this host cannot run, a trainer
+    mode it cannot run, and a
     custom reward function verl cannot load (its file or function missing, or the file failing
     to import), as verl's reward workers load it."""
     from pathlib import Path
@@ -154,6 +157,7 @@ def check(config: Any) -> None:
 
         check_settings(rollout)
     check_checkpoint_engine(rollout)
+    check_trainer_mode(config)
     paths = {"actor_rollout_ref.model.path": config.actor_rollout_ref.model.path}
     if need_critic(config):
         paths["critic.model.path"] = config.critic.model.path
@@ -192,6 +196,33 @@ def check_checkpoint_engine(rollout: Any) -> None:
         raise ConfigError(
             f"{key}={backend}: the {ROLLOUT} generator takes weights through verl's in-process "
             "'naive' sync only"
+        )
+
+
+#: verl's v1 trainer modes (``trainer.v1.trainer_mode``).
+TRAINER_MODES = ("sync", "colocate_async", "separate_async")
+
+
+def check_trainer_mode(config: Any) -> None:
+    """``trainer.v1.trainer_mode`` must be one of verl's; ``separate_async`` (trainer and
+    rollout on separate resources) sends weights through a checkpoint engine other than
+    ``naive``, which verl asserts only once its workers started, and a CPU host registers no
+    other (a CPU checkpoint engine is not built yet)."""
+    trainer = config.trainer
+    if not trainer.get("use_v1", True):
+        return
+    mode = (trainer.get("v1") or {}).get("trainer_mode", "sync")
+    key = "trainer.v1.trainer_mode"
+    if mode not in TRAINER_MODES:
+        raise ConfigError(f"{key}={mode}: verl's modes are {', '.join(TRAINER_MODES)}")
+    backend = config.actor_rollout_ref.rollout.checkpoint_engine.backend
+    if mode == "separate_async" and backend == "naive":
+        raise ConfigError(
+            f"{key}=separate_async: verl sends the weights to rollout replicas apart from the "
+            "trainer through a checkpoint engine other than 'naive' "
+            "(actor_rollout_ref.rollout.checkpoint_engine.backend), and this host registers "
+            "none (nccl, nixl, mooncake... need an accelerator or an external store); use "
+            "sync or colocate_async here"
         )
 
 
