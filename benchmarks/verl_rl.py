@@ -6,8 +6,13 @@ already in memory, per backend, dense and mixture-of-experts.
 
 Prints each run's mean reward over its first and last 10 iterations, its wall time, and each
 phase's share of an iteration (median over iterations after the first); draws the reward curves.
+Over several seeds (``--seeds``: verl's data order and rollout seed) and trainer modes
+(``--modes``: verl's ``trainer.v1.trainer_mode``), a summary per algorithm and mode: the spread
+of the gain (last 10 minus first 10), how many seeds gained 0.3 or more, and the median time of
+an iteration against ``sync`` on the same seed.
 
-    python -m benchmarks.verl_rl [--steps 60] [--plot docs/images/verl-rl.png] [--skip-runs]
+    python -m benchmarks.verl_rl [--steps 60] [--seeds 0 1 2] [--modes sync colocate_async]
+        [--runs GRPO] [--plot docs/images/verl-rl.png] [--skip-runs]
 """
 
 from __future__ import annotations
@@ -75,7 +80,13 @@ RUNS: dict[str, list[str]] = {
 }
 
 
-def run(name: str, files: dict[str, str], steps: int, out: Path) -> tuple[dict, float]:
+#: The gain (last 10 iterations' mean reward minus the first 10's) a run must show.
+GAIN = 0.3
+
+
+def run(
+    name: str, files: dict[str, str], steps: int, out: Path, seed: int = 0, mode: str = "sync"
+) -> tuple[dict, float]:
     """One ``main_ppo`` run: verl's metrics per iteration and the run's wall time."""
     from engine.integrations.verl.ppo import console_metrics
 
@@ -85,6 +96,9 @@ def run(name: str, files: dict[str, str], steps: int, out: Path) -> tuple[dict, 
         "engine.integrations.verl.ppo",
         *learning_settings(files, steps),
         *(setting.format(model=files["model"]) for setting in RUNS[name]),
+        f"data.seed={seed}",
+        f"actor_rollout_ref.rollout.seed={seed}",
+        f"trainer.v1.trainer_mode={mode}",
         f"trainer.default_local_dir={out / 'checkpoints'}",
     ]
     start = time.perf_counter()
@@ -156,44 +170,86 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--plot", default=None, help="where to draw the reward curves")
     parser.add_argument("--skip-runs", action="store_true", help="the sync costs only")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--modes", nargs="+", default=["sync"], help="verl's trainer modes")
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--skip-sync-costs", action="store_true")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from engine.integrations.verl import task
 
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
-        print("weight sync (engine export -> generator) vs load_state_dict of the same tensors:")
-        for case, sync, load in sync_costs(root / "sync"):
+        if not args.skip_sync_costs:
             print(
-                f"  {case:15s} sync {sync * 1e3:7.2f} ms   load_state_dict {load * 1e3:6.2f} ms"
-                f"   ratio {sync / load:5.1f}x"
+                "weight sync (engine export -> generator) vs load_state_dict of the same tensors:"
             )
+            for case, sync, load in sync_costs(root / "sync"):
+                print(
+                    f"  {case:15s} sync {sync * 1e3:7.2f} ms   load_state_dict "
+                    f"{load * 1e3:6.2f} ms   ratio {sync / load:5.1f}x"
+                )
         if args.skip_runs:
             return
         files = task.write(root / "task")
         curves: dict[str, list[float]] = {}
-        for name in RUNS:
-            out = root / name.replace(" ", "_").replace("+", "")
-            out.mkdir()
-            steps, wall = run(name, files, args.steps, out)
-            rewards = [steps[i]["critic/score/mean"] for i in sorted(steps)]
-            curves[name] = rewards
-            first = sum(rewards[:WINDOW]) / WINDOW
-            last = sum(rewards[-WINDOW:]) / WINDOW
-            print(
-                f"{name}: {len(rewards)} iterations in {wall:.0f} s; mean reward first "
-                f"{WINDOW} {first:.3f}, last {WINDOW} {last:.3f} (+{last - first:.3f})"
-            )
-            later = [steps[i] for i in sorted(steps)[1:]]
-            total = statistics.median(m["timing_s/step"] for m in later)
-            split = []
-            for phase in PHASES:
-                values = [m[f"timing_s/{phase}"] for m in later if f"timing_s/{phase}" in m]
-                if values:
-                    split.append(f"{phase} {statistics.median(values) / total:.0%}")
-            print(f"  one iteration {total:.2f} s: " + ", ".join(split))
+        #: (algorithm, mode) -> per seed (gain, median seconds of an iteration)
+        results: dict[tuple[str, str], dict[int, tuple[float, float]]] = {}
+        for name in args.runs:
+            for mode in args.modes:
+                for seed in args.seeds:
+                    label = f"{name}, {mode}, seed {seed}"
+                    out = root / "".join(c if c.isalnum() else "_" for c in label)
+                    out.mkdir()
+                    steps, wall = run(name, files, args.steps, out, seed, mode)
+                    rewards = [steps[i]["critic/score/mean"] for i in sorted(steps)]
+                    curves[label] = rewards
+                    first = sum(rewards[:WINDOW]) / min(WINDOW, len(rewards))
+                    last = sum(rewards[-WINDOW:]) / min(WINDOW, len(rewards))
+                    print(
+                        f"{label}: {len(rewards)} iterations in {wall:.0f} s; mean reward first "
+                        f"{WINDOW} {first:.3f}, last {WINDOW} {last:.3f} (+{last - first:.3f})",
+                        flush=True,
+                    )
+                    total = _phase_split(steps)
+                    results.setdefault((name, mode), {})[seed] = (last - first, total)
+        _summary(results, len(args.seeds))
     if args.plot:
         plot(curves, Path(args.plot))
+
+
+def _phase_split(steps: dict[int, dict[str, float]]) -> float:
+    """Print each phase's share of an iteration (medians over the iterations after the first);
+    the median seconds of an iteration."""
+    later = [steps[i] for i in sorted(steps)[1:]] or list(steps.values())
+    total = statistics.median(m["timing_s/step"] for m in later)
+    split = []
+    for phase in PHASES:
+        values = [m[f"timing_s/{phase}"] for m in later if f"timing_s/{phase}" in m]
+        if values:
+            split.append(f"{phase} {statistics.median(values) / total:.0%}")
+    print(f"  one iteration {total:.2f} s: " + ", ".join(split), flush=True)
+    return total
+
+
+def _summary(results: dict[tuple[str, str], dict[int, tuple[float, float]]], seeds: int) -> None:
+    """Per algorithm and mode over the seeds: the gain's spread, the seeds that gained
+    :data:`GAIN`, and an iteration's time against ``sync`` on the same seed."""
+    if seeds < 2 and len({mode for _, mode in results}) < 2:
+        return
+    print(f"over {seeds} seed(s): gain (last {WINDOW} - first {WINDOW}) min / median / max")
+    for (name, mode), runs in results.items():
+        gains = sorted(gain for gain, _ in runs.values())
+        line = (
+            f"  {name:12s} {mode:15s} {gains[0]:+.3f} / {statistics.median(gains):+.3f} / "
+            f"{gains[-1]:+.3f}; {sum(g >= GAIN for g in gains)}/{len(gains)} gained {GAIN}"
+        )
+        baseline = results.get((name, "sync"))
+        if mode != "sync" and baseline:
+            ratios = [t / baseline[s][1] for s, (_, t) in runs.items() if s in baseline]
+            if ratios:
+                line += f"; an iteration {statistics.median(ratios):.2f}x sync's time"
+        print(line)
 
 
 def plot(curves: dict[str, Any], path: Path) -> None:

@@ -217,6 +217,39 @@ def test_grpo_with_colocate_async_generates_across_weight_updates(
 
 
 @pytest.mark.multiprocess
+def test_grpo_with_separate_async_sends_weights_to_a_rollout_apart_over_gloo(
+    files: dict[str, str], tmp_path: Path
+) -> None:
+    """verl's ``separate_async`` trainer: a rollout replica on resources of its own beside the
+    colocated one, its weights sent every ``parameter_sync_step`` mini-batches through the
+    plug-in's ``composable_gloo`` checkpoint engine (the launcher's default for this mode on a
+    CPU host), and the old policy kept by verl's ``DetachActorWorker`` (``save_model_to_cpu`` /
+    ``restore_model_from_cpu`` on the adapter's ``module``) across the 2 mini-batches of an
+    iteration. Before, verl refused the mode on a CPU host. Every iteration reports verl's
+    metrics, finite; no sample fails; none is staler than the threshold."""
+    threshold = 2
+    steps = main_ppo(
+        files,
+        tmp_path,
+        *FP32,
+        "trainer.v1.trainer_mode=separate_async",
+        "trainer.v1.separate_async.parameter_sync_step=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        f"trainer.v1.sampler.max_off_policy_threshold={threshold}",
+        "trainer.total_training_steps=3",
+    )
+    assert sorted(steps) == [1, 2, 3]
+    for step, metrics in steps.items():
+        for key in (*METRICS, "training/off_policy/trajectory_staleness/max"):
+            assert key in metrics, (step, key)
+        assert all(math.isfinite(value) for value in metrics.values()), (step, metrics)
+        assert metrics["training/off_policy/trajectory_spans/max"] <= threshold
+    log = (tmp_path / "main_ppo.log").read_text()
+    assert "'backend': 'composable_gloo'" in log
+    assert "Error in _run_prompt" not in log and "generate called before" not in log
+
+
+@pytest.mark.multiprocess
 def test_ppo_with_a_critic_on_megatron_with_experts_and_the_rollouts_routes(
     files: dict[str, str], tmp_path: Path
 ) -> None:

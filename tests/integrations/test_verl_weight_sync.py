@@ -208,6 +208,7 @@ def test_shards_and_deltas_over_two_ranks_equal_the_export(paths: dict[str, str]
         ("composable_hf", "nccl", "this host cannot run it"),
         ("vllm", "no_such_engine", "this host cannot run it"),
         ("composable_hf", "naive", None),
+        ("composable_hf", "composable_gloo", None),
     ],
 )
 def test_a_checkpoint_engine_the_host_cannot_run_is_refused_by_name(
@@ -226,16 +227,19 @@ def test_a_checkpoint_engine_the_host_cannot_run_is_refused_by_name(
 
 
 @pytest.mark.parametrize(
-    "mode, expected",
+    "mode, backend, strategy, expected",
     [
-        ("sync", None),
-        ("colocate_async", None),
-        ("separate_async", "checkpoint engine other than 'naive'"),
-        ("overlapped", "verl's modes are sync, colocate_async, separate_async"),
+        ("sync", "naive", "fsdp", None),
+        ("colocate_async", "naive", "fsdp", None),
+        ("separate_async", "composable_gloo", "fsdp2", None),
+        ("separate_async", "composable_gloo", "megatron", None),
+        ("separate_async", "naive", "fsdp2", "checkpoint engine other than 'naive'"),
+        ("separate_async", "composable_gloo", "fsdp", "use actor_rollout_ref.actor.strategy"),
+        ("overlapped", "naive", "fsdp", "verl's modes are sync, colocate_async, separate_async"),
     ],
 )
 def test_a_trainer_mode_the_host_cannot_run_is_refused_by_name(
-    mode: str, expected: str | None
+    mode: str, backend: str, strategy: str, expected: str | None
 ) -> None:
     from omegaconf import OmegaConf
 
@@ -244,7 +248,10 @@ def test_a_trainer_mode_the_host_cannot_run_is_refused_by_name(
     config = OmegaConf.create(
         {
             "trainer": {"use_v1": True, "v1": {"trainer_mode": mode}},
-            "actor_rollout_ref": {"rollout": {"checkpoint_engine": {"backend": "naive"}}},
+            "actor_rollout_ref": {
+                "actor": {"strategy": strategy},
+                "rollout": {"checkpoint_engine": {"backend": backend}},
+            },
         }
     )
     if expected is None:
@@ -252,3 +259,92 @@ def test_a_trainer_mode_the_host_cannot_run_is_refused_by_name(
         return
     with pytest.raises(ConfigError, match=f"trainer.v1.trainer_mode={mode}: .*{expected}"):
         check_trainer_mode(config)
+
+
+def test_the_gloo_checkpoint_engine_carries_every_tensor_bit_for_bit() -> None:
+    """verl's checkpoint-engine protocol as its ``CheckpointEngineManager`` drives it, two syncs
+    in a row (the group is built for each): prepare on every worker, the topology from their
+    metadata, the process group, the trainer's ranks sending (rank 1 only walks the weights),
+    two rollout workers receiving; a tensor larger than a bucket goes in chunks, a transposed
+    one and bf16 ones too. Threads stand for the processes (gloo over TCP either way)."""
+    import asyncio
+    import threading
+
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+
+    from engine.integrations.verl.cells import CHECKPOINT_ENGINE
+    from engine.integrations.verl.checkpoint_engine import GlooCheckpointEngine
+
+    assert CheckpointEngineRegistry.get(CHECKPOINT_ENGINE) is GlooCheckpointEngine
+    bucket = 1 << 10
+    source = torch.Generator().manual_seed(0)
+    weights = {
+        "embed.weight": torch.randn(40, 16, generator=source),  # 2560 bytes: 3 chunks
+        "proj.weight": torch.randn(8, 6, generator=source).t(),  # not contiguous
+        "norm.weight": torch.randn(16, generator=source).to(torch.bfloat16),
+        "scale": torch.tensor(3.5, dtype=torch.bfloat16),
+    }
+    trainers = [
+        GlooCheckpointEngine(bucket, is_master=rank == 0, host="127.0.0.1") for rank in (0, 1)
+    ]
+    rollouts = [GlooCheckpointEngine(bucket, host="127.0.0.1") for _ in range(2)]
+    walked: list[int] = []
+
+    def stream() -> Any:
+        for name, tensor in weights.items():
+            walked.append(1)
+            yield name, tensor
+
+    received: dict[int, dict[str, torch.Tensor]] = {}
+    errors: list[BaseException] = []
+
+    def run(work: Any) -> None:
+        try:
+            asyncio.run(work())
+        except BaseException as error:  # reported by the test's thread
+            errors.append(error)
+
+    def sender(engine: GlooCheckpointEngine, topology: dict[str, Any]) -> Any:
+        async def work() -> None:
+            engine.init_process_group(**topology)
+            await engine.send_weights(stream())
+
+        return work
+
+    def receiver(i: int, topology: dict[str, Any]) -> Any:
+        async def work() -> None:
+            rollouts[i].init_process_group(**topology)
+            received[i] = {n: t async for n, t in rollouts[i].receive_weights()}
+
+        return work
+
+    for _ in range(2):
+        metadata = [engine.prepare() for engine in (*trainers, *rollouts)]
+        to_trainers, to_rollouts = GlooCheckpointEngine.build_topology(2, 2, metadata)
+        assert to_trainers["rank"] == [0, -1] and to_rollouts["rank"] == [1, 2]
+
+        def part(topology: dict[str, list[Any]], i: int) -> dict[str, Any]:
+            return {key: values[i] for key, values in topology.items()}
+
+        threads = [
+            threading.Thread(target=run, args=(sender(trainers[i], part(to_trainers, i)),))
+            for i in range(2)
+        ]
+        threads += [
+            threading.Thread(target=run, args=(receiver(i, part(to_rollouts, i)),))
+            for i in range(2)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not errors, errors
+        assert not any(thread.is_alive() for thread in threads)
+        for engine in (*trainers, *rollouts):
+            engine.finalize()
+        for got in received.values():
+            assert list(got) == list(weights)
+            for name, tensor in weights.items():
+                assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape
+                assert torch.equal(got[name], tensor), name
+    assert len(walked) == 2 * 2 * len(weights)  # both trainer ranks walk the weights, twice

@@ -8,6 +8,8 @@
   every cell :func:`registered_cells` lists, and
 - the ``composable_hf`` rollout (:mod:`engine.integrations.verl.rollout`), a Hugging Face
   generator for verl's RL trainer where vLLM and SGLang cannot run, and
+- the ``composable_gloo`` checkpoint engine (:mod:`engine.integrations.verl.checkpoint_engine`),
+  weights to rollout replicas apart from the trainer over gloo, and
 - verl's agent loops with requests named by their sample
   (:mod:`engine.integrations.verl.agent_loop`, :data:`~engine.integrations.verl.cells.AGENT_LOOPS`).
 
@@ -20,7 +22,13 @@ from __future__ import annotations
 import importlib
 import sys
 
-from engine.integrations.verl.cells import AGENT_LOOPS, ROLLOUT, Cell, registered_cells
+from engine.integrations.verl.cells import (
+    AGENT_LOOPS,
+    CHECKPOINT_ENGINE,
+    ROLLOUT,
+    Cell,
+    registered_cells,
+)
 
 __all__ = ["Cell", "register", "registered_cells"]
 
@@ -39,6 +47,7 @@ def register() -> None:
     # it: the adapter registers its cells itself once its class exists
     _register_rollout()
     _register_agent_loops()
+    _register_checkpoint_engine()
 
 
 def _register_rollout() -> None:
@@ -60,3 +69,12 @@ def _register_agent_loops() -> None:
 
     for name, target in AGENT_LOOPS.items():
         _agent_loop_registry.setdefault(name, {"_target_": target})
+
+
+def _register_checkpoint_engine() -> None:
+    """:data:`CHECKPOINT_ENGINE` in verl's ``CheckpointEngineRegistry``."""
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+
+    from engine.integrations.verl.checkpoint_engine import GlooCheckpointEngine
+
+    CheckpointEngineRegistry.register(CHECKPOINT_ENGINE)(GlooCheckpointEngine)

@@ -193,6 +193,16 @@ class ComposableEngine(BaseEngine):
         return self.engine.initialize()
 
     @property
+    def module(self) -> Any:
+        """The model as verl's ``DetachActorWorker`` copies it to host memory and back
+        (``actor.engine.module``, its ``separate_async`` trainer's old policy): the chunks this
+        rank holds for verl's megatron handlers, the one module for its fsdp2 ones."""
+        modules = self.engine.backend.modules()
+        if getattr(self.engine_config, "strategy", None) == "megatron" or len(modules) != 1:
+            return modules
+        return modules[0]
+
+    @property
     def is_param_offload_enabled(self) -> bool:
         return bool(getattr(self.engine_config, "param_offload", False)) and not self._in_host
 

@@ -38,6 +38,9 @@ VENDOR = "composable"
 #: The rollout name of :mod:`engine.integrations.verl.rollout`
 #: (``actor_rollout_ref.rollout.name=composable_hf``).
 ROLLOUT = "composable_hf"
+#: The checkpoint engine of :mod:`engine.integrations.verl.checkpoint_engine` (gloo: weights to
+#: rollout replicas apart from the trainer on a host without an accelerator).
+CHECKPOINT_ENGINE = "composable_gloo"
 #: The agent loop the launcher makes the default on a CPU host (one of :data:`AGENT_LOOPS`).
 AGENT_LOOP = "composable_single_turn_agent"
 #: verl's agent loops whose requests are named by their sample (reproducible sampling under

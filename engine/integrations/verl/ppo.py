@@ -34,7 +34,7 @@ from typing import Any
 
 import hydra
 
-from engine.integrations.verl.cells import AGENT_LOOP, ROLLOUT
+from engine.integrations.verl.cells import AGENT_LOOP, CHECKPOINT_ENGINE, ROLLOUT
 from heads.errors import ConfigError
 
 #: Ray's logical CPUs when the overrides do not say (scheduling slots, not cores).
@@ -102,15 +102,32 @@ def prepare(config: Any, overrides: list[str] | None = None) -> None:
         for key, value in CPU_DEFAULTS.items():
             if key not in given:
                 OmegaConf.update(config, key, value, force_add=True)
+        rollout = config.actor_rollout_ref.rollout
         if "actor_rollout_ref.rollout.data_parallel_size" not in given:
             # one replica serves every trainer process (the rollout cannot split over them)
-            config.actor_rollout_ref.rollout.data_parallel_size = processes
+            rollout.data_parallel_size = processes
         if "trainer.device" not in given:
             trainer.device = "cpu"
+        apart = 0  # processes of rollout replicas apart from the trainer (separate_async)
+        mode = (trainer.get("v1") or {}).get("trainer_mode", "sync")
+        if trainer.get("use_v1", True) and mode == "separate_async":
+            for key, value in (
+                ("checkpoint_engine.backend", CHECKPOINT_ENGINE),
+                ("nnodes", 1),
+                ("n_gpus_per_node", int(rollout.data_parallel_size)),  # one replica
+            ):
+                if f"actor_rollout_ref.rollout.{key}" not in given:
+                    OmegaConf.update(rollout, key, value)
+            apart = int(rollout.nnodes) * int(rollout.n_gpus_per_node)
+            actor = config.actor_rollout_ref.actor
+            if actor.strategy == "fsdp" and "actor_rollout_ref.actor.strategy" not in given:
+                # the engine serves both with FSDP2; verl keeps the old policy with the helpers
+                # of the strategy it is told (FSDP1's fail on FSDP2's parameters)
+                actor.strategy = "fsdp2"
         ray_init = config.ray_kwargs.setdefault("ray_init", {})
         if ray_init.get("address") is None:  # Ray's resources are set where it starts
             if ray_init.get("num_gpus") is None:
-                ray_init["num_gpus"] = processes
+                ray_init["num_gpus"] = processes + apart
             if ray_init.get("num_cpus") is None:
                 ray_init["num_cpus"] = RAY_CPUS
         runtime_env = ray_init.setdefault("runtime_env", {})
@@ -179,8 +196,9 @@ def check(config: Any) -> None:
 
 def check_checkpoint_engine(rollout: Any) -> None:
     """``rollout.checkpoint_engine.backend`` must be one this host registers (verl registers
-    each backend whose transport imports: on a host without an accelerator only ``naive``), and
-    the ``composable_hf`` generator takes weights through ``naive`` (verl's in-process sync)."""
+    each backend whose transport imports: on a host without an accelerator only ``naive``, and
+    the plug-in ``composable_gloo``), and the ``composable_hf`` generator takes weights through
+    ``naive`` (verl's in-process sync) or ``composable_gloo``."""
     from verl.checkpoint_engine import CheckpointEngineRegistry
     from verl.utils.import_utils import import_external_libs
 
@@ -192,10 +210,10 @@ def check_checkpoint_engine(rollout: Any) -> None:
         CheckpointEngineRegistry.get(backend)
     except ValueError as error:
         raise ConfigError(f"{key}={backend}: this host cannot run it: {error}") from error
-    if rollout.name == ROLLOUT and backend != "naive":
+    if rollout.name == ROLLOUT and backend not in ("naive", CHECKPOINT_ENGINE):
         raise ConfigError(
             f"{key}={backend}: the {ROLLOUT} generator takes weights through verl's in-process "
-            "'naive' sync only"
+            f"'naive' sync, or from a trainer apart through {CHECKPOINT_ENGINE!r}"
         )
 
 
@@ -206,8 +224,8 @@ TRAINER_MODES = ("sync", "colocate_async", "separate_async")
 def check_trainer_mode(config: Any) -> None:
     """``trainer.v1.trainer_mode`` must be one of verl's; ``separate_async`` (trainer and
     rollout on separate resources) sends weights through a checkpoint engine other than
-    ``naive``, which verl asserts only once its workers started, and a CPU host registers no
-    other (a CPU checkpoint engine is not built yet)."""
+    ``naive``, which verl asserts only once its workers started (on a CPU host the launcher
+    picks ``composable_gloo`` unless the command line names one)."""
     trainer = config.trainer
     if not trainer.get("use_v1", True):
         return
@@ -216,13 +234,19 @@ def check_trainer_mode(config: Any) -> None:
     if mode not in TRAINER_MODES:
         raise ConfigError(f"{key}={mode}: verl's modes are {', '.join(TRAINER_MODES)}")
     backend = config.actor_rollout_ref.rollout.checkpoint_engine.backend
+    strategy = config.actor_rollout_ref.actor.get("strategy")
+    if mode == "separate_async" and strategy == "fsdp":
+        raise ConfigError(
+            f"{key}=separate_async: verl keeps the old policy with FSDP1's helpers for "
+            "actor_rollout_ref.actor.strategy=fsdp, and this engine serves 'fsdp' with FSDP2; "
+            "use actor_rollout_ref.actor.strategy=fsdp2 (the launcher's default here)"
+        )
     if mode == "separate_async" and backend == "naive":
         raise ConfigError(
             f"{key}=separate_async: verl sends the weights to rollout replicas apart from the "
             "trainer through a checkpoint engine other than 'naive' "
-            "(actor_rollout_ref.rollout.checkpoint_engine.backend), and this host registers "
-            "none (nccl, nixl, mooncake... need an accelerator or an external store); use "
-            "sync or colocate_async here"
+            "(actor_rollout_ref.rollout.checkpoint_engine.backend): "
+            f"{CHECKPOINT_ENGINE} on a host without an accelerator"
         )
 
 

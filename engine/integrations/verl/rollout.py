@@ -62,6 +62,7 @@ import ray
 import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
+from verl.workers.rollout.utils import ensure_async_iterator
 
 from engine.generation.routes import RouteRecorder, is_moe
 from engine.generation.sampling import GumbelMax, MostLikely, Warp, generate, left_padded
@@ -568,21 +569,27 @@ class HFReplica(RolloutReplica):
 
 
 class HFServerAdapter(BaseRollout):
-    """The trainer worker's side of the sync: the replica's first rank sends the weights to its
+    """The sync's receiving side: in a trainer worker (verl's colocated ``naive`` sync) or in a
+    checkpoint-engine worker of a replica apart from the trainer (``separate_async``, which
+    names the replica: ``replica_rank``), the replica's first rank sends the weights to its
     generator in buckets; every rank walks the weights (their collectives need every rank)."""
 
-    def __init__(self, config: Any, model_config: Any, device_mesh: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        config: Any,
+        model_config: Any,
+        device_mesh: Any,
+        replica_rank: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(config, model_config, device_mesh)
         check_settings(self.config)
-        import torch.distributed as dist
-
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        size = (
+        self.replica_size = (
             self.config.tensor_model_parallel_size
             * self.config.data_parallel_size
             * self.config.pipeline_model_parallel_size
         )
-        self.replica_rank, self.rank_in_replica = divmod(rank, size)
+        self.given_replica_rank = replica_rank
         self.bucket_bytes = int(self.config.checkpoint_engine.update_weights_bucket_megabytes) << 20
         self.sleep_level = 2
         self._server: Any = None
@@ -594,8 +601,21 @@ class HFServerAdapter(BaseRollout):
         return self._server
 
     @property
+    def replica_rank(self) -> int:
+        if self.given_replica_rank is not None:
+            return self.given_replica_rank
+        return _process_rank() // self.replica_size
+
+    @property
     def leader(self) -> bool:
-        return self.rank_in_replica == 0
+        """The replica's first rank (asked when used: a checkpoint-engine worker joins its
+        process group after building its adapter)."""
+        return _process_rank() % self.replica_size == 0
+
+    @property
+    def is_leader_rank(self) -> bool:
+        """verl's name for :attr:`leader` (its checkpoint-engine worker asks)."""
+        return self.leader
 
     async def resume(self, tags: list[str]) -> None:
         if self.leader:
@@ -617,17 +637,32 @@ class HFServerAdapter(BaseRollout):
             )
         lora = _lora_settings(kwargs.get("peft_config"))
         if not self.leader:
-            for _ in weights:
+            async for _ in ensure_async_iterator(weights):
                 pass
             return
-        sent = []
-        for bucket, last in _buckets(weights, self.bucket_bytes):
+        sent: list[Any] = []
+
+        async def send(bucket: list[tuple[str, torch.Tensor]], last: bool) -> None:
             sent.append(self.server.update_weights.remote(bucket, last, lora))
             if len(sent) > 1:  # at most two buckets in flight
                 await sent.pop(0)
+
+        # a checkpoint engine's stream is asynchronous (verl's naive sync hands a generator)
+        buckets = _Buckets(self.bucket_bytes)
+        async for name, tensor in ensure_async_iterator(weights):
+            full = buckets.add(name, tensor)
+            if full is not None:
+                await send(full, False)
+        await send(buckets.items, True)
         for pending in sent:
             await pending
         await self.server.set_global_steps.remote(kwargs.get("global_steps"))
+
+
+def _process_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _field(settings: Any, key: str, default: Any = None) -> Any:
@@ -643,18 +678,33 @@ def _lora_settings(peft_config: Any) -> dict[str, Any] | None:
     return {key: _field(peft_config, key) for key in ("r", "lora_alpha", "use_rslora")}
 
 
+class _Buckets:
+    """(name, tensor) pairs grouped into buckets of about ``limit`` bytes (a bigger tensor goes
+    alone), one pair at a time; ``items``: the bucket being filled."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.items: list[tuple[str, torch.Tensor]] = []
+        self.size = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        """Add a pair; the bucket it closed, if it did not fit in the one being filled."""
+        full = None
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.items and self.size + nbytes > self.limit:
+            full, self.items, self.size = self.items, [], 0
+        self.items.append((name, tensor.detach().to("cpu")))
+        self.size += nbytes
+        return full
+
+
 def _buckets(
     weights: Iterator[tuple[str, torch.Tensor]], limit: int
 ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
-    """Group (name, tensor) pairs into buckets of about ``limit`` bytes (a bigger tensor goes
-    alone); the last bucket is flagged."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
+    """:class:`_Buckets` of ``weights``; the last bucket is flagged."""
+    buckets = _Buckets(limit)
     for name, tensor in weights:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > limit:
-            yield bucket, False
-            bucket, size = [], 0
-        bucket.append((name, tensor.detach().to("cpu")))
-        size += nbytes
-    yield bucket, True
+        full = buckets.add(name, tensor)
+        if full is not None:
+            yield full, False
+    yield buckets.items, True
