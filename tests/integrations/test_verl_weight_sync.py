@@ -232,7 +232,7 @@ def test_a_checkpoint_engine_the_host_cannot_run_is_refused_by_name(
         ("sync", "naive", "fsdp", None),
         ("colocate_async", "naive", "fsdp", None),
         ("separate_async", "composable_gloo", "fsdp2", None),
-        ("separate_async", "composable_gloo", "megatron", None),
+        ("separate_async", "composable_gloo", "megatron", "pin_memory needs an accelerator"),
         ("separate_async", "naive", "fsdp2", "checkpoint engine other than 'naive'"),
         ("separate_async", "composable_gloo", "fsdp", "use actor_rollout_ref.actor.strategy"),
         ("overlapped", "naive", "fsdp", "verl's modes are sync, colocate_async, separate_async"),
