@@ -99,6 +99,8 @@ def run(
         f"data.seed={seed}",
         f"actor_rollout_ref.rollout.seed={seed}",
         f"trainer.v1.trainer_mode={mode}",
+        # separate_async: weights to the replica apart after every mini-batch (one an iteration)
+        *(["trainer.v1.separate_async.parameter_sync_step=1"] if mode == "separate_async" else []),
         f"trainer.default_local_dir={out / 'checkpoints'}",
     ]
     start = time.perf_counter()

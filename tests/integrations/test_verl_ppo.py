@@ -185,24 +185,17 @@ def test_grpo_on_two_trainer_processes_saves_and_resumes_where_it_left_off(
     assert resumed[3]["critic/score/mean"] == whole[3]["critic/score/mean"]
 
 
-@pytest.mark.multiprocess
-def test_grpo_with_colocate_async_generates_across_weight_updates(
-    files: dict[str, str], tmp_path: Path
-) -> None:
-    """verl's ``colocate_async`` trainer: generation of the next batch overlaps training (a
-    warm-up batch ahead), and at each weight update verl aborts what is in flight, sleeps the
-    generator, syncs the new weights and resumes, continuing the aborted requests (partial
-    rollouts). Before the generator could pause, samples failed inside the agent loop
-    ("generate called before the trainer's weights reached the generator"). Every iteration
-    reports verl's metrics, finite; no sample fails; no sample is staler than the threshold
-    (the rollout's log-probs are then an older policy's, so their distance to the actor's is
-    not checked here)."""
+def async_iterations(files: dict[str, str], directory: Path, *overrides: str) -> str:
+    """Three GRPO iterations in one of verl's asynchronous trainer modes: every iteration
+    reports verl's metrics, finite, no sample staler than the threshold (2 weight versions), and
+    no sample failed; the run's log. The rollout's log-probs are an older policy's there, so
+    their distance to the actor's is not checked."""
     threshold = 2
     steps = main_ppo(
         files,
-        tmp_path,
+        directory,
         *FP32,
-        "trainer.v1.trainer_mode=colocate_async",
+        *overrides,
         f"trainer.v1.sampler.max_off_policy_threshold={threshold}",
         "trainer.total_training_steps=3",
     )
@@ -212,8 +205,21 @@ def test_grpo_with_colocate_async_generates_across_weight_updates(
             assert key in metrics, (step, key)
         assert all(math.isfinite(value) for value in metrics.values()), (step, metrics)
         assert metrics["training/off_policy/trajectory_spans/max"] <= threshold
-    log = (tmp_path / "main_ppo.log").read_text()
+    log = (directory / "main_ppo.log").read_text()
     assert "Error in _run_prompt" not in log and "generate called before" not in log
+    return log
+
+
+@pytest.mark.multiprocess
+def test_grpo_with_colocate_async_generates_across_weight_updates(
+    files: dict[str, str], tmp_path: Path
+) -> None:
+    """verl's ``colocate_async`` trainer: generation of the next batch overlaps training (a
+    warm-up batch ahead), and at each weight update verl aborts what is in flight, sleeps the
+    generator, syncs the new weights and resumes, continuing the aborted requests (partial
+    rollouts). Before the generator could pause, samples failed inside the agent loop
+    ("generate called before the trainer's weights reached the generator")."""
+    async_iterations(files, tmp_path, "trainer.v1.trainer_mode=colocate_async")
 
 
 @pytest.mark.multiprocess
@@ -225,28 +231,15 @@ def test_grpo_with_separate_async_sends_weights_to_a_rollout_apart_over_gloo(
     plug-in's ``composable_gloo`` checkpoint engine (the launcher's default for this mode on a
     CPU host), and the old policy kept by verl's ``DetachActorWorker`` (``save_model_to_cpu`` /
     ``restore_model_from_cpu`` on the adapter's ``module``) across the 2 mini-batches of an
-    iteration. Before, verl refused the mode on a CPU host. Every iteration reports verl's
-    metrics, finite; no sample fails; none is staler than the threshold."""
-    threshold = 2
-    steps = main_ppo(
+    iteration. Before, verl refused the mode on a CPU host."""
+    log = async_iterations(
         files,
         tmp_path,
-        *FP32,
         "trainer.v1.trainer_mode=separate_async",
         "trainer.v1.separate_async.parameter_sync_step=2",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        f"trainer.v1.sampler.max_off_policy_threshold={threshold}",
-        "trainer.total_training_steps=3",
     )
-    assert sorted(steps) == [1, 2, 3]
-    for step, metrics in steps.items():
-        for key in (*METRICS, "training/off_policy/trajectory_staleness/max"):
-            assert key in metrics, (step, key)
-        assert all(math.isfinite(value) for value in metrics.values()), (step, metrics)
-        assert metrics["training/off_policy/trajectory_spans/max"] <= threshold
-    log = (tmp_path / "main_ppo.log").read_text()
     assert "'backend': 'composable_gloo'" in log
-    assert "Error in _run_prompt" not in log and "generate called before" not in log
 
 
 @pytest.mark.multiprocess
