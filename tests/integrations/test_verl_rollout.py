@@ -83,6 +83,26 @@ def _generate(
     return asyncio.run(run())
 
 
+def _in_process(generator: HFGenerator) -> Any:
+    """The server adapter's actor handle on ``generator``, in this process."""
+
+    class Server:
+        def __getattr__(self, method: str) -> Any:
+            class Remote:
+                @staticmethod
+                def remote(*args: Any) -> Any:
+                    result = getattr(generator, method)(*args)
+
+                    async def done() -> Any:
+                        return result
+
+                    return done()
+
+            return Remote
+
+    return Server()
+
+
 def _direct_log_probs(
     source: torch.nn.Module, prompt: list[int], tokens: list[int], sampling: Sampling
 ) -> torch.Tensor:
@@ -441,6 +461,59 @@ def test_a_sync_from_the_engine_gives_the_generator_its_weights_bit_for_bit(
         destroy_mesh()
 
 
+def test_a_replica_apart_gets_the_engines_weights_through_the_gloo_checkpoint_engine(
+    model: str, distributed: None
+) -> None:
+    """verl's ``separate_async`` path, in threads for its processes: the trainer's rank 0 sends
+    the engine's ``get_per_tensor_param`` through ``composable_gloo`` (4 KiB buckets: the MLP's
+    32 KiB weights go in chunks); the replica's checkpoint-engine worker hands the received
+    stream (asynchronous) to the server adapter of replica 1, which syncs its generator: every
+    weight equal bit for bit, and the generator reports the step it was given."""
+    import threading
+
+    from engine.integrations.verl.checkpoint_engine import GlooCheckpointEngine
+
+    engine = Engine.build(head="lm", backend="fsdp2", device="cpu", config={"model": model})
+    engine.initialize()
+    generator = HFGenerator(_config(), HFModelConfig(path=model), replica_rank=1)
+    adapter = HFServerAdapter(_config(), HFModelConfig(path=model), None, replica_rank=1)
+    adapter._server, adapter.bucket_bytes = _in_process(generator), 1 << 12
+    assert adapter.replica_rank == 1 and adapter.is_leader_rank
+    sender = GlooCheckpointEngine(1 << 12, is_master=True, host="127.0.0.1")
+    receiver = GlooCheckpointEngine(1 << 12, host="127.0.0.1")
+    to_trainer, to_rollout = GlooCheckpointEngine.build_topology(
+        1, 1, [sender.prepare(), receiver.prepare()]
+    )
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            sender.init_process_group(**{k: v[0] for k, v in to_trainer.items()})
+            asyncio.run(sender.send_weights(engine.get_per_tensor_param()))
+        except BaseException as error:  # reported by the test's thread
+            errors.append(error)
+
+    def receive() -> None:
+        try:
+            receiver.init_process_group(**{k: v[0] for k, v in to_rollout.items()})
+            asyncio.run(adapter.update_weights(receiver.receive_weights(), global_steps=3))
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=send), threading.Thread(target=receive)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    exported = dict(engine.get_per_tensor_param())
+    mine = generator.named_weights()
+    assert set(mine) == set(exported)
+    for name, tensor in exported.items():
+        assert torch.equal(mine[name], tensor.float()), name
+    assert generator.global_steps == 3
+
+
 @pytest.mark.parametrize("strategy", ["fsdp2", "megatron"])
 def test_lora_adapters_synced_alone_set_the_generator_to_the_merged_weights_bit_for_bit(
     model: str, distributed: None, strategy: str
@@ -478,22 +551,8 @@ def test_lora_adapters_synced_alone_set_the_generator_to_the_merged_weights_bit_
     )
     generator = HFGenerator(_config(), HFModelConfig(path=model), replica_rank=0)
 
-    class Server:  # the server adapter's actor handle, in process
-        def __getattr__(self, method: str) -> Any:
-            class Remote:
-                @staticmethod
-                def remote(*args: Any) -> Any:
-                    result = getattr(generator, method)(*args)
-
-                    async def done() -> Any:
-                        return result
-
-                    return done()
-
-            return Remote
-
     adapter = HFServerAdapter(_config(), HFModelConfig(path=model), None)
-    adapter._server, adapter.bucket_bytes = Server(), 1 << 11
+    adapter._server, adapter.bucket_bytes = _in_process(generator), 1 << 11
 
     adapted = tuple(f"{target}.weight" for target in lora["target_modules"])
 
