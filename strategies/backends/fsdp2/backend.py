@@ -327,6 +327,14 @@ class Fsdp2Backend(BackendState[torch.optim.AdamW]):
             if not forward_only:  # a failed step leaves no gradients behind for the next
                 sharding.drop_unreduced_gradients(model)
             raise
+        finally:
+            if forward_only:
+                # FSDP2 keeps the root's parameters (embedding, output layer, final norm)
+                # gathered after a forward for the backward that follows; none follows here,
+                # so they are sharded again: at rest a rank holds its shards only, as after a
+                # training step (and code that reads the parameters at rest sees shards)
+                for unit in sharding.fsdp_modules(model):
+                    unit.reshard()
 
     def _layout(self, row: RowLayout) -> dict[str, Any]:
         """The model's attention mask, positions and attention keywords for a micro-batch laid

@@ -493,3 +493,18 @@ def test_exported_tensors_are_copies_one_at_a_time() -> None:
     tensor.zero_()
     assert float(weights(engine)["model.embed_tokens.weight"].abs().sum()) > 0
     assert list(weights(engine))[-1] == "score.weight"
+
+
+def test_after_inference_every_parameter_rests_sharded() -> None:
+    """FSDP2 keeps the root's parameters gathered after a forward, for the backward that
+    follows; after inference none follows, so the engine shards them again (a rank holds its
+    shards only at rest, and verl's save and restore of the old policy reads them as shards)."""
+    from torch.distributed.tensor import DTensor
+
+    engine = build("lm")
+    model = engine.backend.modules()[0]
+    engine.infer_batch(BATCHES[0])
+    gathered = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+    assert not gathered
+    train(engine, steps=1)  # and training goes on from there
+    assert all(isinstance(p, DTensor) for p in model.parameters())
