@@ -195,8 +195,8 @@ def main(argv: list[str] | None = None) -> None:
             return
         files = task.write(root / "task")
         curves: dict[str, list[float]] = {}
-        #: (algorithm, mode) -> per seed (gain, median seconds of an iteration)
-        results: dict[tuple[str, str], dict[int, tuple[float, float]]] = {}
+        #: (algorithm, mode) -> per seed (gain, median seconds of an iteration, run's wall)
+        results: dict[tuple[str, str], dict[int, tuple[float, float, float]]] = {}
         for name in args.runs:
             for mode in args.modes:
                 for seed in args.seeds:
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
                         flush=True,
                     )
                     total = _phase_split(steps)
-                    results.setdefault((name, mode), {})[seed] = (last - first, total)
+                    results.setdefault((name, mode), {})[seed] = (last - first, total, wall)
         _summary(results, len(args.seeds))
     if args.plot:
         plot(curves, Path(args.plot))
@@ -234,23 +234,29 @@ def _phase_split(steps: dict[int, dict[str, float]]) -> float:
     return total
 
 
-def _summary(results: dict[tuple[str, str], dict[int, tuple[float, float]]], seeds: int) -> None:
+def _summary(
+    results: dict[tuple[str, str], dict[int, tuple[float, float, float]]], seeds: int
+) -> None:
     """Per algorithm and mode over the seeds: the gain's spread, the seeds that gained
-    :data:`GAIN`, and an iteration's time against ``sync`` on the same seed."""
+    :data:`GAIN`, and against ``sync`` on the same seed the run's wall time and verl's
+    ``timing_s/step`` (which in the asynchronous modes leaves out the generation that overlaps
+    training, and the wait for it)."""
     if seeds < 2 and len({mode for _, mode in results}) < 2:
         return
     print(f"over {seeds} seed(s): gain (last {WINDOW} - first {WINDOW}) min / median / max")
     for (name, mode), runs in results.items():
-        gains = sorted(gain for gain, _ in runs.values())
+        gains = sorted(gain for gain, _, _ in runs.values())
         line = (
             f"  {name:12s} {mode:15s} {gains[0]:+.3f} / {statistics.median(gains):+.3f} / "
             f"{gains[-1]:+.3f}; {sum(g >= GAIN for g in gains)}/{len(gains)} gained {GAIN}"
         )
         baseline = results.get((name, "sync"))
         if mode != "sync" and baseline:
-            ratios = [t / baseline[s][1] for s, (_, t) in runs.items() if s in baseline]
-            if ratios:
-                line += f"; an iteration {statistics.median(ratios):.2f}x sync's time"
+            same = [(run, baseline[seed]) for seed, run in runs.items() if seed in baseline]
+            if same:
+                wall = statistics.median(run[2] / base[2] for run, base in same)
+                step = statistics.median(run[1] / base[1] for run, base in same)
+                line += f"; against sync: the run's wall {wall:.2f}x, timing_s/step {step:.2f}x"
         print(line)
 
 

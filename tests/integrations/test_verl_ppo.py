@@ -194,7 +194,6 @@ def async_iterations(files: dict[str, str], directory: Path, *overrides: str) ->
     steps = main_ppo(
         files,
         directory,
-        *FP32,
         *overrides,
         f"trainer.v1.sampler.max_off_policy_threshold={threshold}",
         "trainer.total_training_steps=3",
@@ -214,30 +213,42 @@ def async_iterations(files: dict[str, str], directory: Path, *overrides: str) ->
 def test_grpo_with_colocate_async_generates_across_weight_updates(
     files: dict[str, str], tmp_path: Path
 ) -> None:
-    """verl's ``colocate_async`` trainer: generation of the next batch overlaps training (a
-    warm-up batch ahead), and at each weight update verl aborts what is in flight, sleeps the
+    """verl's ``colocate_async`` trainer on the megatron backend (verl's megatron config):
+    generation of the next batch overlaps training (a warm-up batch ahead), and at each weight
+    update verl aborts what is in flight, sleeps the
     generator, syncs the new weights and resumes, continuing the aborted requests (partial
     rollouts). Before the generator could pause, samples failed inside the agent loop
     ("generate called before the trainer's weights reached the generator")."""
-    async_iterations(files, tmp_path, "trainer.v1.trainer_mode=colocate_async")
+    async_iterations(
+        files,
+        tmp_path,
+        "--config-name=ppo_megatron_trainer",
+        "trainer.v1.trainer_mode=colocate_async",
+    )
 
 
 @pytest.mark.multiprocess
 def test_grpo_with_separate_async_sends_weights_to_a_rollout_apart_over_gloo(
     files: dict[str, str], tmp_path: Path
 ) -> None:
-    """verl's ``separate_async`` trainer: a rollout replica on resources of its own beside the
-    colocated one, its weights sent every ``parameter_sync_step`` mini-batches through the
-    plug-in's ``composable_gloo`` checkpoint engine (the launcher's default for this mode on a
-    CPU host), and the old policy kept by verl's ``DetachActorWorker`` (``save_model_to_cpu`` /
-    ``restore_model_from_cpu`` on the adapter's ``module``) across the 2 mini-batches of an
-    iteration. Before, verl refused the mode on a CPU host."""
+    """verl's ``separate_async`` trainer on 2 trainer processes (fsdp2): a rollout replica of 2
+    workers on resources of its own beside the colocated one, its weights sent every
+    ``parameter_sync_step`` mini-batches through the plug-in's ``composable_gloo`` checkpoint
+    engine (the launcher's default for this mode on a CPU host), and the old policy kept by
+    verl's ``DetachActorWorker`` (``save_model_to_cpu`` / ``restore_model_from_cpu`` on the
+    adapter's ``module``) across the 2 mini-batches of an iteration. Before, verl refused the
+    mode on a CPU host."""
     log = async_iterations(
         files,
         tmp_path,
+        *FP32,
+        "trainer.n_gpus_per_node=2",
         "trainer.v1.trainer_mode=separate_async",
         "trainer.v1.separate_async.parameter_sync_step=2",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
     )
     assert "'backend': 'composable_gloo'" in log
 
