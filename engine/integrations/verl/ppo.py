@@ -233,26 +233,26 @@ def check_trainer_mode(config: Any) -> None:
     key = "trainer.v1.trainer_mode"
     if mode not in TRAINER_MODES:
         raise ConfigError(f"{key}={mode}: verl's modes are {', '.join(TRAINER_MODES)}")
+    from engine.integrations.verl.platform import accelerator_present
+
     backend = config.actor_rollout_ref.rollout.checkpoint_engine.backend
     strategy = config.actor_rollout_ref.actor.get("strategy")
-    if mode == "separate_async" and strategy == "fsdp":
+    ours = not accelerator_present()  # the plug-in serves every strategy (verl has no CPU engine)
+    if mode == "separate_async" and strategy == "fsdp" and ours:
         raise ConfigError(
             f"{key}=separate_async: verl keeps the old policy with FSDP1's helpers for "
             "actor_rollout_ref.actor.strategy=fsdp, and this engine serves 'fsdp' with FSDP2; "
             "use actor_rollout_ref.actor.strategy=fsdp2 (the launcher's default here)"
         )
     bypass = ((config.get("algorithm") or {}).get("rollout_correction") or {}).get("bypass_mode")
-    if mode == "separate_async" and strategy == "megatron" and not bypass:
-        from engine.integrations.verl.platform import accelerator_present
-
-        if not accelerator_present():
-            raise ConfigError(
-                f"{key}=separate_async: with actor_rollout_ref.actor.strategy=megatron verl "
-                "keeps the old policy with copy_megatron_model_to_cpu, which pins host memory "
-                "(pin_memory needs an accelerator); on this host use the fsdp2 strategy, or "
-                "algorithm.rollout_correction.bypass_mode=True (the rollout's log-probs as the "
-                "old policy's: nothing is kept)"
-            )
+    if mode == "separate_async" and strategy == "megatron" and not bypass and ours:
+        raise ConfigError(
+            f"{key}=separate_async: with actor_rollout_ref.actor.strategy=megatron verl "
+            "keeps the old policy with copy_megatron_model_to_cpu, which pins host memory "
+            "(pin_memory needs an accelerator); on this host use the fsdp2 strategy, or "
+            "algorithm.rollout_correction.bypass_mode=True (the rollout's log-probs as the "
+            "old policy's: nothing is kept)"
+        )
     if mode == "separate_async" and backend == "naive":
         raise ConfigError(
             f"{key}=separate_async: verl sends the weights to rollout replicas apart from the "
