@@ -341,6 +341,27 @@ def test_an_aborted_request_keeps_its_part_and_continues_from_the_new_weights(
         torch.testing.assert_close(torch.tensor(output.log_probs), direct, atol=1e-5, rtol=1e-5)
 
 
+def test_a_replica_leaving_rotation_refuses_requests_until_it_resumes(model: str) -> None:
+    """``abort_all_requests(reject_request=True)`` (verl's replica handed back to training):
+    with nothing in flight it aborts nothing, and requests are refused by name, not held,
+    until ``resume_generation``."""
+    generator, _ = _synced(model)
+
+    async def run() -> tuple[Any, Any]:
+        report = await generator.abort_all_requests(reject_request=True)
+        with pytest.raises(RuntimeError, match=r"reject_request=True"):
+            await generator.generate("r", prompt_ids=PROMPTS[0], sampling_params={})
+        generator.resume_generation()
+        output = await generator.generate(
+            "r", prompt_ids=PROMPTS[0], sampling_params={"max_tokens": 2, "ignore_eos": True}
+        )
+        return report, output
+
+    report, output = asyncio.run(run())
+    assert report == {"aborted_count": 0, "request_ids": []}
+    assert len(output.token_ids) == 2 and output.stop_reason == "completed"
+
+
 def test_generation_stops_at_end_of_sequence_unless_told_to_ignore_it(model: str) -> None:
     """A model whose every next token is its end-of-sequence token: one token, or
     ``max_tokens`` with ``ignore_eos``."""
