@@ -73,6 +73,7 @@ from heads.errors import ConfigError
 from strategies.hf.config_json import apply_overrides
 from strategies.hf.experts import CheckpointLayout
 from strategies.model.peft_lora import PEFT_PREFIX
+from strategies.parallel.collectives import rank
 
 logger = logging.getLogger(__name__)
 
@@ -204,8 +205,8 @@ class HFGenerator:
         self.rejecting = False
         self.stopping = threading.Event()
         self.resumed: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
-        self.in_flight: asyncio.Future[list[TokenOutput]] | None = None
-        self.in_flight_ids: list[str] = []
+        #: The batch being generated: its requests' ids and its outputs to come.
+        self.in_flight: tuple[list[str], asyncio.Future[list[TokenOutput]]] | None = None
         self.routes = RouteRecorder(self.model) if is_moe(hf_config) else None
         self.global_steps: int | None = None
         self.seen_step: int | None = None
@@ -282,17 +283,15 @@ class HFGenerator:
                     if self.paused:  # not started before an abort: served after the resume
                         self.pending.extend(requests)
                         continue
-                    self.in_flight_ids = [r.request_id for r in requests]
-                    self.in_flight = asyncio.ensure_future(
+                    ids = [r.request_id for r in requests]
+                    running = asyncio.ensure_future(
                         asyncio.to_thread(
-                            self._generate,
-                            [r.prompt_ids for r in requests],
-                            sampling,
-                            [r.request_id for r in requests],
+                            self._generate, [r.prompt_ids for r in requests], sampling, ids
                         )
                     )
+                    self.in_flight = ids, running
                     try:
-                        outputs = await self.in_flight
+                        outputs = await running
                     except Exception as error:  # handed to each caller
                         for request in requests:
                             if not request.done.done():
@@ -480,12 +479,11 @@ class HFGenerator:
         verl may then sleep the replica and release its weights."""
         self.paused, self.rejecting = True, reject_request
         self._resume_event().clear()
-        running = self.in_flight
         aborted: list[str] = []
-        if running is not None:
+        if self.in_flight is not None:
+            ids, running = self.in_flight
             self.stopping.set()
             try:
-                ids = self.in_flight_ids
                 outputs = await asyncio.shield(running)
                 aborted = [
                     i for i, o in zip(ids, outputs, strict=True) if o.stop_reason == "aborted"
@@ -604,13 +602,13 @@ class HFServerAdapter(BaseRollout):
     def replica_rank(self) -> int:
         if self.given_replica_rank is not None:
             return self.given_replica_rank
-        return _process_rank() // self.replica_size
+        return rank() // self.replica_size
 
     @property
     def leader(self) -> bool:
         """The replica's first rank (asked when used: a checkpoint-engine worker joins its
         process group after building its adapter)."""
-        return _process_rank() % self.replica_size == 0
+        return rank() % self.replica_size == 0
 
     @property
     def is_leader_rank(self) -> bool:
@@ -657,12 +655,6 @@ class HFServerAdapter(BaseRollout):
         for pending in sent:
             await pending
         await self.server.set_global_steps.remote(kwargs.get("global_steps"))
-
-
-def _process_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _field(settings: Any, key: str, default: Any = None) -> Any:
