@@ -109,8 +109,7 @@ def prepare(config: Any, overrides: list[str] | None = None) -> None:
         if "trainer.device" not in given:
             trainer.device = "cpu"
         apart = 0  # processes of rollout replicas apart from the trainer (separate_async)
-        mode = (trainer.get("v1") or {}).get("trainer_mode", "sync")
-        if trainer.get("use_v1", True) and mode == "separate_async":
+        if trainer_mode(config) == "separate_async":
             for key, value in (
                 ("checkpoint_engine.backend", CHECKPOINT_ENGINE),
                 ("nnodes", 1),
@@ -221,31 +220,39 @@ def check_checkpoint_engine(rollout: Any) -> None:
 TRAINER_MODES = ("sync", "colocate_async", "separate_async")
 
 
+def trainer_mode(config: Any) -> str | None:
+    """verl's ``trainer.v1.trainer_mode`` (None where the config runs verl's classic trainer,
+    ``trainer.use_v1=False``)."""
+    trainer = config.trainer
+    if not trainer.get("use_v1", True):
+        return None
+    return str((trainer.get("v1") or {}).get("trainer_mode", "sync"))
+
+
 def check_trainer_mode(config: Any) -> None:
     """``trainer.v1.trainer_mode`` must be one of verl's; ``separate_async`` (trainer and
     rollout on separate resources) sends weights through a checkpoint engine other than
     ``naive``, which verl asserts only once its workers started (on a CPU host the launcher
     picks ``composable_gloo`` unless the command line names one)."""
-    trainer = config.trainer
-    if not trainer.get("use_v1", True):
-        return
-    mode = (trainer.get("v1") or {}).get("trainer_mode", "sync")
+    mode = trainer_mode(config)
     key = "trainer.v1.trainer_mode"
-    if mode not in TRAINER_MODES:
+    if mode is not None and mode not in TRAINER_MODES:
         raise ConfigError(f"{key}={mode}: verl's modes are {', '.join(TRAINER_MODES)}")
+    if mode != "separate_async":
+        return
     from engine.integrations.verl.platform import accelerator_present
 
     backend = config.actor_rollout_ref.rollout.checkpoint_engine.backend
     strategy = config.actor_rollout_ref.actor.get("strategy")
     ours = not accelerator_present()  # the plug-in serves every strategy (verl has no CPU engine)
-    if mode == "separate_async" and strategy == "fsdp" and ours:
+    if strategy == "fsdp" and ours:
         raise ConfigError(
             f"{key}=separate_async: verl keeps the old policy with FSDP1's helpers for "
             "actor_rollout_ref.actor.strategy=fsdp, and this engine serves 'fsdp' with FSDP2; "
             "use actor_rollout_ref.actor.strategy=fsdp2 (the launcher's default here)"
         )
     bypass = ((config.get("algorithm") or {}).get("rollout_correction") or {}).get("bypass_mode")
-    if mode == "separate_async" and strategy == "megatron" and not bypass and ours:
+    if strategy == "megatron" and not bypass and ours:
         raise ConfigError(
             f"{key}=separate_async: with actor_rollout_ref.actor.strategy=megatron verl "
             "keeps the old policy with copy_megatron_model_to_cpu, which pins host memory "
@@ -253,7 +260,7 @@ def check_trainer_mode(config: Any) -> None:
             "algorithm.rollout_correction.bypass_mode=True (the rollout's log-probs as the "
             "old policy's: nothing is kept)"
         )
-    if mode == "separate_async" and backend == "naive":
+    if backend == "naive":
         raise ConfigError(
             f"{key}=separate_async: verl sends the weights to rollout replicas apart from the "
             "trainer through a checkpoint engine other than 'naive' "
