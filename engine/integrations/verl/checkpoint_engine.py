@@ -8,14 +8,14 @@ engine serves colocated replicas only. This one, registered by the plug-in as
 :data:`~engine.integrations.verl.cells.CHECKPOINT_ENGINE`, has the shape of verl's NCCL engine
 with gloo as the transport:
 
-- ``prepare`` (every sync, on every trainer and rollout worker): a host bucket of
-  ``update_weights_bucket_megabytes``; the trainer's rank 0 (verl's ``is_master``) starts a TCP
-  store on a free port and returns its address;
+- ``prepare`` (every sync, on every trainer and rollout worker): the trainer's rank 0 (verl's
+  ``is_master``) starts a TCP store on a free port and returns its address;
 - ``build_topology``: the trainer's rank 0 sends (rank 0 of the group), the other trainer ranks
   stay out (rank -1: they only walk the weights, whose export is collective over them), the
   rollout workers receive (ranks 1..N);
 - ``init_process_group``: a gloo group of its own over that store (not the trainer's default
-  group, which the rollout workers are not part of);
+  group, which the rollout workers are not part of), and on each of its ranks a host bucket of
+  ``update_weights_bucket_megabytes``;
 - ``send_weights``: the weights cut into chunks of at most a bucket (verl's
   ``split_weight_chunks``), packed into buckets, each broadcast after a small header (the
   bucket's tensor metadata, its length, whether it is the last);
@@ -69,7 +69,6 @@ class GlooCheckpointEngine(CheckpointEngine):
         self.rank: int | None = None
 
     def prepare(self) -> dict[str, Any]:
-        self.bucket = torch.empty(self.bucket_size, dtype=torch.uint8)
         if not self.is_master:
             return {}
         host = self.host or _node_address()
@@ -111,6 +110,7 @@ class GlooCheckpointEngine(CheckpointEngine):
                 master["host"], master["port"], is_master=False, timeout=self.timeout
             )
         self.group = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
+        self.bucket = torch.empty(self.bucket_size, dtype=torch.uint8)
 
     def finalize(self) -> None:
         self.group = self.store = self.bucket = None
