@@ -30,6 +30,18 @@ ALIASES = {
 WINDOW = 10
 
 
+def first_mean(rewards: list[float]) -> float:
+    """The mean reward of a run's first ``WINDOW`` iterations (all of them in a shorter run)."""
+    window = rewards[:WINDOW]
+    return sum(window) / len(window)
+
+
+def last_mean(rewards: list[float]) -> float:
+    """The mean reward of a run's last ``WINDOW`` iterations (all of them in a shorter run)."""
+    window = rewards[-WINDOW:]
+    return sum(window) / len(window)
+
+
 def critic_free() -> list[str]:
     """The demo's critic-free algorithms, one name per computation."""
     names = []
@@ -89,8 +101,8 @@ def main() -> None:
             rewards = curves[name]
             reached = passed(rewards)
             print(
-                f"{name:28s} first {WINDOW} {sum(rewards[:WINDOW]) / WINDOW:.3f}  "
-                f"last {WINDOW} {sum(rewards[-WINDOW:]) / WINDOW:.3f}  "
+                f"{name:28s} first {WINDOW} {first_mean(rewards):.3f}  "
+                f"last {WINDOW} {last_mean(rewards):.3f}  "
                 f"passed 0.9 at {reached if reached is not None else 'never'}  "
                 f"wall {walls[name]:.0f} s ({walls[name] / walls[critic_free()[0]]:.2f}x grpo)",
                 flush=True,

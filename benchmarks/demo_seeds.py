@@ -22,16 +22,10 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from benchmarks.algorithms import WINDOW, critic_free, run
+from benchmarks.algorithms import WINDOW, critic_free, last_mean, run
 
 #: The last-10 mean reward a run must reach to count as learned.
 LEARNED = 0.95
-
-
-def last_mean(rewards: list[float]) -> float:
-    """The mean reward of a run's last ``WINDOW`` iterations (all of them in a shorter run)."""
-    window = rewards[-WINDOW:]
-    return sum(window) / len(window)
 
 
 def numbers(text: str) -> list[int]:

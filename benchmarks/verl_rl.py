@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-WINDOW = 10
+from benchmarks.algorithms import WINDOW, first_mean, last_mean
+
 #: verl's timing metrics, in the order an iteration runs them.
 PHASES = (
     "gen",
@@ -206,8 +207,7 @@ def main(argv: list[str] | None = None) -> None:
                     steps, wall = run(name, files, args.steps, out, seed, mode)
                     rewards = [steps[i]["critic/score/mean"] for i in sorted(steps)]
                     curves[label] = rewards
-                    first = sum(rewards[:WINDOW]) / min(WINDOW, len(rewards))
-                    last = sum(rewards[-WINDOW:]) / min(WINDOW, len(rewards))
+                    first, last = first_mean(rewards), last_mean(rewards)
                     print(
                         f"{label}: {len(rewards)} iterations in {wall:.0f} s; mean reward first "
                         f"{WINDOW} {first:.3f}, last {WINDOW} {last:.3f} (+{last - first:.3f})",
