@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import json
 import os
 import pickle
@@ -23,6 +24,11 @@ TORCHRUN_TWO_RANKS = (
     sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
 )  # fmt: skip
 
+#: What a timed-out rank is sent first, to print its threads' stacks (see :func:`launch`).
+STACKS_SIGNAL = signal.SIGUSR1
+#: How long a timed-out rank is given to print them.
+STACKS_GRACE_S = 2.0
+
 #: A rank in a fresh interpreter: the repository importable, then :func:`launch`.
 _FRESH = "import sys; sys.path.insert(0, {root!r}); from tests.multiprocess import launch; launch()"
 
@@ -34,6 +40,9 @@ def launch(argv: list[str] | None = None) -> None:
     import traceback
 
     module_name, function_name, args_path, out_path = (argv or sys.argv[1:])[:4]
+    # A rank the launcher finds still running at its timeout is sent STACKS_SIGNAL before it is
+    # killed: every thread's stack goes to the rank's output, which the failure shows.
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     try:
         with open(args_path, "rb") as handle:
             args = pickle.load(handle)
@@ -66,6 +75,24 @@ def fresh_process_env(**settings: str) -> dict[str, str]:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     return env
+
+
+def _running(process: Any) -> bool:
+    try:
+        process.wait(timeout=0)
+    except subprocess.TimeoutExpired:
+        return True
+    return False
+
+
+def _dump_stacks_then_kill(leaders: list[int]) -> None:
+    """Ask each rank still running for its threads' stacks, then SIGKILL every rank's group."""
+    for leader in leaders:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(leader, STACKS_SIGNAL)
+    time.sleep(STACKS_GRACE_S)
+    for leader in leaders:
+        _kill_group(leader)
 
 
 def _kill_group(leader: int) -> None:
@@ -120,8 +147,8 @@ def run_ranks(
             argv = [module, function.__name__, args_path, out_path]
             log_path = os.path.join(folder, f"rank{rank}.log")
             log = open(log_path, "w+")  # noqa: SIM115
-            # Each rank leads its own process group, so that whatever it started (e.g. the
-            # Manager of megatron's checkpoint writer) goes with it when the rank ends or dies.
+            # Each rank leads its own process group, so that whatever it started (e.g. Ray, a
+            # torchrun child) goes with it when the rank ends or dies.
             request = {"argv": argv, "env": env, "cwd": os.getcwd()}
             worker = _ZYGOTE.fork({**request, "stdout": log_path, "stderr": log_path})
             worker = worker or subprocess.Popen(
@@ -133,22 +160,28 @@ def run_ranks(
             )
             processes.append((worker, log))
         failures, results = [], []
-        for rank, (process, _) in enumerate(processes):
+        deadline, timed_out = time.monotonic() + timeout, set()
+        for process, _ in processes:
             try:
-                process.wait(timeout=timeout)
+                process.wait(timeout=max(deadline - time.monotonic(), 0.0))
             except subprocess.TimeoutExpired:
-                for other, _ in processes:
-                    _kill_group(other.pid)
-                failures.append(f"rank {rank}: still running after {timeout:.0f} s (killed)")
-                continue
+                timed_out = {index for index, (other, _) in enumerate(processes) if _running(other)}
+                _dump_stacks_then_kill([other.pid for other, _ in processes])
+                break
         for rank, (process, log) in enumerate(processes):
             process.wait()
             if not leave_children:
                 _kill_group(process.pid)
             log.seek(0)
-            output = log.read()[-4000:]
+            output = log.read()[-8000 if rank in timed_out else -4000 :]
             log.close()
             out_path = os.path.join(folder, f"rank{rank}.pkl")
+            if rank in timed_out:  # never reported as an exit: a test may expect one (a kill)
+                failures.append(
+                    f"rank {rank}: still running after {timeout:.0f} s (killed; its threads' "
+                    f"stacks at the timeout end its output)\n{output}"
+                )
+                continue
             if not os.path.exists(out_path):
                 failures.append(
                     f"rank {rank}: exited {process.returncode} with no result\n{output}"

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.multiprocess import fresh_process_env, run_ranks, run_script
+from tests.multiprocess import RankFailure, fresh_process_env, run_ranks, run_script
 
 
 def what_a_rank_sees(marker: str) -> dict[str, Any]:
@@ -47,6 +47,26 @@ def test_ranks_get_their_own_rank_variables_and_a_session_each() -> None:
     if os.environ.get("TESTS_FRESH_PROCESSES") != "1":
         # forked from the zygote: torch, megatron-core and the engine were imported once
         assert all(r["preloaded"] for r in results)
+
+
+def wait_for_ever_in_a_thread() -> None:
+    """One rank that never ends: its main thread waits on a thread that waits on nothing."""
+    import threading
+
+    never = threading.Event()
+    waiter = threading.Thread(target=never.wait, name="waiting_on_nothing")
+    waiter.start()
+    waiter.join()
+
+
+def test_a_rank_past_its_timeout_is_reported_with_its_threads_stacks_never_as_an_exit() -> None:
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(wait_for_ever_in_a_thread, 1, timeout=5)
+    message = str(failure.value)
+    assert message.startswith("rank 0: still running after 5 s (killed;")
+    assert "exited" not in message  # a test expecting a kill (exited -9) must not pass on a hang
+    assert "wait_for_ever_in_a_thread" in message  # the main thread's stack
+    assert "in wait" in message  # and the waiting thread's (threading.Event.wait)
 
 
 def test_a_script_gets_its_output_status_environment_and_directory(tmp_path: Path) -> None:

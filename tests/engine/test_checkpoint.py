@@ -175,8 +175,8 @@ def test_a_checkpoint_of_another_head_or_model_shape_is_refused_naming_both(
 
 def save_then_die(root: str, stage: str, async_save: bool = False) -> None:
     """Save step 1, train, then die at ``stage`` while saving step 2 (with ``async_save``: in
-    the background, while training goes on); the processes the saves started are listed in
-    ``root/children.json`` first."""
+    the background, while training goes on); the processes this one started by then (the first
+    save's included) are listed in ``root/children.json`` first."""
     import psutil
 
     engine = _engine()
@@ -199,7 +199,6 @@ def save_then_die(root: str, stage: str, async_save: bool = False) -> None:
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_as_latest(
     fresh_mesh: None, tmp_path: Path, stage: str, async_save: bool
 ) -> None:
-    import psutil
 
     with pytest.raises(RankFailure, match="exited -9"):
         run_ranks(
@@ -208,15 +207,9 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_as_latest(
     assert [step for step, _ in complete_checkpoints(str(tmp_path))] == [1]
     leftovers = [name for name in os.listdir(tmp_path) if name.startswith(".tmp-global_step_2-")]
     assert leftovers
-    children = json.loads((tmp_path / "children.json").read_text())
-    assert children  # megatron's checkpoint writer left a helper process running
-    deadline = time.monotonic() + 20
-    while any(psutil.pid_exists(pid) for pid in children) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    alive = [pid for pid in children if psutil.pid_exists(pid)]
-    for pid in alive:
-        psutil.Process(pid).kill()
-    assert not alive, f"helper processes outlived the killed saver: {alive}"
+    # a save starts no process (megatron's writer hands its results over in this process), so
+    # nothing can outlive a killed saver
+    assert json.loads((tmp_path / "children.json").read_text()) == []
     engine = _engine()
     assert engine.load_checkpoint(tmp_path) == str(tmp_path / "global_step_1")
     assert engine.global_step == 1

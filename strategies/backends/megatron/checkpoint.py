@@ -7,12 +7,9 @@ Collective: every rank calls ``save_state`` / ``load_state`` with the same direc
 
 from __future__ import annotations
 
-import ctypes
 import json
-import multiprocessing as mp
 import os
-import signal
-import sys
+import queue
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +25,6 @@ from strategies.parallel.collectives import barrier, rank
 if TYPE_CHECKING:
     from strategies.backends.megatron.checkpoint_writer import ChecksummingSaveStrategy
 
-_PR_SET_PDEATHSIG = 1
 MODEL_DIR = "dist"
 SCHEDULER_FILE = "scheduler.json"
 RNG_DIR = "rng"
@@ -42,30 +38,21 @@ _OPTIMIZER_METADATA = {
 }
 
 
-def _use_forked_results_queue() -> None:
-    """Give megatron's checkpoint writer its results queue (through which the write step hands
-    its results to megatron's finalisation) from a *forked* Manager that dies with this process.
+def _use_in_process_results_queue() -> None:
+    """Give megatron's checkpoint writer a fresh in-process results queue for this save (through
+    which the write step hands its results to megatron's finalisation).
 
-    Megatron creates it from a spawn-context Manager, which re-imports the user's ``__main__``:
-    a plain script without an ``if __name__ == "__main__":`` guard would run again in it. A
-    Manager outlives a SIGKILLed parent (adopted by PID 1) unless told to die with it.
-    """
-    from multiprocessing.managers import SyncManager
-
+    Megatron makes it a ``Manager().Queue()``: a helper process, spawned (which re-imports the
+    user's ``__main__``, running a script without an ``if __name__ == "__main__":`` guard
+    again) and outliving a SIGKILLed parent. The write step here runs in this process
+    (``ChecksummingSaveStrategy``), so a thread-safe queue is all it needs, and a save starts no
+    process. (An earlier version forked a Manager from the saving process instead; that process
+    runs gloo's and the store's threads, so a fork there can leave the child waiting on a lock
+    one of them held.) A fresh queue per save: a failed save's result is never read by the
+    next one."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if filesystem_async._results_queue is None:
-        manager = SyncManager(ctx=mp.get_context("fork"))
-        manager.start(initializer=die_with_parent)
-        filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
-
-
-def die_with_parent() -> None:
-    """In a child process: ask Linux to SIGKILL it when its parent dies (no-op elsewhere)."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    filesystem_async._results_queue = queue.Queue()
 
 
 def save_state(
@@ -129,7 +116,7 @@ def _save(
     if optimizer is not None:
         _materialize_optimizer_state(optimizer)
     state = _sharded_state(chunks, optimizer, loading=False)
-    _use_forked_results_queue()
+    _use_in_process_results_queue()
     dist_checkpointing.save(
         state, model_dir, sharded_strategy=strategy, async_sharded_save=strategy.staged
     )
