@@ -42,6 +42,37 @@ class HfDelta:
         return self.positions.numel() * 4 + self.values.numel() * self.values.element_size()
 
 
+@attrs.frozen
+class WeightPatch:
+    """New ``values`` at flat ``positions`` of one tensor: a delta as a receiver applies it.
+    Without positions, ``values`` is the whole tensor (where most of it changed, that is
+    smaller than positions and values)."""
+
+    positions: torch.Tensor | None
+    values: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return (0 if self.positions is None else self.positions.nbytes) + self.values.nbytes
+
+    def apply(self, destination: torch.Tensor) -> None:
+        """Write the values into ``destination`` (any view, in its dtype) at their positions."""
+        if self.positions is None:
+            destination.copy_(self.values.reshape(destination.shape))
+            return
+        if self.positions.numel() and int(self.positions.max()) >= destination.numel():
+            raise ValueError(
+                f"a weight patch reaches position {int(self.positions.max())} of a tensor of "
+                f"{destination.numel()} elements {tuple(destination.shape)}"
+            )
+        values = self.values.to(destination.dtype)
+        if destination.dim() == 0:  # a scalar: its one element changed, or none did
+            if values.numel():
+                destination.copy_(values.reshape(()))
+            return
+        destination[torch.unravel_index(self.positions.long(), destination.shape)] = values
+
+
 class DeltaExport:
     """This rank's base of each block (host memory, pinned with ``pin_memory``) and the
     changes against it (see the module docstring). ``dtype``: compare and send floating-point
@@ -65,10 +96,17 @@ class DeltaExport:
         ``zeros``: a base of zeros, for tensors the receiver does not hold yet, e.g. LoRA
         adapters after a sync of the base model: the first delta then carries their nonzero
         elements). A block another rank contributes needs no base here."""
+        for _ in self.priming(blocks, zeros=zeros):
+            pass
+
+    def priming(self, blocks: Iterable[HfBlock], *, zeros: bool = False) -> Iterator[HfBlock]:
+        """:meth:`prime`, yielding each block once its base is taken: a full sync that sends
+        the blocks as they come primes on the way (the base is complete at the end)."""
         self._base = {}
         for block in blocks:
             if not block.contributes:
                 self._base[block.name] = None
+                yield block
                 continue
             flat = self._flat(block)
             base = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=self.pin_memory)
@@ -77,6 +115,12 @@ class DeltaExport:
             else:
                 base.copy_(flat)
             self._base[block.name] = base
+            yield block
+
+    @property
+    def names(self) -> list[str]:
+        """The blocks of the base, in the order it took them (none before a prime)."""
+        return list(self._base)
 
     def deltas(self, blocks: Iterable[HfBlock]) -> Iterator[HfDelta]:
         """Each block's changes since the base, in the blocks' order; the changed elements of

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from engine.weight_sync import WeightPatch
 from strategies.hf.experts import CheckpointLayout
 from strategies.model.peft_lora import adapter_delta
 
@@ -68,6 +69,10 @@ class GeneratorWeights:
         self.sent_dtypes[name] = tensor.dtype
         parameter, rows = self.targets[name]
         self.received.update(self.pieces.get(parameter, ()) if rows is None else (name,))
+
+    def patch(self, name: str, patch: WeightPatch) -> None:
+        """Apply a delta of one sent tensor (changed elements only) to the model."""
+        patch.apply(self._destination(name))
 
     def end_sync(self) -> list[str]:
         """The checkpoint tensors this sync did not fill (sorted); the next sync starts empty."""

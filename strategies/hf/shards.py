@@ -105,6 +105,20 @@ class HfBlock:
     #: Every contributing block of the tensor: ((rows, columns), the rank that holds it).
     holders: tuple[tuple[_Key, int], ...] = ()
 
+    @classmethod
+    def whole(cls, name: str, tensor: torch.Tensor) -> HfBlock:
+        """The block of a tensor one rank holds whole (e.g. a full export's)."""
+        block = cls(
+            name=name,
+            shape=tuple(tensor.shape),
+            rows=(0, 0),
+            columns=(0, 0),
+            tensor=tensor,
+            contributes=True,
+        )
+        rows, columns = block.row_view
+        return attrs.evolve(block, rows=(0, rows), columns=(0, columns))
+
     @property
     def row_view(self) -> tuple[int, int]:
         """The Hugging Face tensor's (rows, columns)."""

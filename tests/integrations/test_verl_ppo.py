@@ -185,11 +185,13 @@ def test_grpo_on_two_trainer_processes_saves_and_resumes_where_it_left_off(
     assert resumed[3]["critic/score/mean"] == whole[3]["critic/score/mean"]
 
 
-def async_iterations(files: dict[str, str], directory: Path, *overrides: str) -> str:
+def async_iterations(
+    files: dict[str, str], directory: Path, *overrides: str
+) -> tuple[dict[int, dict[str, float]], str]:
     """Three GRPO iterations in one of verl's asynchronous trainer modes: every iteration
     reports verl's metrics, finite, no sample staler than the threshold (2 weight versions), and
-    no sample failed; the run's log. The rollout's log-probs are an older policy's there, so
-    their distance to the actor's is not checked."""
+    no sample failed; the iterations' metrics and the run's log. The rollout's log-probs are an
+    older policy's there, so their distance to the actor's is not checked."""
     threshold = 2
     steps = main_ppo(
         files,
@@ -206,7 +208,7 @@ def async_iterations(files: dict[str, str], directory: Path, *overrides: str) ->
         assert metrics["training/off_policy/trajectory_spans/max"] <= threshold
     log = (directory / "main_ppo.log").read_text()
     assert "Error in _run_prompt" not in log and "generate called before" not in log
-    return log
+    return steps, log
 
 
 @pytest.mark.multiprocess
@@ -236,12 +238,14 @@ def test_grpo_with_separate_async_sends_weights_to_a_rollout_apart_over_gloo(
     ``parameter_sync_step`` mini-batches through the plug-in's ``composable_gloo`` checkpoint
     engine (the launcher's default for this mode on a CPU host), and the old policy kept by
     verl's ``DetachActorWorker`` (``save_model_to_cpu`` / ``restore_model_from_cpu`` on the
-    adapter's ``module``) across the 2 mini-batches of an iteration. Before, verl refused the
-    mode on a CPU host."""
-    log = async_iterations(
+    adapter's ``module``) across the 2 mini-batches of an iteration; after the first sync, the
+    checkpoint engine's ``delta`` sends only what changed (its metrics reach verl's). Before,
+    verl refused the mode on a CPU host."""
+    steps, log = async_iterations(
         files,
         tmp_path,
         *FP32,
+        "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.composable_gloo.delta=True",
         "trainer.n_gpus_per_node=2",
         "trainer.v1.trainer_mode=separate_async",
         "trainer.v1.separate_async.parameter_sync_step=2",
@@ -251,6 +255,8 @@ def test_grpo_with_separate_async_sends_weights_to_a_rollout_apart_over_gloo(
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
     )
     assert "'backend': 'composable_gloo'" in log
+    synced = [metrics for metrics in steps.values() if "checkpoint_engine/changed_ratio" in metrics]
+    assert synced and all(0 < m["checkpoint_engine/changed_ratio"] <= 1 for m in synced)
 
 
 @pytest.mark.multiprocess

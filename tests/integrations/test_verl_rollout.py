@@ -482,57 +482,101 @@ def test_a_sync_from_the_engine_gives_the_generator_its_weights_bit_for_bit(
         destroy_mesh()
 
 
+@pytest.mark.parametrize("delta", [False, True], ids=["whole", "delta"])
 def test_a_replica_apart_gets_the_engines_weights_through_the_gloo_checkpoint_engine(
-    model: str, distributed: None
+    model: str, distributed: None, delta: bool
 ) -> None:
     """verl's ``separate_async`` path, in threads for its processes: the trainer's rank 0 sends
     the engine's ``get_per_tensor_param`` through ``composable_gloo`` (4 KiB buckets: the MLP's
     32 KiB weights go in chunks); the replica's checkpoint-engine worker hands the received
-    stream (asynchronous) to the server adapter of replica 1, which syncs its generator: every
-    weight equal bit for bit, and the generator reports the step it was given."""
+    stream (asynchronous) to the server adapter of replica 1, which syncs its generator. After
+    each of three syncs (the engine trained a step before the second; not before the third),
+    every weight equals the engine's bit for bit and the generator reports the step it was
+    given. With ``delta``, the first sync is whole and the others carry only what changed: the
+    second a part of the model, the third nothing."""
     import threading
 
     from engine.integrations.verl.checkpoint_engine import GlooCheckpointEngine
+    from engine.losses import sft_loss
 
-    engine = Engine.build(head="lm", backend="fsdp2", device="cpu", config={"model": model})
+    engine = Engine.build(
+        head="lm",
+        backend="fsdp2",
+        device="cpu",
+        config={"model": model, "optimizer": {"lr": 1e-3}},
+    )
     engine.initialize()
     generator = HFGenerator(_config(), HFModelConfig(path=model), replica_rank=1)
     adapter = HFServerAdapter(_config(), HFModelConfig(path=model), None, replica_rank=1)
     adapter._server, adapter.bucket_bytes = _in_process(generator), 1 << 12
     assert adapter.replica_rank == 1 and adapter.is_leader_rank
-    sender = GlooCheckpointEngine(1 << 12, is_master=True, host="127.0.0.1")
-    receiver = GlooCheckpointEngine(1 << 12, host="127.0.0.1")
-    to_trainer, to_rollout = GlooCheckpointEngine.build_topology(
-        1, 1, [sender.prepare(), receiver.prepare()]
+    sender = GlooCheckpointEngine(1 << 12, is_master=True, host="127.0.0.1", delta=delta)
+    receiver = GlooCheckpointEngine(1 << 12, host="127.0.0.1", delta=delta)
+    batch = TensorDict(
+        {"input_ids": jagged([torch.tensor(p) for p in PROMPTS])}, batch_size=[len(PROMPTS)]
     )
-    errors: list[BaseException] = []
 
-    def send() -> None:
-        try:
-            sender.init_process_group(**{k: v[0] for k, v in to_trainer.items()})
-            asyncio.run(sender.send_weights(engine.get_per_tensor_param()))
-        except BaseException as error:  # reported by the test's thread
-            errors.append(error)
+    def sync(step: int) -> dict[str, float] | None:
+        to_trainer, to_rollout = GlooCheckpointEngine.build_topology(
+            1, 1, [sender.prepare(), receiver.prepare()]
+        )
+        errors: list[BaseException] = []
+        metrics: list[dict[str, float] | None] = []
 
-    def receive() -> None:
-        try:
-            receiver.init_process_group(**{k: v[0] for k, v in to_rollout.items()})
-            asyncio.run(adapter.update_weights(receiver.receive_weights(), global_steps=3))
-        except BaseException as error:
-            errors.append(error)
+        def send() -> None:
+            try:
+                sender.init_process_group(**{k: v[0] for k, v in to_trainer.items()})
+                metrics.append(asyncio.run(sender.send_weights(engine.get_per_tensor_param())))
+            except BaseException as error:  # reported by the test's thread
+                errors.append(error)
 
-    threads = [threading.Thread(target=send), threading.Thread(target=receive)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert not errors, errors
-    exported = dict(engine.get_per_tensor_param())
-    mine = generator.named_weights()
-    assert set(mine) == set(exported)
-    for name, tensor in exported.items():
-        assert torch.equal(mine[name], tensor.float()), name
-    assert generator.global_steps == 3
+        def receive() -> None:
+            try:
+                receiver.init_process_group(**{k: v[0] for k, v in to_rollout.items()})
+                weights = receiver.receive_weights()
+                wire = receiver.wire_format
+                asyncio.run(adapter.update_weights(weights, wire_format=wire, global_steps=step))
+            except BaseException as error:
+                errors.append(error)
+
+        threads = [threading.Thread(target=send), threading.Thread(target=receive)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not errors, errors
+        sender.finalize()
+        receiver.finalize()
+        exported = dict(engine.get_per_tensor_param())
+        mine = generator.named_weights()
+        assert set(mine) == set(exported)
+        for name, tensor in exported.items():
+            assert torch.equal(mine[name], tensor.float()), name
+        assert generator.global_steps == step
+        return metrics[0]
+
+    whole = sync(1)
+    engine.train_batch(batch, sft_loss)
+    changed = sync(2)
+    unchanged = sync(3)
+    if not delta:
+        assert whole is changed is unchanged is None
+        return
+    assert whole is not None and changed is not None and unchanged is not None
+    assert whole["checkpoint_engine/changed_ratio"] == 1.0
+    assert 0 < changed["checkpoint_engine/changed_ratio"] < 1
+    # each changed tensor as int32 positions + float32 values of its changed elements, or whole
+    # where that is smaller: at most the whole model, and at most twice the changed share of it
+    share, sent = (
+        changed["checkpoint_engine/changed_ratio"],
+        whole["checkpoint_engine/payload_mbytes"],
+    )
+    bound = min(sent, 2 * share * sent) * (1 + 1e-12)  # the ratios' float64 rounding
+    assert 0 < changed["checkpoint_engine/payload_mbytes"] <= bound
+    assert unchanged == {
+        "checkpoint_engine/payload_mbytes": 0.0,
+        "checkpoint_engine/changed_ratio": 0.0,
+    }
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "megatron"])

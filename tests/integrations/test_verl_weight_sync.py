@@ -227,6 +227,38 @@ def test_a_checkpoint_engine_the_host_cannot_run_is_refused_by_name(
 
 
 @pytest.mark.parametrize(
+    ("rollout", "settings", "expected"),
+    [
+        ("composable_hf", {"delta": True, "timeout_s": 60}, None),
+        ("vllm", {"delta": True}, "delta=True: only the composable_hf generator applies"),
+        ("composable_hf", {"delta": "yes"}, r"delta='yes': true or false"),
+        ("composable_hf", {"deltas": True}, r"unknown \['deltas'\]; it takes timeout_s, host"),
+    ],
+)
+def test_the_gloo_checkpoint_engines_settings_are_checked_before_ray_starts(
+    rollout: str, settings: dict[str, Any], expected: str | None
+) -> None:
+    from omegaconf import OmegaConf
+
+    from engine.integrations.verl.ppo import check_gloo_engine_kwargs
+
+    config = OmegaConf.create(
+        {
+            "name": rollout,
+            "checkpoint_engine": {
+                "backend": "composable_gloo",
+                "engine_kwargs": {"composable_gloo": settings},
+            },
+        }
+    )
+    if expected is None:
+        check_gloo_engine_kwargs(config)
+        return
+    with pytest.raises(ConfigError, match=expected):
+        check_gloo_engine_kwargs(config)
+
+
+@pytest.mark.parametrize(
     "mode, backend, strategy, expected",
     [
         ("sync", "naive", "fsdp", None),
@@ -261,12 +293,17 @@ def test_a_trainer_mode_the_host_cannot_run_is_refused_by_name(
         check_trainer_mode(config)
 
 
-def test_the_gloo_checkpoint_engine_carries_every_tensor_bit_for_bit() -> None:
+@pytest.mark.parametrize("delta", [False, True], ids=["whole", "delta"])
+def test_the_gloo_checkpoint_engine_carries_every_tensor_bit_for_bit(delta: bool) -> None:
     """verl's checkpoint-engine protocol as its ``CheckpointEngineManager`` drives it, two syncs
     in a row (the group is built for each): prepare on every worker, the topology from their
     metadata, the process group, the trainer's ranks sending (rank 1 only walks the weights),
     two rollout workers receiving; a tensor larger than a bucket goes in chunks, a transposed
-    one and bf16 ones too. Threads stand for the processes (gloo over TCP either way)."""
+    one and bf16 ones too. Between the syncs a few elements change (a NaN and a -0.0 among
+    them), and all of one tensor. Each receiver ends each sync with the sender's tensors bit for
+    bit: with ``delta`` the second sync carries the changed tensors only, patches of the few
+    elements and the tensor that changed whole. Threads stand for the
+    processes (gloo over TCP either way)."""
     import asyncio
     import threading
 
@@ -274,6 +311,7 @@ def test_the_gloo_checkpoint_engine_carries_every_tensor_bit_for_bit() -> None:
 
     from engine.integrations.verl.cells import CHECKPOINT_ENGINE
     from engine.integrations.verl.checkpoint_engine import GlooCheckpointEngine
+    from engine.weight_sync import WeightPatch
 
     assert CheckpointEngineRegistry.get(CHECKPOINT_ENGINE) is GlooCheckpointEngine
     bucket = 1 << 10
@@ -285,9 +323,10 @@ def test_the_gloo_checkpoint_engine_carries_every_tensor_bit_for_bit() -> None:
         "scale": torch.tensor(3.5, dtype=torch.bfloat16),
     }
     trainers = [
-        GlooCheckpointEngine(bucket, is_master=rank == 0, host="127.0.0.1") for rank in (0, 1)
+        GlooCheckpointEngine(bucket, is_master=rank == 0, host="127.0.0.1", delta=delta)
+        for rank in (0, 1)
     ]
-    rollouts = [GlooCheckpointEngine(bucket, host="127.0.0.1") for _ in range(2)]
+    rollouts = [GlooCheckpointEngine(bucket, host="127.0.0.1", delta=delta) for _ in range(2)]
     walked: list[int] = []
 
     def stream() -> Any:
@@ -295,7 +334,8 @@ def test_the_gloo_checkpoint_engine_carries_every_tensor_bit_for_bit() -> None:
             walked.append(1)
             yield name, tensor
 
-    received: dict[int, dict[str, torch.Tensor]] = {}
+    received: dict[int, dict[str, Any]] = {}
+    held: dict[int, dict[str, torch.Tensor]] = {0: {}, 1: {}}
     errors: list[BaseException] = []
 
     def run(work: Any) -> None:
@@ -315,10 +355,21 @@ def test_the_gloo_checkpoint_engine_carries_every_tensor_bit_for_bit() -> None:
         async def work() -> None:
             rollouts[i].init_process_group(**topology)
             received[i] = {n: t async for n, t in rollouts[i].receive_weights()}
+            for name, sent in received[i].items():
+                if isinstance(sent, WeightPatch):
+                    sent.apply(held[i][name])
+                else:
+                    held[i][name] = sent.clone()
 
         return work
 
-    for _ in range(2):
+    for sync in range(2):
+        if sync == 1:
+            weights["embed.weight"][3, 5] = float("nan")
+            weights["embed.weight"][39, 15] = -0.0
+            weights["proj.weight"][1, 7] += 1  # the transposed one
+            weights["norm.weight"].neg_()  # all of it: sent whole, smaller than a patch
+            weights["scale"].fill_(-1.0)
         metadata = [engine.prepare() for engine in (*trainers, *rollouts)]
         to_trainers, to_rollouts = GlooCheckpointEngine.build_topology(2, 2, metadata)
         assert to_trainers["rank"] == [0, -1] and to_rollouts["rank"] == [1, 2]
@@ -342,9 +393,23 @@ def test_the_gloo_checkpoint_engine_carries_every_tensor_bit_for_bit() -> None:
         assert not any(thread.is_alive() for thread in threads)
         for engine in (*trainers, *rollouts):
             engine.finalize()
-        for got in received.values():
-            assert list(got) == list(weights)
+        for i, got in received.items():
+            changed = ["embed.weight", "proj.weight", "norm.weight", "scale"]
+            assert list(got) == (changed if delta and sync == 1 else list(weights))
+            assert all(isinstance(sent, WeightPatch) for sent in got.values()) is (
+                delta and sync == 1
+            )
+            assert list(held[i]) == list(weights)
             for name, tensor in weights.items():
-                assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape
-                assert torch.equal(got[name], tensor), name
+                mine = held[i][name]
+                assert mine.dtype == tensor.dtype and mine.shape == tensor.shape
+                assert torch.equal(mine.view(-1).view(torch.uint8), _bytes(tensor)), name
+        if delta and sync == 1:
+            assert got["embed.weight"].positions.tolist() == [3 * 16 + 5, 39 * 16 + 15]
+            assert got["norm.weight"].positions is None
     assert len(walked) == 2 * 2 * len(weights)  # both trainer ranks walk the weights, twice
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes in row-major order (NaN and -0.0 compared as they are stored)."""
+    return tensor.contiguous().view(-1).view(torch.uint8)

@@ -22,12 +22,26 @@ with gloo as the transport:
 - ``receive_weights``: each bucket received and its tensors yielded whole (verl's
   ``merge_weight_chunks``), copied out of the bucket, which the next one overwrites;
 - ``finalize``: the group, the store and the bucket are dropped; the next sync builds them again.
+
+**Deltas** (``engine_kwargs: {composable_gloo: {delta: true}}``): the trainer's rank 0 keeps the
+last weights it sent as a host base (:class:`~engine.weight_sync.DeltaExport` over whole
+tensors: one copy of the model in its memory) and sends only the elements that changed bit for
+bit since, as (positions, values) pairs; the receiver yields each as a
+:class:`~engine.weight_sync.WeightPatch`, which the generator writes into the weights it holds
+(no copy on that side); a tensor most of which changed goes whole, which is then smaller than
+positions and values. verl hands every engine but its own ``delta_sharded`` the trainer's full
+export, so the changes are found here, from that export. The first sync, and any whose tensors
+are not the base's (LoRA adapters synced alone are always sent whole), sends the weights whole
+and takes them as the base. Each sync returns ``checkpoint_engine/payload_mbytes`` and
+``checkpoint_engine/changed_ratio`` (verl logs them). What a delta saves is bytes on the wire;
+finding it costs a compare of the whole model on the sender.
 """
 
 from __future__ import annotations
 
+import itertools
 import pickle
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -35,7 +49,18 @@ import torch
 import torch.distributed as dist
 from verl.checkpoint_engine.base import CheckpointEngine, merge_weight_chunks, split_weight_chunks
 
+from engine.weight_sync import DeltaExport, WeightPatch
 from heads.errors import ConfigError
+from strategies.hf.shards import HfBlock
+from strategies.model.peft_lora import PEFT_PREFIX
+
+#: verl's name for a stream of ``(name, tensor)`` pairs; with deltas on, the stream also
+#: carries ``(name, WeightPatch)`` pairs, which the ``composable_hf`` server adapter applies.
+NAMED_TENSORS = "named_tensors"
+PATCHES = "named_tensors_and_patches"
+#: A patch travels as two tensors, its name followed by one of these (no tensor name has a NUL),
+#: or, where most of the tensor changed, as the whole tensor under its name and ``_WHOLE``.
+_POSITIONS, _VALUES, _WHOLE = "\x00positions", "\x00values", "\x00whole"
 
 
 class GlooCheckpointEngine(CheckpointEngine):
@@ -46,9 +71,12 @@ class GlooCheckpointEngine(CheckpointEngine):
         is_master: the trainer's rank 0 (verl passes it).
         timeout_s: how long a rank waits for the others (``engine_kwargs``).
         host: the address the other ranks reach rank 0's store at (default: the Ray node's).
+        delta: send the elements changed since the last sync only (``engine_kwargs``; see the
+            module).
     """
 
-    wire_format = "named_tensors"
+    #: What ``engine_kwargs`` may set.
+    SETTINGS = ("timeout_s", "host", "delta")
 
     def __init__(
         self,
@@ -56,9 +84,15 @@ class GlooCheckpointEngine(CheckpointEngine):
         is_master: bool = False,
         timeout_s: float = 600.0,
         host: str | None = None,
+        delta: bool = False,
     ) -> None:
         if bucket_size < 1:
             raise ConfigError(f"checkpoint engine bucket_size={bucket_size}: needs >= 1 byte")
+        if not isinstance(delta, bool):
+            raise ConfigError(f"checkpoint engine composable_gloo delta={delta!r}: true or false")
+        self.wire_format = PATCHES if delta else NAMED_TENSORS
+        #: The trainer's rank 0: the weights of the last sync (with ``delta``).
+        self.base = DeltaExport() if delta else None
         self.bucket_size = int(bucket_size)
         self.is_master = is_master
         self.timeout = timedelta(seconds=timeout_s)
@@ -119,18 +153,20 @@ class GlooCheckpointEngine(CheckpointEngine):
     @torch.no_grad()
     async def send_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], global_steps: int | None = None
-    ) -> None:
-        """Broadcast ``weights`` (every trainer rank walks them: their export is collective)."""
+    ) -> dict[str, float] | None:
+        """Broadcast ``weights`` (every trainer rank walks them: their export is collective);
+        with ``delta``, what changed since the last sync (see the module) and its metrics."""
         if self.rank is None:
             raise RuntimeError("gloo checkpoint engine: send_weights before init_process_group")
         if self.rank < 0:
             for _ in weights:
                 pass
-            return
+            return None
         assert self.bucket is not None
+        payload = _Payload(_contiguous(weights), self.base)
         bucket_meta: dict[str, Any] = {}
         offset = 0
-        async for meta, chunk in split_weight_chunks(_contiguous(weights), self.bucket_size):
+        async for meta, chunk in split_weight_chunks(payload.entries(), self.bucket_size):
             if offset + meta.chunk_size > self.bucket_size:
                 self._broadcast_bucket(bucket_meta, offset, last=False)
                 bucket_meta, offset = {}, 0
@@ -139,6 +175,7 @@ class GlooCheckpointEngine(CheckpointEngine):
             self.bucket[offset : offset + meta.chunk_size] = chunk
             offset += meta.chunk_size
         self._broadcast_bucket(bucket_meta, offset, last=True)
+        return payload.metrics() if self.base is not None else None
 
     def _broadcast_bucket(self, bucket_meta: dict[str, Any], length: int, last: bool) -> None:
         assert self.bucket is not None
@@ -155,10 +192,21 @@ class GlooCheckpointEngine(CheckpointEngine):
     @torch.no_grad()
     async def receive_weights(
         self, global_steps: int | None = None
-    ) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
-        """The weights rank 0 sends, each whole, in the order it sent them."""
-        async for name, weight in merge_weight_chunks(self._chunks(), self.bucket_size):
-            yield name, weight
+    ) -> AsyncGenerator[tuple[str, torch.Tensor | WeightPatch], None]:
+        """The weights rank 0 sends, each whole (or, with ``delta``, as a patch), in the order
+        it sent them."""
+        positions = None
+        async for name, tensor in merge_weight_chunks(self._chunks(), self.bucket_size):
+            if name.endswith(_POSITIONS):
+                positions = tensor
+            elif name.endswith(_VALUES):
+                assert positions is not None, f"{name!r} came without its positions"
+                yield name.removesuffix(_VALUES), WeightPatch(positions, tensor)
+                positions = None
+            elif name.endswith(_WHOLE):
+                yield name.removesuffix(_WHOLE), WeightPatch(None, tensor)
+            else:
+                yield name, tensor
 
     async def _chunks(self) -> AsyncIterator[tuple[Any, torch.Tensor]]:
         if self.rank is None or self.rank < 1:
@@ -182,9 +230,70 @@ class GlooCheckpointEngine(CheckpointEngine):
                 return
 
 
+class _Payload:
+    """What one sync sends of ``weights``: each tensor whole, or with a ``base``
+    (:class:`DeltaExport`) holding these tensors, each one's changed elements (positions, values)
+    as two tensors; the bytes and elements counted for :meth:`metrics`."""
+
+    def __init__(
+        self, weights: Iterator[tuple[str, torch.Tensor]], base: DeltaExport | None
+    ) -> None:
+        self.weights, self.base = weights, base
+        self.nbytes = self.elements = self.changed = 0
+
+    def entries(self) -> Iterator[tuple[str, torch.Tensor]]:
+        first = next(self.weights, None)
+        if first is None:
+            return
+        weights = itertools.chain([first], self.weights)
+        name = first[0]
+        if self.base is None or name.startswith(PEFT_PREFIX):  # adapters alone: small, whole
+            yield from self._whole(weights)
+        elif self.base.names[:1] == [name]:
+            yield from self._patches(weights)
+        else:  # the first sync, or other tensors than the base's: whole, and the new base
+            blocks = self.base.priming(HfBlock.whole(n, t) for n, t in self._whole(weights))
+            yield from ((block.name, block.tensor) for block in blocks)
+
+    def _whole(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            self.nbytes += tensor.nbytes
+            self.elements += tensor.numel()
+            self.changed += tensor.numel()
+            yield name, tensor
+
+    def _patches(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        assert self.base is not None
+        for name, tensor in weights:
+            (delta,) = self.base.deltas([HfBlock.whole(name, tensor)])
+            self.elements += tensor.numel()
+            self.changed += delta.values.numel()
+            if not delta.values.numel():
+                continue
+            small = tensor.numel() < 2**31
+            positions = delta.positions.to(torch.int32 if small else torch.int64)
+            if positions.nbytes + delta.values.nbytes >= tensor.nbytes:  # whole is smaller
+                self.nbytes += tensor.nbytes
+                yield name + _WHOLE, tensor
+                continue
+            self.nbytes += positions.nbytes + delta.values.nbytes
+            yield name + _POSITIONS, positions
+            yield name + _VALUES, delta.values
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "checkpoint_engine/payload_mbytes": self.nbytes / (1 << 20),
+            "checkpoint_engine/changed_ratio": self.changed / max(self.elements, 1),
+        }
+
+
 def _contiguous(
     weights: Iterable[tuple[str, torch.Tensor]],
-) -> Iterable[tuple[str, torch.Tensor]]:
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Each tensor contiguous on the host (chunks are views of its bytes)."""
     for name, tensor in weights:
         yield name, tensor.detach().to("cpu").contiguous()

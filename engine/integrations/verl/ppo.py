@@ -214,6 +214,33 @@ def check_checkpoint_engine(rollout: Any) -> None:
             f"{key}={backend}: the {ROLLOUT} generator takes weights through verl's in-process "
             f"'naive' sync, or from a trainer apart through {CHECKPOINT_ENGINE!r}"
         )
+    if backend == CHECKPOINT_ENGINE:
+        check_gloo_engine_kwargs(rollout)
+
+
+def check_gloo_engine_kwargs(rollout: Any) -> None:
+    """``checkpoint_engine.engine_kwargs.composable_gloo``: the settings the gloo checkpoint
+    engine takes, and its ``delta`` only towards the ``composable_hf`` generator (which applies
+    its patches)."""
+    from engine.integrations.verl.checkpoint_engine import GlooCheckpointEngine
+
+    key = f"actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.{CHECKPOINT_ENGINE}"
+    settings = dict(
+        (rollout.checkpoint_engine.get("engine_kwargs") or {}).get(CHECKPOINT_ENGINE) or {}
+    )
+    unknown = sorted(set(settings) - set(GlooCheckpointEngine.SETTINGS))
+    if unknown:
+        raise ConfigError(
+            f"{key}: unknown {unknown}; it takes {', '.join(GlooCheckpointEngine.SETTINGS)}"
+        )
+    delta = settings.get("delta", False)
+    if not isinstance(delta, bool):
+        raise ConfigError(f"{key}.delta={delta!r}: true or false")
+    if delta and rollout.name != ROLLOUT:
+        raise ConfigError(
+            f"{key}.delta=True: only the {ROLLOUT} generator applies its patches; "
+            f"rollout.name={rollout.name} takes whole tensors (or verl's delta_sharded)"
+        )
 
 
 #: verl's v1 trainer modes (``trainer.v1.trainer_mode``).

@@ -23,8 +23,10 @@ verl's rollout classes.
   ``engine_workers.update_weights`` hands the trainer engine's ``get_per_tensor_param()`` to
   :class:`HFServerAdapter`): the replica's first trainer rank sends them in buckets of
   ``checkpoint_engine.update_weights_bucket_megabytes``; every other rank still walks the
-  generator, whose collectives every rank takes part in. Nothing is read from disk but the
-  model's config.
+  generator, whose collectives every rank takes part in. A replica apart gets them through the
+  plug-in's ``composable_gloo`` checkpoint engine, whole or, with its ``delta``, as patches of
+  what changed, written into the weights the generator holds. Nothing is read from disk but
+  the model's config.
 - **LoRA**: with ``model.lora.merge=True`` the adapters arrive merged, as plain weights.
   Otherwise (verl's default) the first sync sends the base model (each adapted linear's weight
   under its LoRA wrapper's name, ``...q_proj.base_layer.weight``) and every sync the adapters
@@ -68,7 +70,9 @@ from engine.generation.routes import RouteRecorder, is_moe
 from engine.generation.sampling import GumbelMax, MostLikely, Warp, generate, left_padded
 from engine.generation.weights import GeneratorWeights, build_model
 from engine.integrations.verl.cells import ROLLOUT
+from engine.integrations.verl.checkpoint_engine import NAMED_TENSORS, PATCHES
 from engine.integrations.verl.translation import Refusals, lora_unwrapped_name, model_overrides
+from engine.weight_sync import WeightPatch
 from heads.errors import ConfigError
 from strategies.hf.config_json import apply_overrides
 from strategies.hf.experts import CheckpointLayout
@@ -78,6 +82,11 @@ from strategies.parallel.collectives import rank
 logger = logging.getLogger(__name__)
 
 NAME = ROLLOUT
+#: The weight streams the server adapter takes: whole tensors, and the gloo checkpoint engine's
+#: patches (its ``delta``).
+WIRE_FORMATS = (NAMED_TENSORS, PATCHES)
+#: What a weight stream carries of one name.
+Sent = torch.Tensor | WeightPatch
 
 
 def server_name(replica_rank: int) -> str:
@@ -394,22 +403,24 @@ class HFGenerator:
                 parameter.data = torch.empty(self.weights.shapes[name], dtype=parameter.dtype)
             self.loaded = True
 
-    def update_weights(
-        self, named: list[tuple[str, torch.Tensor]], last: bool, lora: Any = None
-    ) -> None:
+    def update_weights(self, named: list[tuple[str, Sent]], last: bool, lora: Any = None) -> None:
         """Copy one bucket of (Hugging Face name, tensor) into the model: checkpoint names (the
         engine's export; a mixture-of-experts layer's experts one tensor each) or transformers'
         own parameter names. ``lora`` (the PEFT config's ``r``, ``lora_alpha``,
         ``use_rslora``): the base model under LoRA wrapper names, or adapters alone."""
-        if lora is not None and named and named[0][0].startswith(PEFT_PREFIX):
-            self._update_adapters(named, last, lora)
+        tensors = [(name, sent) for name, sent in named if isinstance(sent, torch.Tensor)]
+        if len(tensors) < len(named):
+            self._patch(named)
+            return
+        if lora is not None and tensors and tensors[0][0].startswith(PEFT_PREFIX):
+            self._update_adapters(tensors, last, lora)
             return
         self.resume(["weights"])
         if lora is not None:  # the base model: adapters are merged again at their next sync
-            named = [(lora_unwrapped_name(name), tensor) for name, tensor in named]
+            tensors = [(lora_unwrapped_name(name), tensor) for name, tensor in tensors]
         self.weights.forget_adapters()  # the adapters' base is being replaced
         self.adapter_mode = lora is not None
-        for name, tensor in named:
+        for name, tensor in tensors:
             self.weights.copy(name, tensor)
         if last:
             missing = self.weights.end_sync()
@@ -419,6 +430,26 @@ class HFGenerator:
                     f"needs, e.g. {missing[:3]} (they would keep stale or released values)"
                 )
             self.synced = True
+
+    def _patch(self, named: list[tuple[str, Sent]]) -> None:
+        """One bucket of weight patches (``composable_gloo`` with ``delta``: the elements that
+        changed since the last sync) written into the weights that sync left."""
+        if not self.synced:
+            raise RuntimeError(
+                f"{NAME} rollout: a weight patch arrived, but the generator holds no weights to "
+                "patch (released while it slept, or never synced); set "
+                "actor_rollout_ref.rollout.free_cache_engine=False with the composable_gloo "
+                "checkpoint engine's delta, or turn delta off"
+            )
+        if self.adapter_mode:
+            raise RuntimeError(
+                f"{NAME} rollout: weight patches of a base model whose LoRA adapters are synced "
+                "alone are not supported (verl sends that base model once, whole)"
+            )
+        for name, patch in named:
+            if not isinstance(patch, WeightPatch):
+                raise ValueError(f"{NAME} rollout: {name!r} came whole in a sync of patches")
+            self.weights.patch(name, patch)
 
     def _update_adapters(
         self, named: list[tuple[str, torch.Tensor]], last: bool, lora: Any
@@ -625,13 +656,14 @@ class HFServerAdapter(BaseRollout):
 
     async def update_weights(
         self,
-        weights: Generator[tuple[str, torch.Tensor], None, None],
+        weights: Generator[tuple[str, Sent], None, None],
         wire_format: str = "named_tensors",
         **kwargs: Any,
     ) -> None:
-        if wire_format != "named_tensors":
+        if wire_format not in WIRE_FORMATS:
             raise ConfigError(
-                f"{NAME} rollout: weights in {wire_format!r} are not supported (named_tensors)"
+                f"{NAME} rollout: weights in {wire_format!r} are not supported "
+                f"({', '.join(WIRE_FORMATS)})"
             )
         lora = _lora_settings(kwargs.get("peft_config"))
         if not self.leader:
@@ -640,18 +672,20 @@ class HFServerAdapter(BaseRollout):
             return
         sent: list[Any] = []
 
-        async def send(bucket: list[tuple[str, torch.Tensor]], last: bool) -> None:
+        async def send(bucket: list[tuple[str, Sent]], last: bool) -> None:
             sent.append(self.server.update_weights.remote(bucket, last, lora))
             if len(sent) > 1:  # at most two buckets in flight
                 await sent.pop(0)
 
         # a checkpoint engine's stream is asynchronous (verl's naive sync hands a generator)
-        buckets = _Buckets(self.bucket_bytes)
+        buckets, received = _Buckets(self.bucket_bytes), False
         async for name, tensor in ensure_async_iterator(weights):
+            received = True
             full = buckets.add(name, tensor)
             if full is not None:
                 await send(full, False)
-        await send(buckets.items, True)
+        if received or wire_format != PATCHES:  # no patch at all: nothing changed
+            await send(buckets.items, True)
         for pending in sent:
             await pending
         await self.server.set_global_steps.remote(kwargs.get("global_steps"))
@@ -676,23 +710,27 @@ class _Buckets:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.items: list[tuple[str, torch.Tensor]] = []
+        self.items: list[tuple[str, torch.Tensor | WeightPatch]] = []
         self.size = 0
 
-    def add(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+    def add(
+        self, name: str, tensor: torch.Tensor | WeightPatch
+    ) -> list[tuple[str, torch.Tensor | WeightPatch]] | None:
         """Add a pair; the bucket it closed, if it did not fit in the one being filled."""
         full = None
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes
         if self.items and self.size + nbytes > self.limit:
             full, self.items, self.size = self.items, [], 0
-        self.items.append((name, tensor.detach().to("cpu")))
+        if isinstance(tensor, torch.Tensor):
+            tensor = tensor.detach().to("cpu")
+        self.items.append((name, tensor))
         self.size += nbytes
         return full
 
 
 def _buckets(
     weights: Iterator[tuple[str, torch.Tensor]], limit: int
-) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+) -> Iterator[tuple[list[tuple[str, Sent]], bool]]:
     """:class:`_Buckets` of ``weights``; the last bucket is flagged."""
     buckets = _Buckets(limit)
     for name, tensor in weights:
