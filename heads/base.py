@@ -41,6 +41,20 @@ class OutputSpec:
 
 
 @attrs.frozen(kw_only=True)
+class SequenceSplit:
+    """The raw output holds only this rank's part of each row (context parallelism, Ulysses):
+    ``positions`` ``[n]`` gives, for each of its ``n`` positions, the position in the caller's
+    layout it stands for (a position of the backend's padding: any valid one, its value is
+    dropped); ``gather`` takes per-position values ``[rows, n, *features]`` of every rank of
+    the group to the caller's layout ``[rows, seq, *features]`` (collective; its backward
+    sums the ranks' gradients, so a loss every rank computes alike is divided by the group's
+    size before it goes backward)."""
+
+    positions: torch.Tensor
+    gather: Callable[[torch.Tensor], torch.Tensor]
+
+
+@attrs.frozen(kw_only=True)
 class HeadContext:
     """What the backend tells a head about the layout of the raw output it hands over."""
 
@@ -65,6 +79,9 @@ class HeadContext:
     #: one-element bool tensor; the engine raises ``ConfigError(message)`` for a set one at the
     #: end of the step, before the optimizer step. None: check at once. Set by the engine.
     deferred_checks: list[tuple[torch.Tensor, str]] | None = attrs.field(default=None, eq=False)
+    #: The raw output is this rank's part of each row (:class:`SequenceSplit`); set by the
+    #: backend, read by :func:`apply_head` (never by a head). None: whole rows.
+    sequence_split: SequenceSplit | None = attrs.field(default=None, eq=False)
 
 
 #: A result's layout: per token, aligned to the token it scores (``[batch, seq, *features]``),
@@ -213,6 +230,37 @@ class GradientInForwardHead(FusedOutputHead, Protocol):
         ...
 
 
+@runtime_checkable
+class PositionwiseHead(Head, Protocol):
+    """A head whose results are computed position by position: each position's values from the
+    raw output at that position and the next token there alone, then placed
+    (:func:`shift_to_scored_token`, :func:`at_last_token`), so that
+    ``postprocess(raw, ids, ctx) == place(per_position(raw, roll(ids, -1), ctx), ctx)``. Where
+    a sequence is split over ranks (:class:`SequenceSplit`), such a head runs on each rank's own
+    positions and only its per-position values are gathered (one number per token and result);
+    any other head gets the whole rows' raw output gathered."""
+
+    def per_position(
+        self, raw: torch.Tensor, next_tokens: torch.Tensor, ctx: HeadContext
+    ) -> dict[str, torch.Tensor]:
+        """Each result's values ``[rows, n, *features]`` at each of the ``n`` positions of
+        ``raw`` (the final hidden states where ``ctx.output_weight`` is set), ``next_tokens``
+        ``[rows, n]`` the token after each position (a placeholder after a sequence's last)."""
+        ...
+
+    def place(
+        self, per_position: Mapping[str, torch.Tensor], ctx: HeadContext
+    ) -> dict[str, torch.Tensor]:
+        """The results, from whole rows of per-position values, as ``postprocess`` returns
+        them."""
+        ...
+
+
+def next_tokens(input_ids: torch.Tensor) -> torch.Tensor:
+    """The token after each position ``[rows, seq]`` (the last position's is a placeholder)."""
+    return torch.roll(input_ids, shifts=-1, dims=1)
+
+
 def check_fused(head: Head) -> None:
     """A head asking for a fused output layer implements ``postprocess_hidden`` (ConfigError)."""
     if head.output_spec().fused and not isinstance(head, FusedOutputHead):
@@ -226,7 +274,18 @@ def apply_head(
     head: Head, raw: torch.Tensor, input_ids: torch.Tensor, ctx: HeadContext
 ) -> dict[str, torch.Tensor]:
     """The head's results: from the hidden states and output weight where the backend handed
-    them over (``ctx.output_weight``), else from the raw output of the layer."""
+    them over (``ctx.output_weight``), else from the raw output of the layer. Where the raw
+    output is this rank's part of each row (``ctx.sequence_split``), a
+    :class:`PositionwiseHead` runs on that part and its per-position values are gathered; any
+    other head's raw output is gathered first."""
+    split = ctx.sequence_split
+    if split is not None:
+        ctx = attrs.evolve(ctx, sequence_split=None)
+        if isinstance(head, PositionwiseHead):
+            ahead = next_tokens(input_ids).index_select(1, split.positions)
+            local = head.per_position(raw, ahead, ctx)
+            return head.place({name: split.gather(v) for name, v in local.items()}, ctx)
+        raw = split.gather(raw)
     if ctx.output_weight is None:
         return head.postprocess(raw, input_ids, ctx)
     if not isinstance(head, FusedOutputHead):
@@ -243,7 +302,8 @@ def apply_head_with_loss(
     """:func:`apply_head` for a training step whose loss is token-separable: a
     :class:`GradientInForwardHead` handed the hidden states gives detached results and the
     anchor carrying the loss's gradient; any other head live results and None."""
-    if ctx.output_weight is not None and isinstance(head, GradientInForwardHead):
+    split = ctx.sequence_split is not None  # there the head runs on part of each row
+    if ctx.output_weight is not None and isinstance(head, GradientInForwardHead) and not split:
         return head.postprocess_hidden_with_loss(raw, ctx.output_weight, input_ids, ctx, loss_of)
     return apply_head(head, raw, input_ids, ctx), None
 

@@ -4,7 +4,7 @@ vocabulary logits."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import ClassVar
 
 import attrs
@@ -16,6 +16,7 @@ from heads.base import (
     HeadContext,
     LossOf,
     OutputSpec,
+    next_tokens,
     shift_to_scored_token,
 )
 from heads.errors import ConfigError
@@ -84,22 +85,45 @@ class LMHead:
     def postprocess(
         self, raw: torch.Tensor, input_ids: torch.Tensor, ctx: HeadContext
     ) -> dict[str, torch.Tensor]:
-        return self._scored(log_probs_and_entropy, sum_pi_squared, raw, input_ids, ctx)
+        ctx = attrs.evolve(ctx, output_weight=None)  # raw is the logits
+        return self.place(self.per_position(raw, next_tokens(input_ids), ctx), ctx)
 
     def postprocess_hidden(
         self, hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor, ctx: HeadContext
     ) -> dict[str, torch.Tensor]:
-        if hidden.shape[:-1].numel() * weight.shape[0] < self.fused_min_logits:
-            return self.postprocess(
-                torch.matmul(hidden.to(weight.dtype), weight.t()), input_ids, ctx
-            )
-        return self._scored(
-            functools.partial(fused_log_probs_and_entropy, weight=weight),
-            functools.partial(fused_sum_pi_squared, weight=weight),
-            hidden,
-            input_ids,
-            ctx,
+        ctx = attrs.evolve(ctx, output_weight=weight)
+        return self.place(self.per_position(hidden, next_tokens(input_ids), ctx), ctx)
+
+    def per_position(
+        self, raw: torch.Tensor, next_tokens: torch.Tensor, ctx: HeadContext
+    ) -> dict[str, torch.Tensor]:
+        """The log-prob of the next token at each position (and the entropy, the sum of squared
+        probabilities), from the logits or, with ``ctx.output_weight``, the hidden states."""
+        compute: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] = log_probs_and_entropy
+        compute_squares: Callable[..., torch.Tensor] = sum_pi_squared
+        weight = ctx.output_weight
+        if weight is not None and raw.shape[:-1].numel() * weight.shape[0] < self.fused_min_logits:
+            raw = torch.matmul(raw.to(weight.dtype), weight.t())
+        elif weight is not None:
+            compute = functools.partial(fused_log_probs_and_entropy, weight=weight)
+            compute_squares = functools.partial(fused_sum_pi_squared, weight=weight)
+        log_probs, entropy = compute(
+            raw,
+            targets=next_tokens,
+            temperature=self.temperature,
+            compute_entropy=self.compute_entropy,
+            group=ctx.tensor_parallel_group,
+            vocab_start=ctx.vocab_start,
         )
+        values = {"log_probs": log_probs, "entropy": entropy}
+        values["sum_pi_squared"] = self._sum_pi_squared(compute_squares, raw, ctx)
+        return {name: value for name, value in values.items() if value is not None}
+
+    def place(
+        self, per_position: Mapping[str, torch.Tensor], ctx: HeadContext
+    ) -> dict[str, torch.Tensor]:
+        """Per-position values moved to the token they score."""
+        return {name: shift_to_scored_token(value, ctx) for name, value in per_position.items()}
 
     def postprocess_hidden_with_loss(
         self,
@@ -139,7 +163,7 @@ class LMHead:
         log_probs, entropy, anchor = fused_log_probs_with_gradient(
             hidden,
             weight,
-            torch.roll(input_ids, shifts=-1, dims=1),
+            next_tokens(input_ids),
             upstream_of,
             temperature=self.temperature,
             compute_entropy=self.compute_entropy,
@@ -207,27 +231,6 @@ class LMHead:
         elif bool(violated):
             raise ConfigError(message)
 
-    def _scored(
-        self,
-        compute: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
-        compute_squares: Callable[..., torch.Tensor],
-        raw: torch.Tensor,
-        input_ids: torch.Tensor,
-        ctx: HeadContext,
-    ) -> dict[str, torch.Tensor]:
-        # Score the next token at every position; the last position's target is a placeholder.
-        next_tokens = torch.roll(input_ids, shifts=-1, dims=1)
-        log_probs, entropy = compute(
-            raw,
-            targets=next_tokens,
-            temperature=self.temperature,
-            compute_entropy=self.compute_entropy,
-            group=ctx.tensor_parallel_group,
-            vocab_start=ctx.vocab_start,
-        )
-        squares = self._sum_pi_squared(compute_squares, raw, ctx)
-        return self._results(log_probs, entropy, squares, ctx)
-
     def _sum_pi_squared(
         self, compute: Callable[..., torch.Tensor], raw: torch.Tensor, ctx: HeadContext
     ) -> torch.Tensor | None:
@@ -236,16 +239,13 @@ class LMHead:
             return None
         return compute(raw, temperature=self.temperature, group=ctx.tensor_parallel_group)
 
-    @staticmethod
     def _results(
+        self,
         log_probs: torch.Tensor,
         entropy: torch.Tensor | None,
         squares: torch.Tensor | None,
         ctx: HeadContext,
     ) -> dict[str, torch.Tensor]:
         """Per-position values moved to the token they score."""
-        results = {"log_probs": shift_to_scored_token(log_probs, ctx)}
-        for key, values in (("entropy", entropy), ("sum_pi_squared", squares)):
-            if values is not None:
-                results[key] = shift_to_scored_token(values, ctx)
-        return results
+        values = {"log_probs": log_probs, "entropy": entropy, "sum_pi_squared": squares}
+        return self.place({k: v for k, v in values.items() if v is not None}, ctx)

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import ClassVar
 
 import attrs
 import torch
 
-from heads.base import PER_SEQUENCE, Granularity, HeadContext, OutputSpec, at_last_token
+from heads.base import (
+    PER_SEQUENCE,
+    Granularity,
+    HeadContext,
+    OutputSpec,
+    at_last_token,
+    next_tokens,
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -33,4 +41,14 @@ class RewardHead:
     def postprocess(
         self, raw: torch.Tensor, input_ids: torch.Tensor, ctx: HeadContext
     ) -> dict[str, torch.Tensor]:
-        return {"scores": at_last_token(raw[..., 0].float(), ctx)}
+        return self.place(self.per_position(raw, next_tokens(input_ids), ctx), ctx)
+
+    def per_position(
+        self, raw: torch.Tensor, next_tokens: torch.Tensor, ctx: HeadContext
+    ) -> dict[str, torch.Tensor]:
+        return {"scores": raw[..., 0].float()}
+
+    def place(
+        self, per_position: Mapping[str, torch.Tensor], ctx: HeadContext
+    ) -> dict[str, torch.Tensor]:
+        return {"scores": at_last_token(per_position["scores"], ctx)}

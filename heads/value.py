@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import ClassVar
 
 import attrs
 import torch
 
-from heads.base import PER_TOKEN, Granularity, HeadContext, OutputSpec, shift_to_scored_token
+from heads.base import (
+    PER_TOKEN,
+    Granularity,
+    HeadContext,
+    OutputSpec,
+    next_tokens,
+    shift_to_scored_token,
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -31,4 +39,14 @@ class ValueHead:
     def postprocess(
         self, raw: torch.Tensor, input_ids: torch.Tensor, ctx: HeadContext
     ) -> dict[str, torch.Tensor]:
-        return {"values": shift_to_scored_token(raw[..., 0].float(), ctx)}
+        return self.place(self.per_position(raw, next_tokens(input_ids), ctx), ctx)
+
+    def per_position(
+        self, raw: torch.Tensor, next_tokens: torch.Tensor, ctx: HeadContext
+    ) -> dict[str, torch.Tensor]:
+        return {"values": raw[..., 0].float()}
+
+    def place(
+        self, per_position: Mapping[str, torch.Tensor], ctx: HeadContext
+    ) -> dict[str, torch.Tensor]:
+        return {"values": shift_to_scored_token(per_position["values"], ctx)}

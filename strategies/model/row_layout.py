@@ -17,12 +17,14 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 import torch
 
+from heads.base import SequenceSplit
 from strategies.model.packed_attention import positions_in_sequences, row_segments
+from strategies.parallel.sequence_split import gather_sequence
 
 
 class MicroBatchRows(Protocol):
@@ -123,6 +125,45 @@ class RowLayout:
             for index in (rank, 2 * size - 1 - rank):
                 ranges.append((start + index * chunk, start + (index + 1) * chunk))
         return tuple(ranges)
+
+    def to_caller(self, values: torch.Tensor) -> torch.Tensor:
+        """Values of the model's rows ``[rows, width, *features]`` in the micro-batch's own
+        layout ``[rows, length, *features]`` (the padding left out)."""
+        real = self.real_positions
+        if real is None:
+            return values[:, : self.length]
+        return values.index_select(1, real.to(values.device, non_blocking=True))
+
+    @functools.cached_property
+    def caller_positions(self) -> torch.Tensor:
+        """For each position of the model's row ``[width]``, the micro-batch position it
+        stands for (0 for the padding), host."""
+        caller = torch.zeros(self.width, dtype=torch.long)
+        real = self.real_positions
+        places = torch.arange(self.length)
+        if real is None:
+            caller[: self.length] = places
+        else:
+            caller[real] = places
+        return caller
+
+    def split(
+        self, held: torch.Tensor, group: Any, order: torch.Tensor | None = None
+    ) -> SequenceSplit:
+        """What a head is told of a raw output holding the row positions ``held`` (this rank's,
+        in its order) of ``group``'s split of the rows: where they stand in the micro-batch,
+        and the gather of per-position values into its layout (``order``: the row positions
+        of the ranks' parts one after another, None where that is the row's order)."""
+        positions = self.caller_positions.to(held.device, non_blocking=True).index_select(0, held)
+        return SequenceSplit(
+            positions=positions,
+            gather=functools.partial(self._gather, group=group, order=order),
+        )
+
+    def _gather(
+        self, part: torch.Tensor, *, group: Any, order: torch.Tensor | None
+    ) -> torch.Tensor:
+        return self.to_caller(gather_sequence(part, group, 1, order))
 
     def held_by(self, rank: int, device: torch.device) -> torch.Tensor:
         """The row positions context-parallel rank ``rank`` holds, in its order."""

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from heads.base import Head, HeadContext
+from heads.base import Head, HeadContext, SequenceSplit
 from heads.errors import ConfigError, EngineStateError
 from heads.validation import bool_field, int_field, one_of
 from strategies.backends.base import MicroBatchConsumer, Refuse, StagedSave, Step
@@ -309,7 +309,13 @@ class Fsdp2Backend(BackendState[torch.optim.AdamW]):
                     )
                     for name in ("attention_mask", "position_ids"):
                         inputs[name] = self._own_part(inputs[name])
-                consume_whole = functools.partial(_consume_rows, consume, index, row.length)
+                split = None
+                if group is not None:  # the head runs on this rank's part (heads.base)
+                    size, part = self.ulysses_size, dist.get_rank(group)
+                    own = row.width // size
+                    held = torch.arange(part * own, (part + 1) * own, device=self._device)
+                    split = row.split(held, group)
+                consume_whole = functools.partial(_consume_rows, consume, index, row, split)
                 if not forward_only:
                     model.set_requires_gradient_sync(index == last)  # type: ignore[operator]
                 if self._fused:  # the head applies the output layer, inside the model's forward
@@ -545,13 +551,16 @@ MIN_TORCH = "2.8"
 def _consume_rows(
     consume: MicroBatchConsumer,
     index: int,
-    length: int,
+    row: RowLayout,
+    split: SequenceSplit | None,
     raw: torch.Tensor,
     context: HeadContext,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """``consume`` micro-batch ``index``'s raw output, its rows cut back to ``length`` (Ulysses
-    pads them to a multiple of its size)."""
-    return consume(index, raw[:, :length], context)
+    """``consume`` micro-batch ``index``'s raw output: with Ulysses, this rank's part of the
+    rows as ``split`` says; else the rows cut back to the micro-batch's length."""
+    if split is not None:
+        return consume(index, raw, attrs.evolve(context, sequence_split=split))
+    return consume(index, row.to_caller(raw), context)
 
 
 def _consume_hidden(

@@ -34,7 +34,6 @@ from strategies.hf.classification import HeadLayer, score_name
 from strategies.hf.experts import CheckpointLayout
 from strategies.hf.files import SafetensorsCheckpoint
 from strategies.model.weight_draws import normal_from_name
-from strategies.parallel.sequence_split import gather_sequence
 from strategies.part_configs import PartsConfig
 
 LM_HEAD = "lm_head"
@@ -74,8 +73,8 @@ class CausalModel(torch.nn.Module):
         ``fused_head``, what ``fused_head(final hidden states, output weight)`` returns instead,
         computed inside this forward: there FSDP2 holds the (root's) output weight gathered, and
         its gradient reaches the reduce-scatter as the output layer's would. With
-        ``sequence_group`` (Ulysses), the inputs are this rank's part of the rows and the final
-        hidden states are gathered into whole rows first (``fsdp2.ulysses``)."""
+        ``sequence_group`` (Ulysses), the inputs are this rank's part of the rows, and so are
+        the outputs (``fsdp2.ulysses``)."""
         if sequence_group is not None:
             attention["sequence_group"] = sequence_group
         hidden = self.model(
@@ -85,8 +84,6 @@ class CausalModel(torch.nn.Module):
             use_cache=False,
             **attention,
         ).last_hidden_state
-        if sequence_group is not None:
-            hidden = gather_sequence(hidden, sequence_group, dim=1)
         layer = self.get_submodule(self.output_name)
         if fused_head is not None:
             return fused_head(hidden, cast(torch.Tensor, layer.weight))

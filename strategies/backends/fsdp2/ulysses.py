@@ -9,11 +9,14 @@ through an all-to-all: sequence parts of all heads in, all of the sequence of ``
 heads out; it attends exactly (causal, per sequence when packed) and exchanges back. Key/value
 heads fewer than ``U`` are repeated so each rank gets one (``U`` a multiple of them).
 
-The last layer's hidden states are gathered, so the output layer, the head and the loss see
-whole rows and return them in the caller's layout. Every rank of the group computes the same
-loss; the loss that goes backward is divided by ``U`` and the gather's backward sums the ranks'
-gradients, so each rank's share is its own tokens' gradient once, and FSDP's sum over all ranks
-gives the output layer's gradient once. FSDP shards over every rank, as without Ulysses.
+The output layer and the head run on the rank's own tokens too (``heads.base.SequenceSplit``):
+only the head's per-token results (one number per token and result) are gathered into the
+caller's layout, so a rank's logits never exceed its own tokens (a head that cannot run position
+by position gets the raw output gathered instead). Every rank of the group computes the same
+loss from the gathered results; the loss that goes backward is divided by ``U`` and the
+gather's backward sums the ranks' gradients, so each rank's share is its own tokens' gradient
+once, and FSDP's sum over all ranks gives the output layer's gradient once. FSDP shards over
+every rank, as without Ulysses.
 """
 
 from __future__ import annotations

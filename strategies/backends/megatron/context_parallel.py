@@ -16,12 +16,15 @@ in megatron's ``packed_seq_params``). The activations outside attention, and the
 attention's queries and outputs, stay split; only K and V (``2 x groups x head_dim`` per token,
 a fraction of the hidden size with grouped-query attention) are held whole.
 
-Outputs: the last stage gathers its output (the hidden states a fused head reads, logits, or
-values) back into the caller's layout, so the head and the loss see whole sequences. Every
-context-parallel rank then computes the same loss; the loss that goes backward is divided by CP
-and the gather's backward sums the ranks' gradients (reduce-scatter), so each rank's share is
-its own tokens' gradient once, and the output layer's gradient, computed on every rank, adds up
-to one over the data x context parallel gradient reduction.
+Outputs: the head runs on the last stage's output of this rank's tokens (the hidden states a
+fused head reads, logits, or values; ``heads.base.SequenceSplit``), and only its per-token
+results (one number per token and result) are gathered into the caller's layout, so the logits
+of a rank never exceed its own tokens; a head that cannot run position by position gets its raw
+output gathered instead. Every context-parallel rank then computes the same loss from the
+gathered results; the loss that goes backward is divided by CP and the gather's backward sums
+the ranks' gradients (reduce-scatter), so each rank's share is its own tokens' gradient once,
+and the output layer's gradient, from each rank's own tokens, adds up over the data x context
+parallel gradient reduction.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from heads.base import SequenceSplit
 from strategies.model.row_layout import RowLayout
 from strategies.parallel.sequence_split import gather_sequence
 
@@ -79,6 +83,10 @@ class Layout:
         """This rank's part (along ``dim``) joined with the other ranks' into the row's order;
         the gradient of each rank's part sums every rank's gradient."""
         return gather_sequence(part, self.group, dim, self.order)
+
+    def head_split(self) -> SequenceSplit:
+        """What the head is told of this rank's part of the last stage's output."""
+        return self.row.split(self.local, self.group, self.order)
 
     def visible_keys(self, window: Window) -> torch.Tensor:
         """``[local queries, row]`` True where this rank's query attends a key: causal in their

@@ -3,10 +3,9 @@ once per step), the forward step (``forward_step_func``) and the loss bound to e
 micro-batch (the ``loss_func`` a forward step returns).
 
 Padding goes at the end of each row (never inside a sequence); the head never sees it: the raw
-output is sliced back to the micro-batch's own length, or under context parallelism a packed
-row's real tokens are taken from where their padded sequences put them. With context
-parallelism each rank runs its part of every row and the last stage gathers the output back
-(``context_parallel``).
+output is cut back to the micro-batch's own layout (``RowLayout.to_caller``). With context
+parallelism each rank runs its part of every row, and so does the head on the last stage: only
+its per-token results are gathered (``context_parallel``).
 """
 
 from __future__ import annotations
@@ -118,12 +117,10 @@ class BoundLoss:
         context = self.context  # on the last stage only
         if self.fused_chunk is not None:  # the raw output is the hidden states
             context = attrs.evolve(context, output_weight=output_weight(self.fused_chunk))
-        if self.layout is not None:
-            raw = self.layout.gather(raw, 1)
-        real = self.row.real_positions
-        raw = (
-            raw[:, : self.row.length] if real is None else raw.index_select(1, real.to(raw.device))
-        )
+        if self.layout is not None:  # the head runs on this rank's part (heads.base)
+            context = attrs.evolve(context, sequence_split=self.layout.head_split())
+        else:
+            raw = self.row.to_caller(raw)
         loss, metrics = self.consume(self.index, raw, context)
         if self.layout is not None:
             loss = loss / self.layout.size
