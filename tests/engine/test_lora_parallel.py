@@ -114,20 +114,27 @@ def single_processes() -> dict[str, dict[str, Any]]:
 @pytest.mark.parametrize(
     ("backend", "world", "parallel", "options", "head", "lora"),
     [
-        ("megatron", 4, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, {}, "lm", LORA),
+        (
+            "megatron",
+            4,
+            {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "sequence_parallel": True},
+            {},
+            "lm",
+            LORA,
+        ),
         ("megatron", 2, {}, {"use_distributed_optimizer": True}, "lm", LORA),
         ("fsdp2", 2, {}, {}, "lm", LORA),
         ("megatron", 2, {"tensor_parallel_size": 2}, {}, "value", LORA),
         ("megatron", 2, {}, {"use_distributed_optimizer": True}, "value", LORA),
-        ("megatron", 2, {"tensor_parallel_size": 2}, {}, "lm", SHARED_A),
+        ("megatron", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}, {}, "lm", SHARED_A),
     ],
     ids=[
-        "megatron-tp2xpp2",
+        "megatron-tp2-sp-xpp2",
         "megatron-dp2-distributed-optimizer",
         "fsdp2-dp2",
         "megatron-tp2-critic",
         "megatron-dp2-distributed-optimizer-critic",
-        "megatron-tp2-shared-a",
+        "megatron-tp2-sp-shared-a",
     ],
 )
 def test_lora_at_every_parallel_layout_matches_one_process(

@@ -15,6 +15,15 @@ the linear's own layout:
   the base weight, its partial rank-r sums are all-reduced
   (``reduce_from_tensor_model_parallel_region``), ``B`` is replicated.
 
+With sequence parallelism a column-parallel linear's input is this rank's part of the sequence
+(the linear gathers it itself): ``A`` reads that part and its rank-r output is gathered along the
+sequence (``gather_from_sequence_parallel_region``; backward, reduce-scattered); a row-parallel
+linear's output is reduce-scattered along the sequence, and so are ``A``'s partial sums
+(``reduce_scatter_to_sequence_parallel_region``) before the replicated ``B``. The replicated
+tensor that then sees only the rank's part of the sequence (the column case's ``A``, the row
+case's ``B``) is marked ``sequence_parallel``, and megatron's ``finalize_model_grads``
+all-reduces its gradient over the tensor-parallel group, as for the norms.
+
 Replicated adapter tensors get the same gradient on every tensor-parallel rank, so megatron's
 DDP (data-parallel reduction) and grad norm (which counts replicated tensors once) treat them
 as they treat norm weights. Sharded ones carry megatron's tensor-parallel attributes, which
@@ -61,11 +70,6 @@ def check_lora(config: PartsConfig, uses_te: bool) -> None:
         raise ConfigError(
             "EngineConfig.lora on a mixture-of-experts model is not supported by the megatron "
             "backend yet (expert linears get no adapters); use a dense model"
-        )
-    if config.parallel.sequence_parallel:
-        raise ConfigError(
-            "EngineConfig.lora with ParallelConfig.sequence_parallel is not supported by the "
-            "megatron backend (its adapters read the full sequence)"
         )
     if uses_te:
         raise ConfigError(
@@ -152,10 +156,12 @@ def attach_adapters(chunk: torch.nn.Module, config: PartsConfig, switch: Adapter
                 pair.lora_A.weight.copy_(shard_a)
                 pair.lora_B.weight.zero_()
             for part in ("lora_A", "lora_B"):
-                _mark(
-                    pair.get_parameter(f"{part}.weight"),
-                    split if part == split_name else None,
-                    tp_size,
+                weight = pair.get_parameter(f"{part}.weight")
+                _mark(weight, split if part == split_name else None, tp_size)
+                # the replicated tensor that reads (column: A) or writes (row: B) the rank's
+                # part of the sequence: its gradient is a partial sum (see the module)
+                weight.sequence_parallel = (  # type: ignore[attr-defined]
+                    config.parallel.sequence_parallel and part != split_name and tp_size > 1
                 )
             shared = adapters.pair(owner)
             if shared is not None:  # share_a: the fused linear's first target's A
@@ -209,11 +215,17 @@ def _column_hook(
     adapters: LayerAdapters, targets: tuple[str, ...], config: PartsConfig, switch: AdapterSwitch
 ) -> Hook:
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+    from megatron.core.tensor_parallel import mappings
 
     lora = config.lora
     assert lora is not None
     tp_size = ps.get_tensor_model_parallel_world_size()
+    # A's rank-r output into the tensor-parallel region as the linear's input enters it
+    enter = (
+        mappings.gather_from_sequence_parallel_region
+        if config.parallel.sequence_parallel and tp_size > 1
+        else mappings.copy_to_tensor_model_parallel_region
+    )
     groups = (config.model.num_query_groups or config.model.num_attention_heads) // tp_size
     sizes = _target_sizes(config)
 
@@ -230,7 +242,7 @@ def _column_hook(
                 pieces.append(out.new_zeros(*out.shape[:-1], sizes[target][1] // tp_size))
                 continue
             if id(pair.lora_A) not in lows:
-                lows[id(pair.lora_A)] = copy_to_tensor_model_parallel_region(
+                lows[id(pair.lora_A)] = enter(
                     low_rank_update(x, pair.lora_A, lora, module.training)
                 )
             pieces.append(pair.lora_B(lows[id(pair.lora_A)]) * lora.scale)
@@ -243,20 +255,25 @@ def _column_hook(
 def _row_hook(
     adapters: LayerAdapters, targets: tuple[str, ...], config: PartsConfig, switch: AdapterSwitch
 ) -> Hook:
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import mappings
 
     lora = config.lora
     assert lora is not None
     (target,) = targets
+    # A's partial sums out of the tensor-parallel region as the linear's output leaves it
+    leave = (
+        mappings.reduce_scatter_to_sequence_parallel_region
+        if config.parallel.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1
+        else mappings.reduce_from_tensor_model_parallel_region
+    )
 
     def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         pair = adapters.pair(target)
         if not switch.enabled or pair is None:
             return output
         out, bias = output
-        low = reduce_from_tensor_model_parallel_region(
-            low_rank_update(args[0], pair.lora_A, lora, module.training)
-        )
+        low = leave(low_rank_update(args[0], pair.lora_A, lora, module.training))
         return out + (pair.lora_B(low) * lora.scale).to(out.dtype), bias
 
     return hook
