@@ -717,14 +717,20 @@ UPDATE_CASES = [
 
 
 def update_through_verl(
-    path: str, model_type: str, strategy: str, dynamic: bool, splitting: int = 1, **engine: object
+    path: str,
+    model_type: str,
+    strategy: str,
+    dynamic: bool,
+    splitting: int = 1,
+    model: dict[str, object] | None = None,
+    **engine: object,
 ) -> dict[str, object]:
     """One of verl's ``update_actor`` / ``update_critic`` mini-batch loops on this rank's share
     of ``_rollout()`` (one mini-batch, 2 or 4 micro-batches), then verl's ``reduce_metrics``;
     with what the loss returned per micro-batch, and (actor) the token-mean entropy of the
-    responses before the update, over every rank. ``engine``: more verl engine settings; with
-    ``splitting`` ranks splitting each sequence (Ulysses, context parallelism), the ranks of a
-    group take one share (and no entropy is measured)."""
+    responses before the update, over every rank. ``engine`` / ``model``: more verl engine /
+    model settings; with ``splitting`` ranks sharing each sequence (Ulysses, context or tensor
+    parallelism), the ranks of a group take one share (and no entropy is measured)."""
     import torch.distributed as dist
     from verl.utils.metric import reduce_metrics
 
@@ -739,7 +745,11 @@ def update_through_verl(
     )
     sizes.update(engine)
     worker = _worker(
-        model_type, path, strategy, model_settings={"use_remove_padding": dynamic}, **sizes
+        model_type,
+        path,
+        strategy,
+        model_settings={"use_remove_padding": dynamic, **(model or {})},
+        **sizes,
     )
     group = worker.engine.get_data_parallel_group()
     assert group is not None and dist.get_world_size(group) == size
@@ -767,6 +777,7 @@ def update_through_verl(
         "calls": recording.calls,
         "entropy": entropy,
         "engine_group_size": dist.get_world_size(worker.engine.engine.get_data_parallel_group()),
+        "sequence_parallel": worker.engine.engine.config.parallel.sequence_parallel,
     }
 
 
@@ -825,10 +836,10 @@ def test_verls_mini_batch_update_reports_verls_metrics(
 
 def update_every_case(
     path: str,
-) -> tuple[list[dict[str, object]], bool, str, dict[str, dict[str, object]]]:
+) -> tuple[list[dict[str, object]], bool, dict[str, object], dict[str, dict[str, object]]]:
     """:func:`update_through_verl` for every update case, on one rank; whether verl's default
     megatron config at TP=2 (sequence_parallel on) builds an engine with sequence parallelism;
-    its refusal with LoRA (which megatron's LoRA cannot run with sequence_parallel); and the
+    the actor's update with LoRA there; and the
     actor's update with each sequence split over both ranks: Ulysses (packed, as verl's
     default) and megatron's context parallelism."""
     import torch.distributed as dist
@@ -841,13 +852,20 @@ def update_every_case(
     model = HFModelConfig(path=path, load_tokenizer=False)
     built = ComposableEngine(model, engine, FSDPOptimizerConfig(), CheckpointConfig())
     sequence_parallel = built.engine.config.parallel.sequence_parallel
-    lora = HFModelConfig(path=path, load_tokenizer=False, lora_rank=4)
-    try:
-        ComposableEngine(lora, engine, FSDPOptimizerConfig(), CheckpointConfig())
-    except ConfigError as error:
-        refusal = str(error)
-    else:
-        refusal = "not refused"
+    from strategies.backends.megatron.mesh import destroy_mesh
+
+    destroy_mesh()
+    # LoRA at verl's TP default (sequence parallelism on): the actor's update
+    lora = update_through_verl(
+        path,
+        "language_model",
+        "megatron",
+        False,
+        2,
+        model={"lora_rank": 4, "lora_alpha": 8},
+        tensor_model_parallel_size=2,
+    )
+    destroy_mesh()
     split = {
         "fsdp2": update_through_verl(
             path, "language_model", "fsdp2", True, 2, ulysses_sequence_parallel_size=2
@@ -855,19 +873,18 @@ def update_every_case(
     }
     # verl's megatron config with context_parallel_size=2 (bf16 only in verl, so compared by
     # its layout here; the numbers are the engine's, tests/engine/test_parallel.py)
-    from strategies.backends.megatron.mesh import destroy_mesh
-
     destroy_mesh()  # the cases above laid the mesh out without context parallelism
     context = ComposableEngine(
         model, McoreEngineConfig(context_parallel_size=2), FSDPOptimizerConfig(), CheckpointConfig()
     )
     context.initialize()
     split["megatron"] = {
+        "packing": context.engine.config.packing,  # verl's use_remove_padding, its default
         "context_parallel_size": context.engine.config.parallel.context_parallel_size,
         "data_parallel_size": context.get_data_parallel_size(),
         "outputs": context.is_mp_src_rank_with_outputs(),
     }
-    return results, sequence_parallel, refusal, split
+    return results, sequence_parallel, lora, split
 
 
 @pytest.mark.multiprocess
@@ -888,12 +905,14 @@ def test_verls_mini_batch_update_reports_verls_metrics_over_two_ranks(
         assert math.isclose(results[0]["reduced"][loss_term], alone[loss_term], rel_tol=1e-5), (
             strategy
         )
-    # verl's default sequence_parallel=True at TP=2 runs on the CPU too; with LoRA (which
-    # megatron's LoRA cannot combine with it) the refusal says it is verl's default
+    # verl's default sequence_parallel=True at TP=2 runs on the CPU too, with LoRA as well: the
+    # adapters' update reports verl's metrics (from tensor-parallel rank 0, verl's output rank)
     assert all(rank[1] for rank in ranks)
-    refusal = ranks[0][2]
-    assert re.search(r"sequence_parallel.*verl turns sequence_parallel on by default", refusal)
-    assert "megatron.sequence_parallel=False" in refusal, refusal
+    lora = [rank[2] for rank in ranks]
+    assert all(result["sequence_parallel"] for result in lora)
+    reduced = lora[0]["reduced"]
+    assert isinstance(reduced, dict) and lora[1]["reduced"] is None
+    assert all(math.isfinite(reduced[name]) for name in ("actor/pg_loss", "loss")), reduced
     # ulysses_sequence_parallel_size=2 (fsdp2) and context_parallel_size=2 (megatron): both ranks
     # split every sequence; verl's numbers are one process's on the whole batch
     alone = update_through_verl(qwen3, "language_model", "fsdp2", True)["reduced"]
@@ -902,7 +921,7 @@ def test_verls_mini_batch_update_reports_verls_metrics_over_two_ranks(
     for name in ("actor/pg_loss", "actor/entropy_loss"):
         assert math.isclose(split["reduced"][name], alone[name], rel_tol=1e-5), name
     layouts = [rank[3]["megatron"] for rank in ranks]
-    assert all(layout["context_parallel_size"] == 2 for layout in layouts)
+    assert all(layout["context_parallel_size"] == 2 and layout["packing"] for layout in layouts)
     assert all(layout["data_parallel_size"] == 1 for layout in layouts)
     assert [layout["outputs"] for layout in layouts] == [True, False]
 
@@ -994,6 +1013,35 @@ def test_override_config_keys_that_change_the_model_are_applied_and_others_refus
     )
     with pytest.raises(ConfigError, match=r"override_config\.num_hidden_layers=1.*not read"):
         engine_config_from_verl(model_config=model, **settings)
+
+
+def test_verls_remove_padding_packs_under_context_parallelism_where_the_backend_packs(
+    qwen3: str, distributed: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verl's ``use_remove_padding`` (its default) runs packed micro-batches at
+    ``context_parallel_size=2`` on the megatron backend's local layer spec; where the backend
+    cannot pack at that layout (TransformerEngine's layer spec), padded ones, which give the
+    same numbers, instead of a refusal."""
+    from verl.workers.config.engine import McoreEngineConfig
+
+    from engine.integrations.verl.translation import engine_config_from_verl
+    from strategies.backends.megatron import backend as megatron
+
+    def translated(remove_padding: bool) -> bool:
+        _, _, config = engine_config_from_verl(
+            model_config=HFModelConfig(
+                path=qwen3, load_tokenizer=False, use_remove_padding=remove_padding
+            ),
+            engine_config=McoreEngineConfig(context_parallel_size=2),
+            optimizer_config=FSDPOptimizerConfig(),
+            checkpoint_config=CheckpointConfig(),
+            world_size=2,
+        )
+        return config.packing
+
+    assert translated(True) and not translated(False)
+    monkeypatch.setattr(megatron, "uses_transformer_engine", lambda kind: True)
+    assert not translated(True)
 
 
 def test_memory_settings_of_real_configs_reach_the_backends(qwen3: str, distributed: None) -> None:

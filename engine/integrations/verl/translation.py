@@ -19,7 +19,7 @@ from engine import registry
 from engine.config import EngineConfig
 from engine.integrations.verl.cells import BACKENDS, HEADS
 from heads.errors import ConfigError
-from strategies.backends.base import Refuse
+from strategies.backends.base import Packing, Refuse, require
 from strategies.part_configs import DTYPE_NAMES, LORA_TARGETS, LoraConfig
 
 
@@ -386,13 +386,20 @@ def _parallel(engine_config: Any) -> dict[str, Any]:
     }
 
 
-def packing(model_config: Any, parallel: Mapping[str, Any]) -> bool:
-    """verl's ``use_remove_padding`` (its default): each micro-batch's sequences run as one
-    packed row, as verl's engines run them, except with context parallelism (the megatron
-    backend cuts packed rows into its chunks on the local layer spec only, not on
-    TransformerEngine's; padded micro-batches give the same numbers)."""
-    wanted = bool(_get(model_config, "use_remove_padding", False))
-    return wanted and parallel["context_parallel_size"] == 1
+def packed(config: EngineConfig, backend: Any, options: Mapping[str, Any]) -> EngineConfig:
+    """``config`` (verl's ``use_remove_padding``, its default: each micro-batch's sequences as
+    one packed row, as verl's engines run them) where the backend with ``options`` packs at its
+    layout, else with padded micro-batches, which give the same numbers (e.g. megatron's
+    context parallelism packs on its local layer spec, not on TransformerEngine's); the backend
+    is asked (``check_packing``)."""
+    if not config.packing:
+        return config
+    built = backend(**options)
+    try:
+        require(built, Packing).check_packing(config)
+    except ConfigError:
+        return config.replace(packing=False)
+    return config
 
 
 def optimizer_settings(optimizer_config: Any) -> list[tuple[str, str, Any]]:
@@ -524,7 +531,7 @@ def engine_config_from_verl(
         {
             "model": model,
             "parallel": parallel,
-            "packing": packing(model_config, parallel),
+            "packing": bool(_get(model_config, "use_remove_padding", False)),
             "optimizer": optimizer,
             "scheduler": schedule,
             "micro_batch_size": int(_get(engine_config, "micro_batch_size_per_gpu", None) or 1),
@@ -538,4 +545,4 @@ def engine_config_from_verl(
             "router_replay": replay,
         }
     )
-    return head, backend, config
+    return head, backend, packed(config, translation, options)
