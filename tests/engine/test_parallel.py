@@ -122,6 +122,11 @@ DISTRIBUTED_OPTIMIZER = {
         (2, {"tensor_parallel_size": 2, "sequence_parallel": True}, {"packing": True}),
         (2, {"context_parallel_size": 2}, {}),
         (
+            2,
+            {"context_parallel_size": 2},
+            {"packing": True, "backend": {"context_parallel_attention": "ring"}},
+        ),
+        (
             4,
             {"context_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True},
             {"packing": True},
@@ -136,6 +141,7 @@ DISTRIBUTED_OPTIMIZER = {
         "tp2xpp2",
         "tp2-sp-packed",
         "cp2",
+        "cp2-ring-packed",
         "cp2xtp2-sp-packed",
     ],
 )

@@ -15,11 +15,12 @@ matrix and skip the masked half:
   length; megatron's rotary embedding already restarts positions at each sequence in the
   ``thd`` layout (``cu_seqlens``).
 
-* context parallelism: this rank's queries over the whole row's gathered keys and values
-  (``context_parallel``), as the micro-batch's layout says: the backend builds it once per
-  micro-batch and hands it to every layer in ``packed_seq_params`` (``context_parallel.
-  row_params``), with the mask of the keys each query sees, built by the first layer that
-  asks and reused by the others.
+* context parallelism: this rank's queries over the whole row's gathered keys and values, or
+  through ring attention (``context_parallel``), as the micro-batch's layout says: the backend
+  builds it once per micro-batch and hands it to every layer in ``packed_seq_params``
+  (``context_parallel.row_params``), with the mask of the keys each query sees (gathered: built
+  by the first layer that asks and reused by the others; ring: per block). No attention dropout
+  in the ring.
 
 It attends as the local path does: the same scale, the same sliding window (``window_size``,
 per layer as ``window_attn_skip_freq`` says) and attention dropout drawn from megatron's
@@ -40,8 +41,9 @@ import attrs
 import torch
 
 from heads.errors import ConfigError
-from strategies.backends.megatron.context_parallel import ContextAttention, Window
+from strategies.backends.megatron.context_parallel import ContextAttention
 from strategies.model.packed_attention import attend_per_sequence
+from strategies.parallel.ring_attention import Window, ring_attention
 
 
 @attrs.frozen
@@ -87,7 +89,7 @@ def packed_dot_product_attention() -> type:
             causal = self.softmax_offset is None and self.attn_mask_type == AttnMaskType.causal
             explicit = attention_mask is not None or attention_bias is not None
             if self.config.context_parallel_size > 1:
-                check_context_parallel(causal, explicit, packed_seq_params)
+                check_context_parallel(causal, explicit, packed_seq_params, self._softmax())
                 return attend_across_ranks(
                     query, key, value, packed_seq_params.context, self._softmax()
                 )
@@ -124,9 +126,12 @@ def packed_dot_product_attention() -> type:
     return PackedDotProductAttention
 
 
-def check_context_parallel(causal: bool, explicit: bool, packed_seq_params: Any) -> None:
+def check_context_parallel(
+    causal: bool, explicit: bool, packed_seq_params: Any, softmax: SoftmaxSettings
+) -> None:
     """What context parallelism on megatron's local layer spec attends: causal self-attention
-    with a vanilla softmax, no explicit mask or bias, the micro-batch's layout handed down."""
+    with a vanilla softmax, no explicit mask or bias, the micro-batch's layout handed down; no
+    attention dropout in ring attention."""
     if explicit:
         raise ConfigError(
             "context parallelism on megatron's local layer spec takes causal self-attention "
@@ -142,6 +147,12 @@ def check_context_parallel(causal: bool, explicit: bool, packed_seq_params: Any)
             "context parallelism on megatron's local layer spec needs the micro-batch's layout "
             "in packed_seq_params (context_parallel.row_params); run the model through the "
             "megatron backend"
+        )
+    if softmax.dropout and packed_seq_params.context.ring is not None:
+        raise ConfigError(
+            "ring attention (MegatronBackend.context_parallel_attention='ring') has no "
+            f"attention dropout (attention_dropout={softmax.dropout}): it attends block by "
+            "block; set attention_dropout=0 or use context_parallel_attention='all_gather'"
         )
 
 
@@ -194,25 +205,28 @@ def attend_across_ranks(
     softmax: SoftmaxSettings,
 ) -> torch.Tensor:
     """This rank's queries (``[s / CP, b, heads, dim]``, or ``[t / CP, heads, dim]`` packed)
-    over the whole row's keys and values (gathered), causal in the queries' row positions and
-    inside their own sequence, as the micro-batch's ``context`` says."""
+    over the whole row's keys and values (gathered, or round the ring), causal in the queries'
+    row positions and inside their own sequence, as the micro-batch's ``context`` says."""
     layout = context.layout
     packed = layout.row.packed
     if packed:  # [t, heads, dim] -> [t, 1, heads, dim]
         query, key, value = (x[:, None] for x in (query, key, value))
-    key, value = layout.gather(key, 0), layout.gather(value, 0)
-    mask = context.visible_keys(softmax.window)
+    if context.ring is None:
+        key, value = layout.gather(key, 0), layout.gather(value, 0)
     q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-    with softmax.random:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            dropout_p=softmax.dropout,
-            scale=softmax.scale,
-            enable_gqa=k.shape[1] != q.shape[1],
-        )
+    if context.ring is not None:
+        out = ring_attention(q, k, v, context.ring, scale=softmax.scale, window=softmax.window)
+    else:
+        with softmax.random:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=context.visible_keys(softmax.window),
+                dropout_p=softmax.dropout,
+                scale=softmax.scale,
+                enable_gqa=k.shape[1] != q.shape[1],
+            )
     out = out.permute(2, 0, 1, 3)
     if packed:
         return out.reshape(query.shape[0], -1)

@@ -79,6 +79,13 @@ class MegatronBackend(BackendState[Any]):
     #: megatron ``OptimizerConfig`` fields (``optimizer.OPTIMIZER_OVERRIDES``): CPU optimizer
     #: offload and the precision-aware optimizer (both need ``use_distributed_optimizer``).
     optimizer_overrides: dict[str, Any] = attrs.field(factory=dict, validator=of_type(dict))
+    #: Context parallelism's attention on the local layer spec (``context_parallel``):
+    #: ``all_gather`` the keys and values of the whole row (SDPA's fused kernel), or ``ring``
+    #: (they go round the ranks; nothing held whole, slower on a CPU). TransformerEngine's
+    #: attention takes megatron's own ``cp_comm_type`` (``transformer_overrides``).
+    context_parallel_attention: str = attrs.field(
+        default="all_gather", validator=one_of("all_gather", "ring")
+    )
 
     _chunks: list[torch.nn.Module] = attrs.field(factory=list, init=False)
     _wrapped: list[torch.nn.Module] = attrs.field(factory=list, init=False)
@@ -360,6 +367,7 @@ class MegatronBackend(BackendState[Any]):
             routing=self._routing,
             context_group=self._context_group,
             local_attention=self._local_attention,
+            ring_attention=self.context_parallel_attention == "ring",
         )
         # Each model chunk (virtual pipeline stage) walks the micro-batches with its own iterator.
         data: list[Iterator[tuple[int, MicroBatch]]] = [

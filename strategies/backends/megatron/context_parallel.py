@@ -7,14 +7,23 @@ multiple of ``2 x CP``) is cut into ``2 x CP`` chunks; rank ``r`` holds chunks `
 ``2 x CP - 1 - r`` of every segment, so every rank gets as much of the causal attention's work
 as any other. The model runs on each rank's ``width / CP`` tokens.
 
-Attention: every rank all-gathers the keys and values of the whole row (their gradient is
-reduce-scattered back) and attends with its own queries under the causal mask of their global
-positions inside their own segment (the document mask), as Llama 3's long-context training
-did. The micro-batch's :class:`Layout` (what each rank holds, the gather's order) and that mask
-are built once per micro-batch and read by every layer (:class:`ContextAttention`, handed down
-in megatron's ``packed_seq_params``). The activations outside attention, and the
-attention's queries and outputs, stay split; only K and V (``2 x groups x head_dim`` per token,
-a fraction of the hidden size with grouped-query attention) are held whole.
+Attention, two ways (``MegatronBackend.context_parallel_attention``):
+
+- ``all_gather`` (the default): every rank all-gathers the keys and values of the whole row
+  (their gradient is reduce-scattered back) and attends with its own queries under the causal
+  mask of their global positions inside their own segment (the document mask), as Llama 3's
+  long-context training did, through SDPA's fused kernel. Only K and V (``2 x groups x
+  head_dim`` per token, a fraction of the hidden size with grouped-query attention) and that
+  ``[queries, row]`` mask are held whole.
+- ``ring``: ring attention (``strategies.parallel.ring_attention``): the keys and values go
+  round the ranks one rank's block at a time; each rank attends its queries to each block under
+  that mask, built per block and query tile from the positions, folding the blocks into a
+  running softmax; backward goes round again. Nothing is held whole; slower on a CPU (its
+  scores are plain tensor operations, not a fused kernel).
+
+The micro-batch's :class:`Layout` (what each rank holds, the gather's order, the segments) is
+built once per micro-batch and read by every layer (:class:`ContextAttention`, handed down in
+megatron's ``packed_seq_params``).
 
 Outputs: the head runs on the last stage's output of this rank's tokens (the hidden states a
 fused head reads, logits, or values; ``heads.base.SequenceSplit``), and only its per-token
@@ -39,10 +48,8 @@ import torch.distributed as dist
 
 from heads.base import SequenceSplit
 from strategies.model.row_layout import RowLayout
+from strategies.parallel.ring_attention import RingLayout, Window
 from strategies.parallel.sequence_split import gather_sequence
-
-#: Megatron's sliding window: each query sees keys ``i - left`` to ``i + right``.
-Window = tuple[int, int] | None
 
 
 @attrs.frozen
@@ -88,14 +95,23 @@ class Layout:
         """What the head is told of this rank's part of the last stage's output."""
         return self.row.split(self.local, self.group, self.order)
 
+    @functools.cached_property
+    def segments(self) -> torch.Tensor:
+        """Each row position's segment (attention stays inside one)."""
+        bounds = torch.tensor(self.row.bounds[1:-1], device=self.device)
+        return torch.bucketize(torch.arange(self.row.width, device=self.device), bounds, right=True)
+
+    def ring(self) -> RingLayout:
+        """The ring attention's layout: every rank's positions, each row position's segment."""
+        positions = tuple(self.row.held_by(rank, self.device) for rank in range(self.size))
+        return RingLayout(positions, self.segments, self.group, self.rank)
+
     def visible_keys(self, window: Window) -> torch.Tensor:
         """``[local queries, row]`` True where this rank's query attends a key: causal in their
         row positions, inside the query's segment, within megatron's sliding ``window``
         (left, right) where given."""
-        bounds = self.row.bounds
         keys = torch.arange(self.row.width, device=self.device)
-        segment = torch.bucketize(keys, torch.tensor(bounds[1:-1], device=self.device), right=True)
-        queries = self.local
+        segment, queries = self.segments, self.local
         relative = keys[None, :] - queries[:, None]  # key - query
         visible = (relative <= 0) & (segment[None, :] == segment[queries][:, None])
         if window is not None:
@@ -105,11 +121,15 @@ class Layout:
 
 @attrs.define
 class ContextAttention:
-    """What every layer's context-parallel attention reads of one micro-batch's forward: its
-    layout, and the keys each of this rank's queries sees, built once per sliding window and
-    shared by every layer (the forward's parameters carry it; nothing keeps it afterwards)."""
+    """What every layer's context-parallel attention reads of one micro-batch's forward, built
+    once per micro-batch and shared by every layer (the forward's parameters carry it; nothing
+    keeps it afterwards): its layout, and the ring's where the keys and values go round the
+    ranks (``ring``), else the keys each of this rank's queries sees in the gathered row, built
+    once per sliding window by the first layer that asks."""
 
     layout: Layout
+    #: Ring attention's layout; None: the keys and values are all-gathered.
+    ring: RingLayout | None = None
     _visible: dict[Window, torch.Tensor] = attrs.field(factory=dict, init=False)
 
     def visible_keys(self, window: Window) -> torch.Tensor:
@@ -120,20 +140,27 @@ class ContextAttention:
 
 
 def row_params(
-    row: RowLayout, device: torch.device, *, host_offsets: bool, context: Layout | None
+    row: RowLayout,
+    device: torch.device,
+    *,
+    host_offsets: bool,
+    context: Layout | None,
+    ring: bool = False,
 ) -> Any:
     """The ``packed_seq_params`` megatron hands every layer for ``row``: a packed row's
     ``thd`` offsets (its segments; on the host with ``host_offsets``); with ``context``, the
-    :class:`ContextAttention` the local core attention reads (right-padded rows: megatron's
-    ``sbhd`` layout with the row's width, what its rotary embedding computes without them); None
-    for right-padded rows without it.
+    :class:`ContextAttention` the local core attention reads, ring attention's with ``ring``
+    (right-padded rows: megatron's ``sbhd`` layout with the row's width, what its rotary
+    embedding computes without them); None for right-padded rows without it.
 
     ``host_offsets``: on the local layer spec nothing needs the offsets on the device, and
     megatron's rotary embedding for thd reads them as host numbers (``tolist()``, ``item()``,
     twice per layer and micro-batch): on the device each read would wait for it; the local core
     attention splits the row by them too. TransformerEngine's attention takes them on the
     device."""
-    attention = None if context is None else ContextAttention(context)
+    attention = None
+    if context is not None:
+        attention = ContextAttention(context, context.ring() if ring else None)
     if not row.packed:
         if attention is None:
             return None

@@ -65,9 +65,11 @@ class ModelInputs:
         *,
         context_group: Any,
         local_attention: bool,
+        ring_attention: bool = False,
     ) -> ModelInputs:
         """``micro_batch``'s inputs laid out as ``row`` says (``local_attention``: the local
-        layer spec's core attention, which reads the layout from ``packed_seq_params``)."""
+        layer spec's core attention, which reads the layout from ``packed_seq_params``; with
+        ``ring_attention``, ring attention's under context parallelism)."""
         input_ids = micro_batch.input_ids.to(device=device, dtype=torch.long, non_blocking=True)
         if row.width > row.length:
             input_ids = torch.nn.functional.pad(input_ids, (0, row.width - row.length))
@@ -86,6 +88,7 @@ class ModelInputs:
             device,
             host_offsets=local_attention,
             context=layout if local_attention else None,
+            ring=ring_attention,
         )
         return cls(
             input_ids=input_ids, positions=positions, packed_seq_params=params, layout=layout
@@ -144,6 +147,7 @@ class ForwardStep:
     #: The ranks each row is split over (context parallelism), or None.
     context_group: Any
     local_attention: bool
+    ring_attention: bool
 
     def __call__(
         self, iterator: Iterator[tuple[int, MicroBatch]], model: torch.nn.Module
@@ -157,6 +161,7 @@ class ForwardStep:
             self.device,
             context_group=self.context_group,
             local_attention=self.local_attention,
+            ring_attention=self.ring_attention,
         )
         extra = inputs.keywords()
         if self.routing.is_moe:  # routers leave the padding out of their losses and counts

@@ -63,8 +63,9 @@ def test_splitting_a_row_over_the_ranks_and_gathering_it_back_gives_the_row(
     lengths: list[int], size: int, packed: bool, spare: int
 ) -> None:
     """Split (each rank's positions) then gather (the parts in rank order, placed by ``order``)
-    returns every token where it was, packed (sequences padded in the row) or padded; each
-    rank's queries see exactly the keys at or before them in their own sequence."""
+    returns every token where it was, packed (sequences padded in the row) or padded; in the
+    gathered row and in each block of the ring, each rank's queries see exactly the keys at or
+    before them in their own sequence."""
     cpu = torch.device("cpu")
     total = sum(lengths)
     multiple = 2 * size
@@ -93,7 +94,14 @@ def test_splitting_a_row_over_the_ranks_and_gathering_it_back_gives_the_row(
         for p in range(width)
     ]
     for layout in layouts:
-        visible = layout.visible_keys(None)
+        visible = layout.visible_keys(None)  # the gathered row's keys
         for query, seen in zip(layout.local.tolist(), visible, strict=True):
             expected = [k <= query and segment_of[k] == segment_of[query] for k in range(width)]
             assert seen.tolist() == expected
+        ring = layout.ring()  # the ring's blocks: each rank's keys in turn
+        for source in range(size):
+            keys = ring.positions[source].tolist()
+            visible = ring.visible(source, None)
+            for query, seen in zip(layout.local.tolist(), visible, strict=True):
+                expected = [k <= query and segment_of[k] == segment_of[query] for k in keys]
+                assert seen.tolist() == expected
