@@ -105,3 +105,24 @@ def test_splitting_a_row_over_the_ranks_and_gathering_it_back_gives_the_row(
             for query, seen in zip(layout.local.tolist(), visible, strict=True):
                 expected = [k <= query and segment_of[k] == segment_of[query] for k in keys]
                 assert seen.tolist() == expected
+
+
+def test_ring_attention_refuses_attention_dropout_by_name() -> None:
+    """The ring attends block by block; a dropout mask would have to be drawn as one call over
+    the whole row draws it, so it is refused (the all-gathered attention keeps it)."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from heads.errors import ConfigError
+    from strategies.backends.megatron.attention import SoftmaxSettings, check_context_parallel
+    from strategies.backends.megatron.context_parallel import ContextAttention
+
+    cpu = torch.device("cpu")
+    layout = Layout(RowLayout(rows=1, length=8, width=8, context_parallel_size=2), 0, cpu)
+    dropout = SoftmaxSettings(scale=1.0, dropout=0.1, window=None, random=None)
+    gathered = SimpleNamespace(context=ContextAttention(layout))
+    check_context_parallel(True, False, gathered, dropout)
+    ring = SimpleNamespace(context=ContextAttention(layout, layout.ring()))
+    with pytest.raises(ConfigError, match=r"ring attention .* has no attention dropout"):
+        check_context_parallel(True, False, ring, dropout)
