@@ -48,14 +48,23 @@ class RingLayout:
         return len(self.positions)
 
     def visible(self, source: int, window: Window) -> torch.Tensor:
-        """``[this rank's positions, source's positions]``: True where the query attends the
-        key (causal in row positions, the same segment, within the window)."""
-        queries, keys = self.positions[self.rank], self.positions[source]
-        relative = keys[None, :] - queries[:, None]  # key - query
-        seen = (relative <= 0) & (self.segments[keys][None, :] == self.segments[queries][:, None])
-        if window is not None:
-            seen &= relative >= -window[0]
-        return seen
+        """``[this rank's positions, source's positions]``: :func:`visible_keys`."""
+        return visible_keys(
+            self.positions[self.rank], self.positions[source], self.segments, window
+        )
+
+
+def visible_keys(
+    queries: torch.Tensor, keys: torch.Tensor, segments: torch.Tensor, window: Window
+) -> torch.Tensor:
+    """``[queries, keys]`` (row positions) True where the query attends the key: causal in row
+    positions, inside the query's segment (``segments``: each row position's), within a sliding
+    ``window`` (left, right) where given."""
+    relative = keys[None, :] - queries[:, None]  # key - query
+    seen = (relative <= 0) & (segments[keys][None, :] == segments[queries][:, None])
+    if window is not None:
+        seen &= relative >= -window[0]
+    return seen
 
 
 def ring_attention(

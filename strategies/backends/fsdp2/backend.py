@@ -311,10 +311,8 @@ class Fsdp2Backend(BackendState[torch.optim.AdamW]):
                         inputs[name] = self._own_part(inputs[name])
                 split = None
                 if group is not None:  # the head runs on this rank's part (heads.base)
-                    size, part = self.ulysses_size, dist.get_rank(group)
-                    own = row.width // size
-                    held = torch.arange(part * own, (part + 1) * own, device=self._device)
-                    split = row.split(held, group)
+                    every = torch.arange(row.width, device=self._device)[None]
+                    split = row.split(self._own_part(every)[0], group)
                 consume_whole = functools.partial(_consume_rows, consume, index, row, split)
                 if not forward_only:
                     model.set_requires_gradient_sync(index == last)  # type: ignore[operator]

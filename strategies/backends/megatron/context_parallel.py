@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from heads.base import SequenceSplit
 from strategies.model.row_layout import RowLayout
-from strategies.parallel.ring_attention import RingLayout, Window
+from strategies.parallel.ring_attention import RingLayout, Window, visible_keys
 from strategies.parallel.sequence_split import gather_sequence
 
 
@@ -73,14 +73,19 @@ class Layout:
         return self.row.context_parallel_size
 
     @functools.cached_property
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        """Each rank's positions, in its order."""
+        return tuple(self.row.held_by(rank, self.device) for rank in range(self.size))
+
+    @property
     def local(self) -> torch.Tensor:
         """This rank's positions."""
-        return self.row.held_by(self.rank, self.device)
+        return self.parts[self.rank]
 
     @functools.cached_property
     def order(self) -> torch.Tensor:
         """The positions of the ranks' parts one after another (what an all-gather joins)."""
-        return torch.cat([self.row.held_by(rank, self.device) for rank in range(self.size)])
+        return torch.cat(self.parts)
 
     def split(self, whole: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's part of ``whole`` along ``dim`` (no gradient exchange)."""
@@ -103,20 +108,13 @@ class Layout:
 
     def ring(self) -> RingLayout:
         """The ring attention's layout: every rank's positions, each row position's segment."""
-        positions = tuple(self.row.held_by(rank, self.device) for rank in range(self.size))
-        return RingLayout(positions, self.segments, self.group, self.rank)
+        return RingLayout(self.parts, self.segments, self.group, self.rank)
 
     def visible_keys(self, window: Window) -> torch.Tensor:
-        """``[local queries, row]`` True where this rank's query attends a key: causal in their
-        row positions, inside the query's segment, within megatron's sliding ``window``
-        (left, right) where given."""
+        """``[local queries, row]``: the keys of the whole row each of this rank's queries
+        attends (``ring_attention.visible_keys``, with megatron's sliding ``window``)."""
         keys = torch.arange(self.row.width, device=self.device)
-        segment, queries = self.segments, self.local
-        relative = keys[None, :] - queries[:, None]  # key - query
-        visible = (relative <= 0) & (segment[None, :] == segment[queries][:, None])
-        if window is not None:
-            visible &= relative >= -window[0]
-        return visible
+        return visible_keys(self.local, keys, self.segments, window)
 
 
 @attrs.define
