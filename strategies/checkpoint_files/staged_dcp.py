@@ -99,12 +99,13 @@ class StagedDcpSave:
 
 
 def stage_dcp_save(
-    state: dict[str, Any], path: str, relative: str, buffers: dict[Any, torch.Tensor]
+    state: dict[str, Any], path: str, relative: str, buffers: dict[Any, torch.Tensor] | None
 ) -> StagedDcpSave:
     """Plan the DCP save of ``state`` into the directory ``path`` (``relative``: that directory
     inside the checkpoint) as ``dcp.save`` does (collective: every rank's plan to rank 0, the
     global plan back) and copy this rank's tensors into ``buffers`` (host memory kept between
-    saves; afterwards it holds only the buffers of this save)."""
+    saves; afterwards it holds only the buffers of this save); ``buffers`` None: the save
+    writes the live tensors (a synchronous save, written at once: :func:`save_dcp`)."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     coordinator = rank() == 0
@@ -131,9 +132,12 @@ def stage_dcp_save(
     items: list[tuple[WriteItem, ItemData]] = [
         (item, data) for item, data in resolved if not isinstance(data, torch.Tensor)
     ]
-    items += copy_to_host(tensors, buffers, used)
-    buffers.clear()
-    buffers.update(used)
+    if buffers is None:
+        items += tensors
+    else:
+        items += copy_to_host(tensors, buffers, used)
+        buffers.clear()
+        buffers.update(used)
     file_name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
     return StagedDcpSave(
         writer=writer,
@@ -144,7 +148,35 @@ def stage_dcp_save(
     )
 
 
+def save_dcp(state: dict[str, Any], path: str, relative: str) -> FileChecksums:
+    """``dcp.save`` of ``state`` into ``path`` (collective), written as an asynchronous save's
+    files are (:func:`write_checksummed`: checksummed as the bytes go out, flushed to disk while
+    writing, every tensor from its own memory); the size and checksum of this rank's file."""
+    staged = stage_dcp_save(state, path, relative, None)
+    checksums, results = staged.write()
+    everyone = merged_dicts({str(rank()): results})
+    if rank() == 0:
+        staged.finish([everyone[key] for key in sorted(everyone, key=int)])
+    return checksums
+
+
 def _on_cpu(data: ItemData) -> ItemData:
-    if isinstance(data, torch.Tensor) and data.device.type != "cpu":
-        return data.to("cpu")
+    if isinstance(data, torch.Tensor):
+        return own_storage(data.to("cpu") if data.device.type != "cpu" else data)
     return data
+
+
+def own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself on a storage of exactly its bytes, sharing its memory (no copy), where
+    it is a contiguous host view into a larger storage (a weight in megatron's or FSDP2's flat
+    buffers); otherwise ``tensor``. ``torch.save``, which writes each item, writes a tensor's
+    whole storage: a view would write the whole buffer, and megatron's writer clones every view
+    before writing (the whole model and optimizer state copied once more, measured at 0.5B
+    parameters: a fifth of a save and 6 GB)."""
+    size = tensor.numel() * tensor.element_size()
+    storage = tensor.untyped_storage()
+    if tensor.device.type != "cpu" or storage.nbytes() == size or not tensor.is_contiguous():
+        return tensor
+    start = tensor.storage_offset() * tensor.element_size()
+    alias = torch.empty(0, dtype=tensor.dtype)
+    return alias.set_(storage[start : start + size], 0, tensor.shape, tensor.stride())

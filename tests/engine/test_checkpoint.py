@@ -86,6 +86,44 @@ def test_resuming_from_a_checkpoint_reproduces_training_bit_exactly(
     assert resumed.backend.current_lr() == original.backend.current_lr()
 
 
+@pytest.mark.timeout(180)
+def test_a_save_writes_the_weights_and_optimizer_states_without_copying_them(
+    fresh_mesh: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Megatron keeps weights, gradients and optimizer states as views into flat buffers, and
+    its writer clones every view before writing it; the engine's writer writes them from their
+    own memory (``staged_dcp.own_storage``): nothing of the model's size is copied during a
+    save (the RNG states, a few kB, are), and the checkpoint still resumes bit for bit."""
+    engine = _engine()
+    _train(engine, "lm", range(1))
+    weights = {
+        p.untyped_storage().data_ptr()
+        for chunk in engine.backend.modules()
+        for p in chunk.parameters()
+    }
+    cloned: list[tuple[int, int]] = []  # (storage, bytes) of each tensor cloned
+    clone = torch.Tensor.clone
+
+    def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        cloned.append((tensor.untyped_storage().data_ptr(), tensor.numel() * tensor.element_size()))
+        return clone(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "clone", counted)
+    engine.save_checkpoint(tmp_path)
+    monkeypatch.setattr(torch.Tensor, "clone", clone)
+    params = sum(
+        p.numel() * p.element_size()
+        for chunk in engine.backend.modules()
+        for p in chunk.parameters()
+    )
+    assert not weights & {storage for storage, _ in cloned}, "a weight was copied"
+    assert sum(size for _, size in cloned) < params, cloned  # the RNG states only
+    expected = _train(engine, "lm", range(1, 3))
+    resumed = _engine()
+    resumed.load_checkpoint(tmp_path)
+    assert _train(resumed, "lm", range(1, 3)) == expected
+
+
 @pytest.mark.timeout(120)
 def test_retention_keeps_the_newest_and_latest_skips_incomplete_directories(
     fresh_mesh: None, tmp_path: Path

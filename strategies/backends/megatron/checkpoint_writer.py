@@ -9,12 +9,14 @@ load strategy reads the result.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+from megatron.core.dist_checkpointing.strategies import torch as megatron_torch_strategy
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
@@ -22,7 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
 from strategies.checkpoint_files.publish import FileChecksums
-from strategies.checkpoint_files.staged_dcp import copy_to_host, write_checksummed
+from strategies.checkpoint_files.staged_dcp import copy_to_host, own_storage, write_checksummed
 
 
 class ChecksummingSaveStrategy(TorchDistSaveShardedStrategy):
@@ -45,6 +47,10 @@ class ChecksummingSaveStrategy(TorchDistSaveShardedStrategy):
         self.checksums: FileChecksums = {}
         self._writer: FileSystemWriterAsync | None = None
         self._global_metadata: Metadata | None = None
+
+    def async_save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> AsyncRequest:
+        with _writer_of_own_storages():
+            return super().async_save(sharded_state_dict, checkpoint_dir)
 
     def _get_save_and_finalize_callbacks(self, writer: Any, save_state_dict_ret: Any) -> Any:
         request: AsyncRequest = super()._get_save_and_finalize_callbacks(
@@ -94,6 +100,41 @@ class ChecksummingSaveStrategy(TorchDistSaveShardedStrategy):
         self._writer.finish(self._global_metadata, list(results))
         config = CheckpointingConfig(self.backend, self.version)
         save_config(config, str(self._writer.checkpoint_id))
+
+
+class _OwnStorageWriter(FileSystemWriterAsync):
+    """Megatron's writer, handed each tensor on a storage of its own bytes
+    (``staged_dcp.own_storage``), so that it writes the live tensors instead of a clone of
+    every one that is a view into a flat buffer (which is every weight and optimizer state)."""
+
+    def prepare_write_data(self, plan: Any, planner: Any) -> None:
+        super().prepare_write_data(plan, _OwnStorages(planner))
+
+
+class _OwnStorages:
+    """A save planner whose resolved tensors are on storages of their own bytes."""
+
+    def __init__(self, planner: Any) -> None:
+        self._planner = planner
+
+    def resolve_data(self, item: Any) -> Any:
+        data = self._planner.resolve_data(item)
+        return own_storage(data) if isinstance(data, torch.Tensor) else data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+
+@contextlib.contextmanager
+def _writer_of_own_storages() -> Iterator[None]:
+    """Megatron's torch_dist strategy builds its writer by name in ``async_save``: for that
+    call the name is :class:`_OwnStorageWriter`."""
+    original = megatron_torch_strategy.FileSystemWriterAsync
+    megatron_torch_strategy.FileSystemWriterAsync = _OwnStorageWriter
+    try:
+        yield
+    finally:
+        megatron_torch_strategy.FileSystemWriterAsync = original
 
 
 def _staged(buckets: list[Any], buffers: dict[Any, torch.Tensor]) -> list[Any]:
