@@ -40,6 +40,7 @@ from strategies.backends.fsdp2.optimizer import (
 )
 from strategies.backends.fsdp2.ulysses import check_heads, sequence_groups
 from strategies.backends.shared import BackendState
+from strategies.checkpoint_files.publish import FileChecksums
 from strategies.hf.architecture import hf_config_for
 from strategies.hf.classification import HeadLayer, head_layer
 from strategies.hf.shards import ParamShard
@@ -464,11 +465,12 @@ class Fsdp2Backend(BackendState[torch.optim.AdamW]):
         ]
 
     # -- checkpoints and weights ---------------------------------------------------------------
-    def save_state(self, directory: str) -> None:
-        """Model, optimizer, LR schedule and RNG states into ``directory`` (collective)."""
+    def save_state(self, directory: str) -> FileChecksums:
+        """Model, optimizer, LR schedule and RNG states into ``directory`` (collective); the
+        size and checksum of this rank's DCP file, checksummed as it was written."""
         from strategies.backends.fsdp2.checkpoint import save_state
 
-        save_state(self._require_model(), self._optimizer, self._schedule, directory)
+        return save_state(self._require_model(), self._optimizer, self._schedule, directory)
 
     def stage_state(self, directory: str) -> StagedSave:
         """``save_state``'s collective part and a host copy of the state; the DCP files are left

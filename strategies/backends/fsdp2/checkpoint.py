@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from strategies.backends.fsdp2.optimizer import LRSchedule, materialize_optimizer_state
+from strategies.checkpoint_files.publish import FileChecksums
 from strategies.checkpoint_files.resume_settings import OptimizerResume, keeping_settings
 from strategies.checkpoint_files.rng_states import rng_states, set_rng_states
 from strategies.parallel.collectives import barrier, rank
@@ -33,14 +34,15 @@ def save_state(
     optimizer: torch.optim.Optimizer | None,
     schedule: LRSchedule | None,
     directory: str,
-) -> None:
+) -> FileChecksums:
     """Write ``model``, ``optimizer`` and ``schedule`` (None for a forward-only engine) and this
-    rank's RNG states under ``directory``."""
-    import torch.distributed.checkpoint as dcp
+    rank's RNG states under ``directory``; the size and checksum of this rank's DCP file."""
+    from strategies.checkpoint_files.staged_dcp import save_dcp
 
     _make_directories(directory)
-    dcp.save(_state(model, optimizer), checkpoint_id=os.path.join(directory, STATE_DIR))
+    written = save_dcp(_state(model, optimizer), os.path.join(directory, STATE_DIR), STATE_DIR)
     _save_schedule_and_rng(schedule, directory)
+    return written
 
 
 def stage_state(
