@@ -48,6 +48,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
@@ -101,17 +102,28 @@ def engine_async_round(engine: Engine, root: Path) -> dict[str, float]:
     return {"blocked_s": blocked_s, "total_s": total_s}
 
 
+def _schedule(backend: object) -> Any:
+    """The backend's learning-rate schedule (megatron's ``_scheduler``, fsdp2's ``_schedule``,
+    whose state is a few numbers that the engine's own checkpoint restores)."""
+    for name in ("_scheduler", "_schedule"):
+        if getattr(backend, name, None) is not None:
+            return getattr(backend, name)
+    raise AttributeError(f"{type(backend).__name__} has no learning-rate schedule")
+
+
 def torch_round(engine: Engine, root: Path, fsync: bool) -> dict[str, float]:
-    """One ``torch.save`` of the plain state dicts into ``root/state.pt``, and back."""
+    """One ``torch.save`` of the plain state dicts into ``root/state.pt``, and back (either
+    backend)."""
     backend = engine.backend
     chunks = backend.modules()
+    schedule = _schedule(backend)
     root.mkdir()
     path = root / "state.pt"
     start = time.perf_counter()
     state = {
         "model": [chunk.state_dict() for chunk in chunks],
         "optimizer": backend._optimizer.state_dict(),
-        "scheduler": backend._scheduler.state_dict(),
+        "scheduler": schedule.state_dict(),
     }
     torch.save(state, path)
     if fsync:
@@ -125,7 +137,8 @@ def torch_round(engine: Engine, root: Path, fsync: bool) -> dict[str, float]:
     for chunk, chunk_state in zip(chunks, loaded["model"], strict=True):
         chunk.load_state_dict(chunk_state)
     backend._optimizer.load_state_dict(loaded["optimizer"])
-    backend._scheduler.load_state_dict(loaded["scheduler"])
+    if hasattr(schedule, "load_state_dict"):  # fsdp2's: read back, a few numbers
+        schedule.load_state_dict(loaded["scheduler"])
     load_s = time.perf_counter() - start
     shutil.rmtree(root)
     return {"save_s": save_s, "load_s": load_s, "bytes": size}
