@@ -23,7 +23,8 @@ are engine / transformers in the same round, medians over rounds printed last.
 Then, in each engine's process after its steps (``--checkpoint-repeats``, 0 to skip): the
 engine's ``save_checkpoint`` / ``load_checkpoint`` against ``torch.save`` of the model's and
 optimizer's state dicts with an fsync, and ``torch.load`` + ``load_state_dict``, alternated
-(``benchmarks.checkpoint_io``'s rounds), ratios of the medians.
+after one untimed round of each (``benchmarks.checkpoint_io``'s rounds), ratios of the
+medians.
 
     python -m benchmarks.real_size [--model qwen2-0.5b|tiny] [--backends megatron,fsdp2]
         [--rounds 2] [--steps 2] [--rows 4] [--tokens 400] [--threads 2]
@@ -153,6 +154,10 @@ def checkpoint_rounds(engine: Any, args: argparse.Namespace) -> dict[str, float]
 
     runs: dict[str, list[dict[str, float]]] = {"engine": [], "torch": []}
     with tempfile.TemporaryDirectory(prefix="real_size_", dir=args.dir) as parent:
+        # one round of each first, not counted, as checkpoint_io: a process's first save pays
+        # one-off costs (reported as first_save_s)
+        first = engine_round(engine, Path(parent) / "warm-up-engine")
+        torch_round(engine, Path(parent) / "warm-up-torch", fsync=True)
         for repeat in range(args.checkpoint_repeats):
             order = ("engine", "torch") if repeat % 2 == 0 else ("torch", "engine")
             for variant in order:
@@ -162,9 +167,12 @@ def checkpoint_rounds(engine: Any, args: argparse.Namespace) -> dict[str, float]
                 else:
                     runs[variant].append(torch_round(engine, root, fsync=True))
     return {
-        f"{variant}_{key}": statistics.median(run[key] for run in runs[variant])
-        for variant in runs
-        for key in ("save_s", "load_s", "bytes")
+        "first_save_s": first["save_s"],
+        **{
+            f"{variant}_{key}": statistics.median(run[key] for run in runs[variant])
+            for variant in runs
+            for key in ("save_s", "load_s", "bytes")
+        },
     }
 
 
@@ -260,7 +268,8 @@ def main(argv: list[str] | None = None) -> None:
             if "checkpoint" in result:
                 c = result["checkpoint"]
                 line += (
-                    f"  save {c['engine_save_s']:.1f} s vs torch.save + fsync "
+                    f"  save {c['engine_save_s']:.1f} s (first {c['first_save_s']:.1f} s) vs "
+                    f"torch.save + fsync "
                     f"{c['torch_save_s']:.1f} s, load {c['engine_load_s']:.1f} s vs "
                     f"torch.load {c['torch_load_s']:.1f} s"
                 )
