@@ -428,9 +428,9 @@ def test_the_documented_config_file_is_a_valid_demo_config(tmp_path: Path) -> No
     ("algorithm", "roles", "prompts", "group_size"),
     [
         ("ppo", ("actor", "critic", "reference"), 64, 1),
-        ("grpo", ("actor", "reference"), 16, 4),
-        ("rloo", ("actor", "reference"), 16, 4),
-        ("reinforce_pp", ("actor", "reference"), 16, 4),
+        ("grpo", ("actor", "reference"), 8, 8),
+        ("rloo", ("actor", "reference"), 8, 8),
+        ("reinforce_pp", ("actor", "reference"), 8, 8),
     ],
 )
 def test_the_algorithm_decides_the_roles_and_by_default_the_group_size(
@@ -440,8 +440,8 @@ def test_the_algorithm_decides_the_roles_and_by_default_the_group_size(
     assert config.roles == roles
     assert (config.prompts, config.group_size) == (prompts, group_size)
     assert config.estimator().needs_values == ("critic" in roles)
-    chosen = DemoConfig.from_dict({"algorithm": algorithm, "task": {"group_size": 8}})
-    assert (chosen.prompts, chosen.group_size) == (8, 8)
+    chosen = DemoConfig.from_dict({"algorithm": algorithm, "task": {"group_size": 4}})
+    assert (chosen.prompts, chosen.group_size) == (16, 4)
 
 
 def test_estimator_options_reach_the_estimator_and_bad_ones_are_refused() -> None:
@@ -508,7 +508,7 @@ def test_critic_free_settings_that_cannot_work_are_refused() -> None:
 
 def test_an_adaptive_kl_horizon_too_short_for_one_update_is_refused_up_front() -> None:
     adaptive = {"kl_placement": "reward", "kl_controller": "adaptive", "kl_horizon": 12}
-    # 16 prompts x 4 responses = 64 samples per update; 0.2 x 64 >= 12
+    # 8 prompts x 8 responses = 64 samples per update; 0.2 x 64 >= 12
     with pytest.raises(ConfigError, match=r"ppo\.kl_horizon \(12\) must exceed 0\.2 x .*\(64\)"):
         DemoConfig.from_dict({"algorithm": "grpo", "ppo": adaptive})
     assert DemoConfig.from_dict({"algorithm": "grpo", "ppo": {**adaptive, "kl_horizon": 13}})
