@@ -10,6 +10,15 @@ from typing import Any
 from torch.profiler import ProfilerActivity, profile
 
 
+def high_water_mark() -> int:
+    """This process's peak resident memory (``VmHWM`` in ``/proc/self/status``), bytes."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def peak_allocated(fn: Callable[[], None]) -> int:
     """Peak bytes allocated by ``fn`` beyond what was live before it, from profiler events."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

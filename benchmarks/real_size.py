@@ -51,15 +51,6 @@ VARIANTS = ("transformers", "megatron", "fsdp2")
 GIB = 1024**3
 
 
-def high_water_mark() -> int:
-    """This process's peak resident memory (``VmHWM``), bytes."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
 def model_settings(model: str) -> dict[str, Any]:
     from benchmarks.weight_sync import MODELS
 
@@ -186,6 +177,8 @@ def child(args: argparse.Namespace) -> None:
         times, loss = transformers_steps(args)
     else:
         engine, times, loss = engine_steps(args, args.child)
+    from benchmarks.measure import high_water_mark
+
     report.update(step_s=statistics.median(times[1:]), first_loss=loss, peak=high_water_mark())
     if args.child != "transformers" and args.checkpoint_repeats:
         report["checkpoint"] = checkpoint_rounds(engine, args)

@@ -75,6 +75,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 import psutil
 import torch
 
+from benchmarks.measure import high_water_mark
 from engine import Engine
 from engine.losses import sft_loss
 from engine.weight_sync import DeltaExport
@@ -126,19 +127,11 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _high_water_mark() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
 def _can_reset_peak() -> bool:
     try:
         with open(CLEAR_REFS, "w") as refs:
             refs.write("5")
-        _high_water_mark()
+        high_water_mark()
     except (OSError, RuntimeError):
         return False
     return True
@@ -152,7 +145,7 @@ def peak_rss_growth(into: dict[str, int]) -> Iterator[None]:
     into["start"] = start
     if _can_reset_peak():  # VmHWM is the current RSS from here on
         yield
-        into["growth"] = _high_water_mark() - start
+        into["growth"] = high_water_mark() - start
         return
     peak, done = [start], threading.Event()
 
