@@ -153,10 +153,20 @@ def save_dcp(state: dict[str, Any], path: str, relative: str) -> FileChecksums:
     files are (:func:`write_checksummed`: checksummed as the bytes go out, flushed to disk while
     writing, every tensor from its own memory); the size and checksum of this rank's file."""
     staged = stage_dcp_save(state, path, relative, None)
-    checksums, results = staged.write()
-    everyone = merged_dicts({str(rank()): results})
+    failure: Exception | None = None
+    try:
+        checksums, results = staged.write()
+    except Exception as error:  # every rank raises, as dcp.save does, instead of waiting
+        checksums, results, failure = {}, [], error
+    report = None if failure is None else f"rank {rank()} could not write its file: {failure!r}"
+    everyone = merged_dicts({str(rank()): (report, results)})
+    failures = [failed for failed, _ in everyone.values() if failed is not None]
+    if failure is not None:
+        raise failure
+    if failures:
+        raise OSError("; ".join(failures))
     if rank() == 0:
-        staged.finish([everyone[key] for key in sorted(everyone, key=int)])
+        staged.finish([everyone[key][1] for key in sorted(everyone, key=int)])
     return checksums
 
 

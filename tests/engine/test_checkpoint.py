@@ -772,6 +772,36 @@ def test_a_save_that_fails_on_one_rank_raises_checkpoint_error_on_every_rank(
     assert reports[0][3] == ["a-file", "global_step_0"]
 
 
+def fsdp2_save_where_one_rank_cannot_write(root: str) -> list[Any]:
+    """On two fsdp2 ranks: rank 1 cannot write its DCP file in a synchronous save; the error
+    each rank saw, then (rank 0) the root's listing."""
+    from strategies.checkpoint_files import staged_dcp
+    from strategies.parallel.collectives import rank
+
+    engine = Engine.build(head="lm", backend="fsdp2", device="cpu", config=_config()).initialize()
+    engine.save_checkpoint(root)
+    if rank() == 1:
+        staged_dcp.write_checksummed = _no_space  # type: ignore[assignment]
+    errors: list[Any] = []
+    try:
+        engine.save_checkpoint(root, global_step=1)
+    except CheckpointError as error:
+        errors.append(str(error))
+    return [*errors, sorted(os.listdir(root)) if rank() == 0 else None]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.multiprocess
+def test_an_fsdp2_save_that_one_rank_cannot_write_fails_on_every_rank(tmp_path: Path) -> None:
+    """The fsdp2 backend writes its DCP files itself (``staged_dcp.save_dcp``): a rank whose
+    write fails tells the others, which raise too instead of waiting for it."""
+    reports = run_ranks(fsdp2_save_where_one_rank_cannot_write, 2, str(tmp_path), timeout=150)
+    for report in reports:
+        assert len(report) == 2, report
+        assert "rank 1 could not write its files" in report[0], report
+    assert reports[0][1] == ["global_step_0"]
+
+
 class _StagesOneFile(_WritesOneFile):
     """An ``AsyncCheckpointing`` part whose background write takes ``seconds``."""
 
