@@ -66,6 +66,7 @@ def data(args: argparse.Namespace, vocab_size: int) -> Any:
 def transformers_steps(args: argparse.Namespace) -> tuple[list[float], float]:
     """The hand-written loop: step seconds (warm-up first) and the first step's loss."""
     import torch
+    import transformers
 
     from engine import EngineConfig
     from strategies.hf.architecture import hf_config_for
@@ -73,9 +74,6 @@ def transformers_steps(args: argparse.Namespace) -> tuple[list[float], float]:
 
     settings = model_settings(args.model)
     hf_config = hf_config_for(EngineConfig.from_dict({"model": settings}).model)
-    hf_config.torch_dtype = torch.float32
-    import transformers
-
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
     model.train()
