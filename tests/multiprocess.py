@@ -214,10 +214,15 @@ def rendezvous_store(world_size: int, timeout: float) -> Any:
     )
 
 
-#: What no import reads: the zygote's children may differ from it in these.
+#: What no import reads: the zygote's children may differ from it in these. Megatron's model
+#: build sets the ``NVTE_*`` attention choices in the environment of the process that builds
+#: (megatron/core/models/common/language_module/language_module.py), so they appear in the test
+#: process's environment after its first in-process build, and every child started after would
+#: otherwise start fresh.
 _NOT_READ_AT_IMPORT = frozenset(
     {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "TMPDIR", "PATH"}
     | {"TORCHELASTIC_USE_AGENT_STORE", "GLOO_SOCKET_IFNAME", "PYTEST_CURRENT_TEST"}
+    | {"NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"}
 )
 
 
@@ -296,16 +301,56 @@ class _Zygote:
 _ZYGOTE = _Zygote()
 
 
+def run_command(
+    command: list[str], env: dict[str, str], cwd: Path, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """``command`` in a session of its own in ``cwd`` with ``env``, its output captured; after
+    ``timeout`` seconds it is killed with whatever it started (Ray's processes too), and the
+    output it printed until then is returned with a note of the kill (status -9)."""
+    process = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(process.pid)
+        stdout, stderr = process.communicate()
+        stderr += f"\n(killed after {timeout:.0f} s)"
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
 def run_script(
     path: Path, env: dict[str, str], cwd: Path, timeout: float
 ) -> subprocess.CompletedProcess[str]:
     """``python path`` in ``cwd`` with ``env`` (forked from the zygote where it can be), its
     output captured; killed with whatever it started after ``timeout`` seconds."""
-    command = [sys.executable, str(path)]
+    return _run_forked({"script": str(path)}, [sys.executable, str(path)], env, cwd, timeout)
+
+
+def run_module(
+    module: str, args: list[str], env: dict[str, str], cwd: Path, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """``python -m module *args`` in ``cwd`` with ``env`` (forked from the zygote where it can
+    be), its output captured; killed with whatever it started after ``timeout`` seconds."""
+    command = [sys.executable, "-m", module, *args]
+    return _run_forked({"module": module, "args": list(args)}, command, env, cwd, timeout)
+
+
+def _run_forked(
+    request: dict[str, Any], command: list[str], env: dict[str, str], cwd: Path, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """The zygote's ``request`` (or, where it cannot serve, ``command`` in a fresh process) in
+    ``cwd`` with ``env``: :func:`run_script`'s and :func:`run_module`'s body."""
     with tempfile.TemporaryDirectory() as folder:
         out, err = Path(folder, "stdout"), Path(folder, "stderr")
-        request = {"script": str(path), "env": env, "cwd": str(cwd)}
-        child = _ZYGOTE.fork({**request, "stdout": str(out), "stderr": str(err)})
+        request = {**request, "env": env, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
+        child = _ZYGOTE.fork(request)
         if child is None:
             with open(out, "w") as stdout, open(err, "w") as stderr:
                 child = subprocess.Popen(

@@ -1,5 +1,6 @@
 """A process that imports the heavy libraries once (torch, megatron-core, transformers,
-tensordict, the engine) and forks each test rank, and each documentation block, from that state:
+tensordict, the engine) and forks each test rank, each documentation block and each command-line
+run of the engine from that state:
 a child starts in a fraction of a second instead of importing them again (about 5 s of CPU).
 Started by :mod:`tests.multiprocess` as ``python -m tests.rank_zygote`` with the environment its
 children get, less what no import reads (rank variables, ``TMPDIR``, ``PATH``); a child whose
@@ -7,8 +8,9 @@ environment differs otherwise starts as a fresh process instead.
 
 Protocol (one JSON object a line on stdin, one line a reply on stdout): ``ready`` once the
 imports are done; then for each request ``{"env", "cwd", "stdout", "stderr", "status"}`` with
-either ``"argv"`` (a rank: :func:`tests.multiprocess.launch`'s arguments) or ``"script"`` (a
-path run as ``__main__``), the forked child's pid. The child leads a session of its own (so
+``"argv"`` (a rank: :func:`tests.multiprocess.launch`'s arguments), ``"script"`` (a path run as
+``__main__``) or ``"module"`` and ``"args"`` (as ``python -m module *args``), the forked child's
+pid. The child leads a session of its own (so
 ``killpg(pid)`` ends it and what it started) and writes its output to the two paths; when it
 exits, its exit code (negative: the signal) is written to ``status``. The zygote runs one thread
 and no torch operation, so forking it is safe; it ends when its stdin closes.
@@ -71,6 +73,8 @@ def _fork_rank(request: dict[str, Any]) -> int:
         tempfile.tempdir = None  # TMPDIR is the request's
         if "script" in request:
             status = _run_script(request["script"])
+        elif "module" in request:
+            status = _run_module(request["module"], request["args"])
         else:
             from tests.multiprocess import launch
 
@@ -86,8 +90,21 @@ def _run_script(path: str) -> int:
     """Run ``path`` as ``__main__``, as ``python path`` would; its exit status."""
     sys.argv = [path]
     sys.path[0] = os.path.dirname(os.path.abspath(path))
+    return _exit_status(lambda: runpy.run_path(path, run_name="__main__"))
+
+
+def _run_module(module: str, args: list[str]) -> int:
+    """Run ``module`` as ``__main__`` with ``args``, as ``python -m module *args`` would (the
+    working directory first on the search path); its exit status."""
+    sys.argv = [module, *args]  # runpy puts the module's path first, as -m does
+    sys.path[0] = os.getcwd()
+    return _exit_status(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
+
+
+def _exit_status(main: Any) -> int:
+    """Call ``main``; the exit status a Python process ending with it would have."""
     try:
-        runpy.run_path(path, run_name="__main__")
+        main()
     except SystemExit as end:
         if end.code is None or isinstance(end.code, int):
             return end.code or 0

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from tests.multiprocess import fresh_process_env, run_script
+from tests.multiprocess import fresh_process_env, run_command, run_script
 from tests.test_layering import ROOT
 
 RUN = ("python", "bash")
@@ -156,24 +155,7 @@ def run_block(block: Block, workdir: Path) -> subprocess.CompletedProcess[str]:
         script = workdir / "block.py"
         script.write_text(block.code)
         return run_script(script, env, workdir, TIMEOUT)
-    command = ["bash", "-e", "-o", "pipefail", "-c", block.code]
-    # a session of its own, so that a timeout ends the block's children too
-    process = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        stderr += f"\n(killed after {TIMEOUT} s)"
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    return run_command(["bash", "-e", "-o", "pipefail", "-c", block.code], env, ROOT, TIMEOUT)
 
 
 BLOCKS = all_blocks()

@@ -11,7 +11,13 @@ from typing import Any
 
 import pytest
 
-from tests.multiprocess import RankFailure, fresh_process_env, run_ranks, run_script
+from tests.multiprocess import (
+    RankFailure,
+    fresh_process_env,
+    run_module,
+    run_ranks,
+    run_script,
+)
 
 
 def what_a_rank_sees(marker: str) -> dict[str, Any]:
@@ -84,6 +90,29 @@ def test_a_script_gets_its_output_status_environment_and_directory(tmp_path: Pat
     # forked from the zygote, unless told not to: torch, megatron-core and the engine imported
     forked = os.environ.get("TESTS_FRESH_PROCESSES") != "1"
     assert result.stdout == f"__main__ True {forked}\n"
+
+
+def test_a_module_runs_as_python_dash_m_would_after_a_megatron_build_in_this_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run_module`` is ``python -m``: the module as ``__main__`` with its arguments, found from
+    the working directory, its exit status. Megatron's model build sets ``NVTE_*`` in the
+    environment of the process that builds (here: as the test process's in-process builds do);
+    a child started after still forks from the zygote, and sees the variable."""
+    (tmp_path / "probe_module.py").write_text(
+        "import os, sys\n"
+        "preloaded = 'megatron.core' in sys.modules\n"
+        "print(__name__, sys.argv[0] == __file__, sys.argv[1:], preloaded)\n"
+        "print(os.environ.get('NVTE_FLASH_ATTN'), file=sys.stderr)\n"
+        "raise SystemExit(4)\n"
+    )
+    run_script(tmp_path / "probe_module.py", fresh_process_env(), tmp_path, timeout=60)  # zygote up
+    monkeypatch.setenv("NVTE_FLASH_ATTN", "1")
+    result = run_module("probe_module", ["a", "--b"], fresh_process_env(), tmp_path, timeout=60)
+    assert result.returncode == 4
+    forked = os.environ.get("TESTS_FRESH_PROCESSES") != "1"
+    assert result.stdout == f"__main__ True ['a', '--b'] {forked}\n"
+    assert result.stderr == "1\n"
 
 
 def test_a_script_that_raises_fails_with_its_traceback(tmp_path: Path) -> None:

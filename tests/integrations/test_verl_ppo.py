@@ -16,7 +16,13 @@ verl = pytest.importorskip("verl")
 
 from engine.integrations.verl import task  # noqa: E402
 from engine.integrations.verl.ppo import console_metrics  # noqa: E402
-from tests.multiprocess import fresh_process_env  # noqa: E402
+from tests.multiprocess import fresh_process_env, run_command  # noqa: E402
+
+#: A launch's limit in seconds (killed with its Ray processes after it). One launch of a few
+#: iterations takes 80-160 s on an idle 2-core host, about twice that beside the main test run.
+LAUNCH_TIMEOUT = 480
+#: Each case's limit covers its launches (pytest's default, 300 s, is one launch's worth).
+pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 
 #: verl's per-iteration metrics every case must report.
 METRICS = (
@@ -41,7 +47,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def launch(
-    files: dict[str, str], directory: Path, *overrides: str, timeout: int = 600
+    files: dict[str, str], directory: Path, *overrides: str, timeout: int = LAUNCH_TIMEOUT
 ) -> subprocess.CompletedProcess[str]:
     """``python -m engine.integrations.verl.ppo`` on the shipped task (its output is kept in
     ``directory/main_ppo.log``)."""
@@ -76,20 +82,14 @@ def launch(
     ]
     env = fresh_process_env(RAY_DEDUP_LOGS="0")
     directory.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(
-        [sys.executable, "-m", "engine.integrations.verl.ppo", *arguments],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=directory,
-    )
+    command = [sys.executable, "-m", "engine.integrations.verl.ppo", *arguments]
+    result = run_command(command, env, directory, timeout)
     (directory / "main_ppo.log").write_text(result.stdout + result.stderr)
     return result
 
 
 def main_ppo(
-    files: dict[str, str], directory: Path, *overrides: str, timeout: int = 600
+    files: dict[str, str], directory: Path, *overrides: str, timeout: int = LAUNCH_TIMEOUT
 ) -> dict[int, dict[str, float]]:
     """:func:`launch`, which must succeed; the metrics verl's console logger printed for each
     iteration. Launched once more where verl's workers lost the race for the rendezvous port
@@ -125,6 +125,7 @@ FP32 = (
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 60)  # two launches
 def test_grpo_on_two_trainer_processes_saves_and_resumes_where_it_left_off(
     files: dict[str, str], tmp_path: Path
 ) -> None:

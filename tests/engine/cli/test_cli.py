@@ -5,10 +5,8 @@ non-zero, named."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -16,18 +14,18 @@ import pytest
 import torch
 
 from tests.engine.data.test_text import CHAT_TEMPLATE, tiny_chat_model
-from tests.multiprocess import TORCHRUN_TWO_RANKS
+from tests.multiprocess import TORCHRUN_TWO_RANKS, fresh_process_env, run_command, run_module
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def run(
-    *args: str, launcher: tuple[str, ...] = (sys.executable, "-m")
-) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [*launcher, "engine", *args], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT
-    )
+def run(*args: str, launcher: tuple[str, ...] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m engine *args`` (forked from the tests' zygote where it can be), or under
+    ``launcher`` (e.g. torchrun, then ``-m``), one thread, killed after 300 s."""
+    env = fresh_process_env()
+    if launcher is None:
+        return run_module("engine", list(args), env, ROOT, timeout=300)
+    return run_command([*launcher, "engine", *args], env, ROOT, timeout=300)
 
 
 STEP_LINE = re.compile(r"^step +(\d+)/(\d+) +loss ([\d.]+) +grad_norm ([\d.]+) +lr ([\d.e+-]+)")
