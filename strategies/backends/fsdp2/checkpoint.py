@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,7 +41,8 @@ def save_state(
     from strategies.checkpoint_files.staged_dcp import save_dcp
 
     _make_directories(directory)
-    written = save_dcp(_state(model, optimizer), os.path.join(directory, STATE_DIR), STATE_DIR)
+    state, _ = _state(model, optimizer)
+    written = save_dcp(state, os.path.join(directory, STATE_DIR), STATE_DIR)
     _save_schedule_and_rng(schedule, directory)
     return written
 
@@ -58,9 +60,8 @@ def stage_state(
     from strategies.checkpoint_files.staged_dcp import stage_dcp_save
 
     _make_directories(directory)
-    staged = stage_dcp_save(
-        _state(model, optimizer), os.path.join(directory, STATE_DIR), STATE_DIR, buffers
-    )
+    state, _ = _state(model, optimizer)
+    staged = stage_dcp_save(state, os.path.join(directory, STATE_DIR), STATE_DIR, buffers)
     _save_schedule_and_rng(schedule, directory)
     return staged
 
@@ -96,8 +97,10 @@ def load_state(
 
     resume = OptimizerResume.at(os.path.join(directory, SCHEDULER_FILE), optimizer, schedule)
     optimizer = resume.loaded_optimizer
-    state = _state(model, optimizer)
+    state, aliases = _state(model, optimizer)
     dcp.load(state, checkpoint_id=os.path.join(directory, STATE_DIR))
+    for alias, name in aliases.items():  # a tied weight: loaded once, set under both names
+        state["model"][alias] = state["model"][name]
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
@@ -114,15 +117,41 @@ def load_state(
         set_rng_states(torch.load(rng_path, weights_only=True))
 
 
-def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """``{"model": ..., "optimizer": ...}`` state dicts under fully qualified names, sharded."""
+def _state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """``{"model": ..., "optimizer": ...}`` state dicts under fully qualified names, sharded, with
+    each tied weight (a parameter under several names: an embedding shared with the output
+    layer) under its first name only, so it is written and read once; and those other names,
+    each mapped to the name kept."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    materialize_optimizer_state(optimizer)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "optimizer": optimizer_state}
+        state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    else:
+        materialize_optimizer_state(optimizer)
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+    aliases = tied_names(model, state["model"].keys())
+    for alias in aliases:
+        del state["model"][alias]
+    return state, aliases
+
+
+def tied_names(model: torch.nn.Module, keys: Iterable[str]) -> dict[str, str]:
+    """Among ``keys`` (the model state dict's), each name of a parameter that an earlier name
+    already holds (tied weights), mapped to that first name. Decided by the parameters
+    themselves, so every rank drops the same names whatever its shard holds."""
+    present = set(keys)
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if name not in present:
+            continue
+        kept = first.setdefault(id(parameter), name)
+        if kept != name:
+            aliases[name] = kept
+    return aliases
 
 
 def _clear_state(optimizer: torch.optim.Optimizer) -> None:

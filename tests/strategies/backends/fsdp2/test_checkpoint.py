@@ -98,6 +98,31 @@ def test_resuming_from_a_checkpoint_reproduces_training_bit_exactly(
     assert resumed.backend.current_lr() == original.backend.current_lr()
 
 
+@pytest.mark.timeout(180)
+def test_a_tied_embedding_is_written_once_and_resumes_bit_exactly(tmp_path: Path) -> None:
+    """A model whose output layer is its embedding (``tie_embeddings``) holds one parameter under
+    two names; the checkpoint stores it once (not two copies of the largest tensor) and a resume
+    sets it under both, training on bit for bit."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    model = tiny_model(tie_embeddings=True)
+    original = _engine(model=model)
+    module = original.backend.modules()[0]
+    parameters = len(list(module.parameters()))  # each parameter once
+    names = len(list(module.named_parameters(remove_duplicate=False)))
+    assert names == parameters + 1, "the case is a model with one weight under two names"
+    _train(original, "lm", range(2))
+    saved = original.save_checkpoint(tmp_path)
+    stored = FileSystemReader(os.path.join(saved, "dcp")).read_metadata().state_dict_metadata
+    assert len([key for key in stored if key.startswith("model.")]) == parameters
+    expected = _train(original, "lm", range(2, 4))
+
+    resumed = _engine(model=model)
+    resumed.load_checkpoint(tmp_path)
+    assert _train(resumed, "lm", range(2, 4)) == expected
+    _assert_same_weights(_weights(resumed), _weights(original))
+
+
 def test_saving_an_untrained_engine_does_not_change_how_it_trains(tmp_path: Path) -> None:
     plain, saving = _engine(), _engine()
     saving.save_checkpoint(tmp_path)
