@@ -11,6 +11,10 @@ import pytest
 import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Ray keeps every worker's lines (verl's RL trainer cases read each worker's console metrics);
+# set for the whole run, as Ray reads it at import, so that their launcher forks from the
+# tests' zygote (tests/rank_zygote.py) like every other child.
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 torch.set_num_threads(1)
 
 

@@ -257,6 +257,7 @@ class _Zygote:
     def __init__(self) -> None:
         self._process: subprocess.Popen[str] | None = None
         self._imported_under: dict[str, str] | None = None
+        self._imports_set: dict[str, str | None] = {}
         self._broken = os.environ.get("TESTS_FRESH_PROCESSES") == "1"
 
     def fork(self, request: dict[str, Any]) -> _ForkedChild | None:
@@ -266,7 +267,7 @@ class _Zygote:
         # the same search path however written (an empty entry, the working directory, aside)
         path = env.get("PYTHONPATH", "").split(os.pathsep)
         read["PYTHONPATH"] = os.pathsep.join(filter(None, path))
-        if self._broken or self._imported_under not in (None, read):
+        if self._broken or self._imported_under not in (None, self._as_imported(read)):
             return None
         try:
             process = self._started(env, read)
@@ -279,9 +280,20 @@ class _Zygote:
             self._broken = True  # the rest of the run starts fresh processes
             return None
 
+    def _as_imported(self, read: dict[str, str]) -> dict[str, str]:
+        """``read`` with what the zygote's imports set in the environment (verl's own, e.g.):
+        the environment its child runs with, and one a test process that imported those
+        libraries itself already has."""
+        changed = dict(read)
+        for name, value in self._imports_set.items():
+            if value is None:
+                changed.pop(name, None)
+            else:
+                changed[name] = value
+        return changed
+
     def _started(self, env: dict[str, str], read: dict[str, str]) -> subprocess.Popen[str]:
         if self._process is None:
-            self._imported_under = read
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "tests.rank_zygote"],
                 env=env,
@@ -293,8 +305,11 @@ class _Zygote:
             )
             atexit.register(self._process.kill)
             assert self._process.stdout is not None
-            if self._process.stdout.readline().strip() != "ready":
+            ready, _, imports_set = self._process.stdout.readline().partition(" ")
+            if ready != "ready":
                 raise OSError("the zygote did not start")
+            self._imports_set = json.loads(imports_set)
+            self._imported_under = self._as_imported(read)
         return self._process
 
 

@@ -7,13 +7,15 @@ children get, less what no import reads (rank variables, ``TMPDIR``, ``PATH``); 
 environment differs otherwise starts as a fresh process instead.
 
 Protocol (one JSON object a line on stdin, one line a reply on stdout): ``ready`` once the
-imports are done; then for each request ``{"env", "cwd", "stdout", "stderr", "status"}`` with
-``"argv"`` (a rank: :func:`tests.multiprocess.launch`'s arguments), ``"script"`` (a path run as
-``__main__``) or ``"module"`` and ``"args"`` (as ``python -m module *args``), the forked child's
-pid. The child leads a session of its own (so
-``killpg(pid)`` ends it and what it started) and writes its output to the two paths; when it
-exits, its exit code (negative: the signal) is written to ``status``. The zygote runs one thread
-and no torch operation, so forking it is safe; it ends when its stdin closes.
+imports are done, followed by what they set in the environment (a JSON object, null for a
+variable removed: each child gets it too, as its own imports would have set it); then for each
+request ``{"env", "cwd", "stdout", "stderr", "status"}`` with ``"argv"`` (a rank:
+:func:`tests.multiprocess.launch`'s arguments), ``"script"`` (a path run as ``__main__``) or
+``"module"`` and ``"args"`` (as ``python -m module *args``), the forked child's pid. The child
+leads a session of its own (so ``killpg(pid)`` ends it and what it started) and writes its
+output to the two paths; when it exits, its exit code (negative: the signal) is written to
+``status``. The zygote runs one thread and no torch operation, so forking it is safe; it ends
+when its stdin closes.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ PRELOAD = (
     "pytest",
     "hypothesis",
     "tests.multiprocess",
+    # where verl is installed: its RL trainer's launcher (verl, Ray, hydra) and the plug-in
+    "verl.trainer.main_ppo",
+    "engine.integrations.verl.ppo",
+    "engine.integrations.verl.adapter",
 )
 
 
@@ -69,6 +75,7 @@ def _fork_rank(request: dict[str, Any]) -> int:
             os.dup2(os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
         os.environ.clear()
         os.environ.update(request["env"])
+        _apply(_IMPORTS_SET)  # as the child's own imports would have
         os.chdir(request["cwd"])
         tempfile.tempdir = None  # TMPDIR is the request's
         if "script" in request:
@@ -132,11 +139,30 @@ def _reap(statuses: dict[int, str]) -> None:
             os.replace(path + ".part", path)
 
 
+#: What the imports above set in the environment (None: removed), e.g. verl's
+#: ``RAY_ENABLE_UV_RUN_RUNTIME_ENV=0``: a child that imported them itself would have it, and
+#: the processes it starts (Ray's workers) inherit it.
+_IMPORTS_SET: dict[str, str | None] = {}
+
+
+def _apply(changes: dict[str, str | None]) -> None:
+    for name, value in changes.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 def main() -> None:
+    before = dict(os.environ)
     for name in PRELOAD:
         with contextlib.suppress(ImportError):  # a rank that needs it reports the error itself
             importlib.import_module(name)
-    print("ready", flush=True)
+    after = dict(os.environ)
+    _IMPORTS_SET.update(
+        {k: after.get(k) for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+    )
+    print("ready", json.dumps(_IMPORTS_SET), flush=True)
     statuses: dict[int, str] = {}
     pending = b""
     while True:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ verl = pytest.importorskip("verl")
 
 from engine.integrations.verl import task  # noqa: E402
 from engine.integrations.verl.ppo import console_metrics  # noqa: E402
-from tests.multiprocess import fresh_process_env, run_command  # noqa: E402
+from tests.multiprocess import fresh_process_env, run_module  # noqa: E402
 
 #: A launch's limit in seconds (killed with its Ray processes after it). One launch of a few
 #: iterations takes 80-160 s on an idle 2-core host, about twice that beside the main test run.
@@ -80,10 +79,9 @@ def launch(
         f"trainer.default_local_dir={directory / 'checkpoints'}",
         *(o for o in overrides if o not in config),
     ]
-    env = fresh_process_env(RAY_DEDUP_LOGS="0")
     directory.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "engine.integrations.verl.ppo", *arguments]
-    result = run_command(command, env, directory, timeout)
+    env = fresh_process_env()  # with the test run's RAY_DEDUP_LOGS=0 (tests/conftest.py)
+    result = run_module("engine.integrations.verl.ppo", arguments, env, directory, timeout)
     (directory / "main_ppo.log").write_text(result.stdout + result.stderr)
     return result
 
