@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -226,6 +227,11 @@ _NOT_READ_AT_IMPORT = frozenset(
 )
 
 
+class FreshProcessWarning(RuntimeWarning):
+    """A child could not fork from the zygote because the environment differs from the one the
+    zygote imported under (pytest's warnings summary names the variables)."""
+
+
 class _ForkedChild:
     """A child the zygote forked: waited for through the status file the zygote writes."""
 
@@ -258,6 +264,7 @@ class _Zygote:
         self._process: subprocess.Popen[str] | None = None
         self._imported_under: dict[str, str] | None = None
         self._imports_set: dict[str, str | None] = {}
+        self._warned: set[tuple[str, ...]] = set()
         self._broken = os.environ.get("TESTS_FRESH_PROCESSES") == "1"
 
     def fork(self, request: dict[str, Any]) -> _ForkedChild | None:
@@ -267,7 +274,10 @@ class _Zygote:
         # the same search path however written (an empty entry, the working directory, aside)
         path = env.get("PYTHONPATH", "").split(os.pathsep)
         read["PYTHONPATH"] = os.pathsep.join(filter(None, path))
-        if self._broken or self._imported_under not in (None, self._as_imported(read)):
+        if self._broken:
+            return None
+        if self._imported_under not in (None, self._as_imported(read)):
+            self._warn_fresh(self._as_imported(read))
             return None
         try:
             process = self._started(env, read)
@@ -279,6 +289,22 @@ class _Zygote:
         except (OSError, ValueError):
             self._broken = True  # the rest of the run starts fresh processes
             return None
+
+    def _warn_fresh(self, read: dict[str, str]) -> None:
+        """Say, once for each set of variables, that children start fresh because of them (a
+        test that leaves variables behind, or a library that sets them, costs every later
+        child its imports: add them to ``_NOT_READ_AT_IMPORT`` if no import reads them, or
+        restore the environment)."""
+        under = self._imported_under or {}
+        names = tuple(sorted(k for k in read.keys() | under.keys() if read.get(k) != under.get(k)))
+        if names not in self._warned:
+            self._warned.add(names)
+            warnings.warn(
+                f"children start fresh processes (about 5 s of imports each): the environment "
+                f"differs from the zygote's in {', '.join(names)}",
+                FreshProcessWarning,
+                stacklevel=4,
+            )
 
     def _as_imported(self, read: dict[str, str]) -> dict[str, str]:
         """``read`` with what the zygote's imports set in the environment (verl's own, e.g.):

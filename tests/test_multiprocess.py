@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests.multiprocess import (
+    FreshProcessWarning,
     RankFailure,
     fresh_process_env,
     run_module,
@@ -113,6 +114,22 @@ def test_a_module_runs_as_python_dash_m_would_after_a_megatron_build_in_this_pro
     forked = os.environ.get("TESTS_FRESH_PROCESSES") != "1"
     assert result.stdout == f"__main__ True ['a', '--b'] {forked}\n"
     assert result.stderr == "1\n"
+
+
+@pytest.mark.skipif(os.environ.get("TESTS_FRESH_PROCESSES") == "1", reason="no zygote")
+def test_a_child_whose_environment_differs_in_what_imports_read_starts_fresh_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = tmp_path / "block.py"
+    script.write_text(
+        "import os, sys\nprint('megatron.core' in sys.modules, os.environ['TESTS_LEFT_BEHIND'])\n"
+    )
+    (tmp_path / "nothing.py").write_text("")
+    run_script(tmp_path / "nothing.py", fresh_process_env(), tmp_path, timeout=60)  # zygote up
+    monkeypatch.setenv("TESTS_LEFT_BEHIND", "1")  # as a test that leaves a variable behind
+    with pytest.warns(FreshProcessWarning, match="differs from the zygote's in TESTS_LEFT_BEHIND"):
+        result = run_script(script, fresh_process_env(), tmp_path, timeout=60)
+    assert result.returncode == 0 and result.stdout == "False 1\n"
 
 
 def test_a_script_that_raises_fails_with_its_traceback(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import os
 import re
 import socket
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -82,8 +83,11 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def distributed() -> None:
-    """One process: the environment verl's Worker reads."""
+def distributed() -> Iterator[None]:
+    """One process: the environment verl's Worker reads; after the module, the environment as
+    it was (verl's Worker writes more into it, e.g. ``REDIS_STORE_SERVER_HOST``, which the
+    processes later tests start would otherwise inherit)."""
+    saved = dict(os.environ)
     os.environ.update(
         RANK="0",
         WORLD_SIZE="1",
@@ -99,6 +103,9 @@ def distributed() -> None:
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def test_every_cell_resolves_to_the_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
