@@ -239,6 +239,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         child(args)
         return
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)  # before the steps, not after minutes of them
     backends = args.backends.split(",")
     variants = ["transformers", *backends]
     print(
