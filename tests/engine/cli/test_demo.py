@@ -431,6 +431,7 @@ def test_the_documented_config_file_is_a_valid_demo_config(tmp_path: Path) -> No
         ("grpo", ("actor", "reference"), 8, 8),
         ("rloo", ("actor", "reference"), 8, 8),
         ("reinforce_pp", ("actor", "reference"), 8, 8),
+        ("grpo_passk", ("actor", "reference"), 16, 4),  # its own default
     ],
 )
 def test_the_algorithm_decides_the_roles_and_by_default_the_group_size(
@@ -442,6 +443,26 @@ def test_the_algorithm_decides_the_roles_and_by_default_the_group_size(
     assert config.estimator().needs_values == ("critic" in roles)
     chosen = DemoConfig.from_dict({"algorithm": algorithm, "task": {"group_size": 4}})
     assert (chosen.prompts, chosen.group_size) == (16, 4)
+
+
+def test_an_algorithms_own_defaults_sit_under_the_config_file_and_flags(tmp_path: Path) -> None:
+    """The actor's lr decays (cosine) by default; pass@k GRPO's own defaults (a constant,
+    higher lr, groups of 4) replace the demo's, and a config file or flag still wins."""
+    actor = DemoConfig.from_dict({"algorithm": "grpo"}).engine_config("actor")
+    assert (actor.scheduler.decay_style, actor.optimizer.lr) == ("cosine", 1e-3)
+    assert actor.optimizer.min_lr == 1e-4
+    passk = DemoConfig.from_dict({"algorithm": "grpo_passk"})
+    actor = passk.engine_config("actor")
+    assert (actor.scheduler.decay_style, actor.optimizer.lr, passk.group_size) == (
+        "constant",
+        2e-3,
+        4,
+    )
+    assert passk.engine_config("reference").optimizer.lr != 2e-3  # the actor's section only
+    path = tmp_path / "demo.yaml"
+    path.write_text("algorithm: grpo_passk\nactor:\n  optimizer:\n    lr: 5.0e-4\n")
+    config = resolve_config(str(path), {"task": {"group_size": 8}}, resume=False, output_dir=None)
+    assert (config.engine_config("actor").optimizer.lr, config.group_size) == (5e-4, 8)
 
 
 def test_estimator_options_reach_the_estimator_and_bad_ones_are_refused() -> None:
