@@ -68,7 +68,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
 #: A cosine decay of the actor's lr to a tenth was measured as a default and rejected
 #: (benchmarks.demo_seeds, seeds 0-9): it held GPG's and OPO's late runs (10 of 10 each), but
 #: GRPO, GDPO, both REINFORCE++ baselines, ReMax and the optimal token baseline each lost one
-#: or two seeds (docs/cli.md).
+#: to three seeds (docs/cli.md).
 ROLE_DEFAULTS: dict[str, dict[str, Any]] = {
     "actor": {"optimizer": {"lr": 1e-3}, "head": {"compute_entropy": True}},
     "critic": {"optimizer": {"lr": 3e-3}},
