@@ -372,6 +372,7 @@ def _worker(  # type: ignore[no-untyped-def]
     else:  # our backend names
         config = VerlEngineConfig(strategy=strategy, dtype="float32", **sizes)
     optim = FSDPOptimizerConfig(lr=1e-3, total_training_steps=10, lr_scheduler_type="cosine")
+    before = dict(os.environ)
     worker = TrainingWorker(
         TrainingWorkerConfig(
             model_type=model_type,
@@ -381,6 +382,11 @@ def _worker(  # type: ignore[no-untyped-def]
             checkpoint_config=CheckpointConfig(),
         )
     )
+    # verl's Worker writes these into the environment as it starts; the ranks later tests start
+    # would inherit them (and so start fresh, not from the tests' zygote)
+    for name in ("REDIS_STORE_SERVER_HOST", "LOCAL_WORLD_SIZE"):
+        if name not in before:
+            os.environ.pop(name, None)
     assert isinstance(worker.engine, ComposableEngine)
     worker.engine.offload_to_host = host_offload
     worker.reset()
